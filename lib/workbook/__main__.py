@@ -1,0 +1,3 @@
+from workbook.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,271 @@
+"""GPU detection, the GPU spec table, and choosing the params profile that matches the machine.
+
+Readings come from NVML first: it reads names, memory and compute capability without creating a
+CUDA context, so the runner can pick a profile without holding ~0.5 GB on every GPU while the
+notebooks run, and without initializing CUDA before accelerate's `notebook_launcher`. torch is
+the fallback when NVML is missing (e.g. a container without the NVML library).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import socket
+import sys
+from dataclasses import asdict, dataclass
+from importlib import metadata
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Vendor figures for one GPU model. Peaks are dense (no 2:4 sparsity), per GPU."""
+    name: str
+    name_pattern: str  # regex matched against the name the driver reports
+    memory_gib: float  # as the driver reports it (nvidia-smi MiB / 1024)
+    peak_bf16_tflops: float  # 0: no bf16 tensor cores
+    peak_fp16_tflops: float
+    memory_bandwidth_gbs: float  # GB/s, 1e9 bytes per second
+    supports_bf16: bool
+    supports_tf32: bool
+    source: str
+
+
+# The one spec table. Datasheets quote tensor TFLOPS "with sparsity"; dense is half of that.
+# Patterns are tried in order, so the specific variants (NVL, PCIe) come before the generic ones.
+GPU_SPECS: tuple[GpuSpec, ...] = (
+    GpuSpec("H200 NVL", r"H200.*NVL", 140.4, 835.5, 835.5, 4800, True, True,
+            "NVIDIA H200 datasheet (H200 NVL column: 1,671 TFLOPS bf16 with sparsity, 4.8 TB/s)"),
+    GpuSpec("H200 SXM", r"H200", 140.4, 989.5, 989.5, 4800, True, True,
+            "NVIDIA H200 datasheet (H200 SXM: 1,979 TFLOPS bf16 with sparsity, 141 GB HBM3e, 4.8 TB/s); "
+            "the driver reports 143,771 MiB"),
+    GpuSpec("H100 NVL", r"H100.*NVL", 93.6, 835.5, 835.5, 3900, True, True,
+            "NVIDIA H100 datasheet (H100 NVL: 1,671 TFLOPS bf16 with sparsity, 94 GB, 3.9 TB/s)"),
+    GpuSpec("H100 PCIe", r"H100.*PCIe", 79.6, 756.5, 756.5, 2000, True, True,
+            "NVIDIA H100 datasheet (H100 PCIe: 1,513 TFLOPS bf16 with sparsity, 80 GB HBM2e, 2.0 TB/s)"),
+    GpuSpec("H100 SXM", r"H100", 79.6, 989.5, 989.5, 3350, True, True,
+            "NVIDIA H100 datasheet (H100 SXM: 1,979 TFLOPS bf16 with sparsity, 80 GB HBM3, 3.35 TB/s); "
+            "the driver reports 81,559 MiB"),
+    GpuSpec("A100 80GB PCIe", r"A100.*80GB.*PCIe|A100.*PCIe.*80GB", 80.0, 312, 312, 1935, True, True,
+            "NVIDIA A100 datasheet (A100 80GB PCIe: 312 TFLOPS bf16 dense, 1,935 GB/s)"),
+    GpuSpec("A100 SXM4 80GB", r"A100.*80GB", 80.0, 312, 312, 2039, True, True,
+            "NVIDIA A100 datasheet (A100 80GB SXM: 312 TFLOPS bf16 dense, 2,039 GB/s)"),
+    GpuSpec("A100 40GB", r"A100", 40.0, 312, 312, 1555, True, True,
+            "NVIDIA A100 datasheet (A100 40GB: 312 TFLOPS bf16 dense, 1,555 GB/s)"),
+    GpuSpec("L40S", r"L40S", 45.0, 362.05, 362.05, 864, True, True,
+            "NVIDIA L40S datasheet (733 TFLOPS bf16 with sparsity, 48 GB GDDR6, 864 GB/s)"),
+    GpuSpec("RTX A6000", r"RTX A6000", 48.0, 154.8, 154.8, 768, True, True,
+            "NVIDIA RTX A6000 datasheet (309.7 tensor TFLOPS with sparsity, 48 GB GDDR6, 768 GB/s)"),
+    GpuSpec("RTX 4090", r"RTX 4090", 24.0, 165.2, 165.2, 1008, True, True,
+            "NVIDIA Ada Lovelace architecture whitepaper, appendix A (RTX 4090: 165.2 TFLOPS "
+            "bf16/fp16 with fp32 accumulate, dense; 24 GB GDDR6X, 1,008 GB/s)"),
+    GpuSpec("V100", r"V100", 31.7, 0, 125, 900, False, False,
+            "NVIDIA V100 datasheet (V100 SXM2: 125 TFLOPS fp16 tensor, 900 GB/s; no bf16, no TF32; "
+            "PCIe variant: 112 TFLOPS)"),
+)
+
+
+def spec_for_name(gpu_name: str) -> GpuSpec | None:
+    """The spec-table entry for a driver-reported GPU name, or None when the table lacks it."""
+    for spec in GPU_SPECS:
+        if re.search(spec.name_pattern, gpu_name, re.IGNORECASE):
+            return spec
+    return None
+
+
+def _decode(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def read_nvml_gpus(nvml) -> tuple[list[dict], dict]:
+    """Per-GPU readings through NVML (the `pynvml` module or a stand-in with its API).
+
+    Returns (gpus, driver facts). Raises whatever nvml raises when the library or driver is
+    missing; `detect` treats that as "no NVML".
+    """
+    nvml.nvmlInit()
+    try:
+        driver = {
+            "driver_version": _decode(nvml.nvmlSystemGetDriverVersion()),
+            # Encoded as 1000 * major + 10 * minor, e.g. 12040 -> "12.4".
+            "cuda_driver_version": "{}.{}".format(*divmod(nvml.nvmlSystemGetCudaDriverVersion() // 10, 100)),
+        }
+        gpus = []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+            gpus.append(_gpu_record(index, _decode(nvml.nvmlDeviceGetName(handle)), int(memory.total),
+                                    int(memory.free), (major, minor), "nvml"))
+        return gpus, driver
+    finally:
+        nvml.nvmlShutdown()
+
+
+def read_torch_gpus(cuda) -> list[dict]:
+    """Per-GPU readings through `torch.cuda` (or a stand-in). Creates a CUDA context per GPU."""
+    if not cuda.is_available():
+        return []
+    gpus = []
+    for index in range(cuda.device_count()):
+        props = cuda.get_device_properties(index)
+        free, total = cuda.mem_get_info(index)
+        gpus.append(_gpu_record(index, props.name, int(total), int(free), (props.major, props.minor), "torch"))
+    return gpus
+
+
+def _gpu_record(index: int, name: str, total: int, free: int, capability: tuple[int, int], source: str) -> dict:
+    spec = spec_for_name(name)
+    return {
+        "index": index,
+        "name": name,
+        "memory_total_bytes": total,
+        "memory_free_bytes": free,
+        "compute_capability": f"{capability[0]}.{capability[1]}",
+        # bf16 and TF32 tensor cores arrived with Ampere (compute capability 8.0).
+        "supports_bf16": capability >= (8, 0),
+        "supports_tf32": capability >= (8, 0),
+        "spec": asdict(spec) if spec else None,
+        "read_by": source,
+    }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def software_versions() -> dict:
+    import torch  # local: importing torch costs seconds, and only detection needs it here
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "transformers": _version("transformers"),
+        "accelerate": _version("accelerate"),
+        "workbook": _version("workbook"),
+    }
+
+
+def cpu_facts() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = None
+    return {"model": model, "logical_cores": os.cpu_count(),
+            "usable_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "ram_bytes": ram}
+
+
+def detect(nvml=None, cuda=None) -> dict:
+    """Everything the workbook needs to know about this machine, as a JSON-ready dict.
+
+    `nvml` and `cuda` default to the real `pynvml` and `torch.cuda`; tests pass stand-ins.
+    """
+    gpus, driver, notes = [], {"driver_version": None, "cuda_driver_version": None}, []
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            notes.append("nvidia-ml-py is not installed; readings come from torch")
+    if nvml is not None:
+        try:
+            gpus, driver = read_nvml_gpus(nvml)
+        except Exception as error:  # NVMLError_LibraryNotFound / DriverNotLoaded on machines without a GPU
+            notes.append(f"NVML unavailable ({type(error).__name__}: {error})")
+    if not gpus:
+        if cuda is None:
+            import torch
+            cuda = torch.cuda
+        gpus = read_torch_gpus(cuda)
+    return {
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "gpus": gpus,
+        "gpu_count": len(gpus),
+        **driver,
+        "cpu": cpu_facts(),
+        "versions": software_versions(),
+        "python_executable": sys.executable,
+        "notes": notes,
+    }
+
+
+@dataclass(frozen=True)
+class ProfileChoice:
+    profile: str
+    exact: bool  # False: nearest by memory; the reason says what differs
+    reason: str
+
+
+def select_profile(gpus: list[dict], profiles: dict) -> ProfileChoice:
+    """Pick the params profile for the detected GPUs.
+
+    Exact: the name matches the profile's pattern, memory is within 10% and the count is equal.
+    Otherwise the nearest GPU profile by memory per GPU (then name, then count), with a reason
+    that says what differs. No GPU: `cpu`.
+    """
+    if not gpus:
+        return ProfileChoice("cpu", True, "no GPU detected")
+    name, count = gpus[0]["name"], len(gpus)
+    memory_gib = gpus[0]["memory_total_bytes"] / 2**30
+    candidates = [p for p in profiles.values() if p["gpu_count"] > 0]
+
+    def name_matches(p) -> bool:
+        return bool(p["gpu_name_pattern"]) and re.search(p["gpu_name_pattern"], name, re.IGNORECASE) is not None
+
+    def memory_matches(p) -> bool:
+        return abs(p["gpu_memory_gib"] - memory_gib) <= 0.1 * p["gpu_memory_gib"]
+
+    detected = f"{count} x {name} ({memory_gib:.1f} GiB each)"
+    for p in candidates:
+        if name_matches(p) and memory_matches(p) and p["gpu_count"] == count:
+            return ProfileChoice(p["profile"], True, f"{detected} matches profile '{p['profile']}'")
+    if not candidates:
+        return ProfileChoice("cpu", False, f"{detected}, but there is no GPU profile in params/")
+    nearest = min(candidates, key=lambda p: (abs(p["gpu_memory_gib"] - memory_gib), not name_matches(p),
+                                             abs(p["gpu_count"] - count)))
+    differences = []
+    if not name_matches(nearest):
+        differences.append(f"its pattern {nearest['gpu_name_pattern']!r} does not match the GPU name")
+    if not memory_matches(nearest):
+        differences.append(f"it expects {nearest['gpu_memory_gib']:g} GiB per GPU")
+    if nearest["gpu_count"] != count:
+        differences.append(f"it expects {nearest['gpu_count']} GPU(s); pass --set gpu_count={count}")
+    return ProfileChoice(nearest["profile"], False,
+                         f"NO EXACT PROFILE for {detected}: using the nearest by memory, "
+                         f"'{nearest['profile']}', but {'; '.join(differences)}. Hardware figures "
+                         f"(peaks, bandwidth, price) come from that profile: check them, or add "
+                         f"params/<your-gpu>.yaml.")
+
+
+def profile_mismatches(params, gpus: list[dict]) -> list[str]:
+    """Where the profile's hardware facts disagree with the detected GPU and the spec table."""
+    if not gpus:
+        return [] if params["gpu_count"] == 0 else [
+            f"profile '{params['profile']}' expects {params['gpu_count']} GPU(s) but none was detected"]
+    problems = []
+    if params["gpu_count"] != len(gpus):
+        problems.append(f"profile expects {params['gpu_count']} GPU(s), detected {len(gpus)}")
+    gpu = gpus[0]
+    memory_gib = gpu["memory_total_bytes"] / 2**30
+    if abs(params["gpu_memory_gib"] - memory_gib) > 0.1 * max(params["gpu_memory_gib"], 1e-9):
+        problems.append(f"profile says {params['gpu_memory_gib']:g} GiB per GPU, detected {memory_gib:.1f} GiB")
+    spec = gpu["spec"]
+    if spec:
+        for key in ("peak_bf16_tflops", "peak_fp16_tflops", "memory_bandwidth_gbs"):
+            if abs(params[key] - spec[key]) > 0.01 * max(spec[key], 1e-9):
+                problems.append(f"profile says {key}={params[key]:g}, the spec table says {spec[key]:g} "
+                                f"for {spec['name']} ({spec['source']}); override with --set {key}={spec[key]:g}")
+    if params["dtype"] == "bf16" and not gpu["supports_bf16"]:
+        problems.append(f"dtype bf16 requested but {gpu['name']} (compute capability "
+                        f"{gpu['compute_capability']}) has no bf16; use --set dtype=fp16")
+    return problems

@@ -1,0 +1,110 @@
+"""The few helpers every notebook uses: validated parameters, the run folder, tables, saving.
+
+A notebook calls `session = start(globals(), "00_gpu_detection")` right after its parameters
+cell. Parameters come from the notebook's own defaults, papermill's injected cell (`-f`/`-p`), or
+the runner; all are validated against `workbook.params.SCHEMA`. A parameter injected by papermill
+that no schema knows (a typo in a params file or `-p`) is an error here, not papermill's warning.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime as dt
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workbook import params as params_module
+from workbook.paths import OUTPUTS_DIR
+
+# Notebook parameters that are not profile settings: where to write, and how to display.
+RUN_DIR_PARAMETER = "run_dir"
+# papermill marks the cell it injects with this first line (papermill.parameterize).
+INJECTED_CELL_HEADER = "# Parameters"
+
+
+def new_run_dir(profile: str, root: Path = OUTPUTS_DIR) -> Path:
+    """`outputs/<UTC timestamp>-<profile>/`, created; a suffix keeps two same-second runs apart."""
+    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    for attempt in range(100):
+        path = root / (f"{stamp}-{profile}" + (f"-{attempt}" if attempt else ""))
+        try:
+            path.mkdir(parents=True)
+            return path
+        except FileExistsError:
+            continue
+    raise RuntimeError(f"could not create a new run folder under {root}")
+
+
+def injected_parameter_names(namespace: dict) -> list[str]:
+    """Names assigned by papermill's injected-parameters cell, read from IPython's input history."""
+    names: list[str] = []
+    for source in namespace.get("In", []) or []:
+        if not isinstance(source, str) or not source.startswith(INJECTED_CELL_HEADER):
+            continue
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.Assign):
+                names += [target.id for target in node.targets if isinstance(target, ast.Name)]
+    return names
+
+
+@dataclass
+class Session:
+    """One notebook's view of a run: its validated parameters and the folder it writes to."""
+    notebook: str
+    params: params_module.Params
+    run_dir: Path
+
+    def save_json(self, name: str, data: Any) -> Path:
+        """Write `data` as indented JSON into the run folder; returns the path."""
+        path = self.run_dir / name
+        path.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        print(f"wrote {path}")
+        return path
+
+    def save_figure(self, figure, name: str) -> Path:
+        """Save a matplotlib figure as PNG into the run folder; returns the path."""
+        path = self.run_dir / name
+        figure.savefig(path, dpi=120, bbox_inches="tight")
+        print(f"wrote {path}")
+        return path
+
+
+def start(namespace: dict, notebook: str) -> Session:
+    """Validate the notebook's parameters and open (or create) the run folder.
+
+    `namespace` is the notebook's `globals()`: every schema key found there is validated, and so is
+    every name papermill injected. A run folder given as `run_dir` is used as is (the runner passes
+    one); an empty `run_dir` creates `outputs/<timestamp>-<profile>/` for a stand-alone run.
+    """
+    where = f"notebook {notebook} parameters"
+    unknown = [name for name in injected_parameter_names(namespace)
+               if name not in params_module.SCHEMA and name != RUN_DIR_PARAMETER]
+    if unknown:
+        # validate_value raises with a did-you-mean hint for the first unknown name.
+        params_module.validate_value(unknown[0], namespace[unknown[0]], where)
+    values = params_module.Params({key: params_module.validate_value(key, namespace[key], where)
+                                   for key in params_module.SCHEMA if key in namespace})
+    run_dir_value = namespace.get(RUN_DIR_PARAMETER) or ""
+    run_dir = Path(run_dir_value) if run_dir_value else new_run_dir(values.get("profile", "adhoc"))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{notebook}: profile {values.get('profile', '?')}, writing to {run_dir}")
+    return Session(notebook, values, run_dir)
+
+
+def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
+    """A Markdown table of `rows` (dicts); numbers keep their given formatting."""
+    columns = columns or (list(rows[0]) if rows else [])
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [str(row.get(column, "")).replace("|", "\\|").replace("\n", " ") for column in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def show_table(rows: list[dict], columns: list[str] | None = None, title: str | None = None) -> None:
+    """Display a table in the notebook (Markdown), with an optional bold title."""
+    from IPython.display import Markdown, display
+    text = markdown_table(rows, columns)
+    display(Markdown((f"**{title}**\n\n" if title else "") + text))

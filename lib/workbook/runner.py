@@ -1,0 +1,182 @@
+"""Run every notebook headless, in order, into one run folder: `workbook run`.
+
+Each notebook is executed by papermill (kernel `python3`, working directory the repo root, cell
+output logged) into `outputs/<timestamp>-<profile>/`, next to the JSON and PNG files it writes
+and a `manifest.json` that records the params, versions, git commit, and per-notebook status and
+duration. The first failing notebook stops the run; the message names the cell and the executed
+notebook to open.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workbook import gpu, notebook, params as params_module
+from workbook.paths import NOTEBOOKS_DIR, OUTPUTS_DIR, REPO_ROOT
+
+
+class RunError(RuntimeError):
+    """The run could not start (bad params, unknown notebook) or a notebook failed."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    ok: bool
+    manifest: dict = field(repr=False)
+
+
+def list_notebooks(notebooks_dir: Path) -> list[Path]:
+    """The workbook's notebooks in run order (`NN_name.ipynb`)."""
+    return sorted(notebooks_dir.glob("[0-9][0-9]_*.ipynb"))
+
+
+def select_notebooks(only: list[str] | None, notebooks_dir: Path) -> list[Path]:
+    """All notebooks, or those named by `only` ('00', '00_gpu_detection' or the file name)."""
+    available = list_notebooks(notebooks_dir)
+    if not only:
+        return available
+    chosen = []
+    for wanted in only:
+        stem = Path(wanted).stem
+        matches = [nb for nb in available if nb.stem == stem or nb.stem.split("_", 1)[0] == stem]
+        if not matches:
+            raise RunError(f"--only {wanted}: no such notebook. Notebooks: "
+                           + ", ".join(nb.stem for nb in available))
+        chosen += [nb for nb in matches if nb not in chosen]
+    return sorted(chosen)
+
+
+def resolve_params(params_arg: str, overrides: list[str], log=print) -> tuple[params_module.Params, str, dict | None]:
+    """Load the profile named by `--params` ('auto', a name, or a file), then apply `--set` overrides.
+
+    Returns (params, params file, detection or None). 'auto' detects the GPUs and says loudly
+    when no profile matches exactly.
+    """
+    detection = None
+    if params_arg == "auto":
+        detection = gpu.detect()
+        choice = gpu.select_profile(detection["gpus"], params_module.load_all())
+        log(("profile: " if choice.exact else "WARNING: ") + choice.reason)
+        path = params_module.profile_path(choice.profile)
+    else:
+        path = params_module.profile_path(params_arg)
+    loaded = params_module.load(path)
+    return params_module.apply_overrides(loaded, params_module.parse_overrides(overrides)), str(path), detection
+
+
+def git_state() -> dict:
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                                  check=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return None
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _write_manifest(run_dir: Path, manifest: dict) -> None:
+    # Write-then-rename: a reader (notebook 05, a user's `cat`) never sees half a manifest.
+    temporary = run_dir / "manifest.json.tmp"
+    temporary.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
+    temporary.replace(run_dir / "manifest.json")
+
+
+def notebook_parameters(path: Path, params: dict, run_dir: Path) -> dict:
+    """The values to inject: only what the notebook declares, so papermill has nothing to warn about."""
+    import papermill
+    declared = papermill.inspect_notebook(str(path))
+    values = {key: params[key] for key in declared if key in params}
+    if notebook.RUN_DIR_PARAMETER in declared:
+        values[notebook.RUN_DIR_PARAMETER] = str(run_dir)
+    return values
+
+
+def execute(path: Path, run_dir: Path, parameters: dict) -> Path:
+    """Execute one notebook with papermill into the run folder; returns the executed copy's path."""
+    import papermill
+    output = run_dir / path.name
+    papermill.execute_notebook(str(path), str(output), parameters=parameters, kernel_name="python3",
+                               cwd=str(REPO_ROOT), log_output=True, progress_bar=False)
+    return output
+
+
+def describe_failure(error: Exception, output: Path) -> dict:
+    """What failed and where, from papermill's error (cell number, exception) or any other error."""
+    details = {"error": f"{type(error).__name__}: {error}".strip()[:2000], "executed_notebook": str(output)}
+    if hasattr(error, "exec_count"):  # papermill.PapermillExecutionError
+        details.update(cell=error.exec_count, cell_index=error.cell_index,
+                       error=f"{error.ename}: {error.evalue}", cell_source=error.source[:500])
+    return details
+
+
+def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list[str] | None = None,
+        outputs_root: Path | None = None, notebooks_dir: Path | None = None, log=print) -> RunResult:
+    """Run the selected notebooks in order into a new run folder; stop at the first failure.
+
+    `outputs_root` and `notebooks_dir` default to the checkout's `outputs/` and `notebooks/`.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    outputs_root = outputs_root or OUTPUTS_DIR
+    notebooks_dir = notebooks_dir or NOTEBOOKS_DIR
+    params, params_file, detection = resolve_params(params_arg, overrides or [], log)
+    notebooks = select_notebooks(only, notebooks_dir)
+    if not notebooks:
+        raise RunError(f"no notebooks found in {notebooks_dir}")
+    run_dir = notebook.new_run_dir(params["profile"], outputs_root)
+    manifest = {
+        "profile": params["profile"],
+        "params_file": params_file,
+        "overrides": overrides or [],
+        "params": dict(params),
+        "git": git_state(),
+        "versions": gpu.software_versions(),
+        "hardware": detection or gpu.detect(),
+        "started_at": _now(),
+        "finished_at": None,
+        "status": "running",
+        "notebooks": [],
+    }
+    _write_manifest(run_dir, manifest)
+    log(f"run folder: {run_dir}")
+    for path in notebooks:
+        entry = {"name": path.stem, "status": "running", "started_at": _now()}
+        manifest["notebooks"].append(entry)
+        _write_manifest(run_dir, manifest)
+        log(f"--- {path.name}")
+        began = time.perf_counter()
+        output = run_dir / path.name
+        try:
+            execute(path, run_dir, notebook_parameters(path, params, run_dir))
+            entry["status"] = "ok"
+        except Exception as error:  # the run must record any failure before stopping
+            entry.update(status="failed", **describe_failure(error, output))
+        entry["seconds"] = round(time.perf_counter() - began, 2)
+        entry["executed_notebook"] = str(output)
+        if entry["status"] == "failed":
+            break
+    manifest["finished_at"] = _now()
+    failed = [entry for entry in manifest["notebooks"] if entry["status"] == "failed"]
+    manifest["status"] = "failed" if failed else "ok"
+    _write_manifest(run_dir, manifest)
+    if failed:
+        entry = failed[0]
+        where = f"cell In [{entry['cell']}]" if entry.get("cell") is not None else "before any cell ran"
+        log(f"FAILED: {entry['name']} at {where}: {entry['error']}\n"
+            f"  open the executed notebook to see the traceback: {entry['executed_notebook']}\n"
+            f"  run folder: {run_dir}")
+    else:
+        total = sum(entry["seconds"] for entry in manifest["notebooks"])
+        log(f"done: {len(notebooks)} notebook(s) in {total:.0f} s; results in {run_dir}")
+    return RunResult(run_dir, not failed, manifest)

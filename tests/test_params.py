@@ -1,0 +1,123 @@
+"""Profile files: every key validated, every key consumed, errors that name file, line and key."""
+
+import textwrap
+
+import papermill
+import pytest
+
+from workbook import params
+from workbook.paths import NOTEBOOKS_DIR, PARAMS_DIR
+from workbook.notebook import RUN_DIR_PARAMETER
+
+PROFILES = ["h200", "h100", "h100x8", "a100-80gb", "a100-40gb", "a6000", "v100", "cpu"]
+
+
+def test_every_profile_exists_and_validates():
+    loaded = params.load_all()
+    assert sorted(loaded) == sorted(PROFILES)
+    for name, values in loaded.items():
+        assert set(values) == set(params.SCHEMA), name
+
+
+def test_every_profile_opens_with_its_command_and_an_override_example():
+    for name in PROFILES:
+        header = (PARAMS_DIR / f"{name}.yaml").read_text().split("\nprofile:")[0]
+        assert f"params/{name}.yaml" in header and "--set " in header, name
+
+
+def declared_notebook_parameters() -> dict[str, set[str]]:
+    return {path.stem: set(papermill.inspect_notebook(str(path)))
+            for path in sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))}
+
+
+def test_every_key_of_every_params_file_is_consumed_by_a_notebook():
+    # papermill only warns about a parameter no notebook declares: such a key would do nothing.
+    declared = set().union(*declared_notebook_parameters().values())
+    for name, values in params.load_all().items():
+        unconsumed = set(values) - declared
+        assert not unconsumed, f"params/{name}.yaml: no notebook declares {sorted(unconsumed)}"
+
+
+def test_notebooks_declare_only_known_parameters():
+    for notebook, names in declared_notebook_parameters().items():
+        unknown = names - set(params.SCHEMA) - {RUN_DIR_PARAMETER}
+        assert not unknown, f"{notebook} declares parameters the schema lacks: {sorted(unknown)}"
+
+
+def write_profile(tmp_path, name="cpu", **changes):
+    text = (PARAMS_DIR / "cpu.yaml").read_text()
+    for key, line in changes.items():
+        old = next(l for l in text.splitlines() if l.startswith(f"{key}:"))
+        text = text.replace(old, line)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_unknown_key_names_file_line_and_suggests_the_right_one(tmp_path):
+    path = write_profile(tmp_path, dtype="dtyp: fp32")
+    line = path.read_text().splitlines().index("dtyp: fp32") + 1
+    with pytest.raises(params.ParamsError, match=rf"cpu.yaml:{line}: unknown parameter 'dtyp'.*'dtype'"):
+        params.load(path)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("gpu_count: eight", r"'gpu_count' is 'eight'; expected an integer"),
+    ("gpu_count: true", r"'gpu_count' is True; expected an integer"),
+    ("gpu_count: -1", r"'gpu_count' is -1; expected an integer >= 0"),
+    ("dtype: float64", r"'dtype' is 'float64'; expected one of 'fp32', 'bf16', 'fp16'"),
+    ("supports_bf16: maybe", r"'supports_bf16' is 'maybe'; expected true or false"),
+])
+def test_wrong_values_are_rejected_with_key_and_expectation(tmp_path, line, message):
+    key = line.split(":")[0]
+    path = write_profile(tmp_path, **{key: line})
+    with pytest.raises(params.ParamsError, match=message):
+        params.load(path)
+
+
+def test_missing_key_missing_file_duplicate_key_and_wrong_profile_name(tmp_path):
+    with pytest.raises(params.ParamsError, match=r"missing parameter\(s\) dtype"):
+        params.load(write_profile(tmp_path, dtype=""))
+    with pytest.raises(params.ParamsError, match=r"no such parameter file.*cpu, h100"):
+        params.load(tmp_path / "nope.yaml")
+    duplicated = tmp_path / "dup" / "cpu.yaml"
+    duplicated.parent.mkdir()
+    duplicated.write_text((PARAMS_DIR / "cpu.yaml").read_text() + "dtype: bf16\n")
+    with pytest.raises(params.ParamsError, match=r"key 'dtype' appears twice"):
+        params.load(duplicated)
+    with pytest.raises(params.ParamsError, match=r"'profile' is 'cpu' but the file is other.yaml"):
+        params.load(write_profile(tmp_path, name="other"))
+
+
+def test_invalid_yaml_and_non_mapping_are_reported(tmp_path):
+    broken = tmp_path / "cpu.yaml"
+    broken.write_text("profile: [cpu\n")
+    with pytest.raises(params.ParamsError, match=r"cpu.yaml: not valid YAML"):
+        params.load(broken)
+    broken.write_text("- a\n- b\n")
+    with pytest.raises(params.ParamsError, match=r"expected a mapping"):
+        params.load(broken)
+
+
+def test_overrides_are_typed_and_validated_like_files():
+    base = params.load(PARAMS_DIR / "h200.yaml")
+    overrides = params.parse_overrides(["dtype=fp16", "gpu_count=2", "usd_per_gpu_hour=3", "model=/models/x"])
+    merged = params.apply_overrides(base, overrides)
+    assert merged.dtype == "fp16" and merged.gpu_count == 2 and merged.usd_per_gpu_hour == 3.0
+    assert merged.model == "/models/x" and base.dtype == "bf16"
+    with pytest.raises(params.ParamsError, match=r"--set gpu_count=0.5: 'gpu_count' is 0.5"):
+        params.parse_overrides(["gpu_count=0.5"])
+    with pytest.raises(params.ParamsError, match=r"expected key=value"):
+        params.parse_overrides(["dtype"])
+
+
+def test_bf16_on_a_gpu_without_bf16_is_refused():
+    v100 = params.load(PARAMS_DIR / "v100.yaml")
+    with pytest.raises(params.ParamsError, match=r"supports_bf16: false.*dtype: fp16"):
+        params.apply_overrides(v100, params.parse_overrides(["dtype=bf16"]))
+
+
+def test_h100_and_h200_peaks_are_dense_not_sparse():
+    # Datasheets print 1,979 TFLOPS "with sparsity"; the dense figure MFU is measured against is half.
+    for name in ("h200", "h100", "h100x8"):
+        assert params.load(PARAMS_DIR / f"{name}.yaml").peak_bf16_tflops == pytest.approx(989.5)
