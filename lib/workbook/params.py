@@ -20,6 +20,8 @@ import yaml
 from workbook.paths import PARAMS_DIR
 
 DTYPES = ("fp32", "bf16", "fp16")
+PLAN_MODES = ("generate", "train")
+AUTO = "auto"
 
 
 class ParamsError(ValueError):
@@ -33,6 +35,8 @@ class Key:
     meaning: str
     minimum: float | None = None
     choices: tuple = ()
+    maximum: float | None = None
+    auto: bool = False  # the value may also be 'auto': the memory planner chooses it
 
     def expected(self) -> str:
         if self.choices:
@@ -40,7 +44,9 @@ class Key:
         text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.kind]
         if self.minimum is not None:
             text += f" >= {self.minimum:g}"
-        return text
+        if self.maximum is not None:
+            text += f" and <= {self.maximum:g}"
+        return text + (" or 'auto'" if self.auto else "")
 
 
 # Every key a profile file must hold. Adding a key: declare it here, add it to every
@@ -60,6 +66,19 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     # Run settings.
     Key("model", str, "'tiny' (built locally) or a local Hugging Face model directory"),
     Key("dtype", str, "dtype the model runs in", choices=DTYPES),
+    Key("interactive", bool, "show ipywidgets controls (JupyterLab); false draws static figures (papermill)"),
+    # Memory planning (notebook 01) and the batch sizes the later notebooks run with.
+    Key("plan_mode", str, "what notebook 01 plans first", choices=PLAN_MODES),
+    Key("batch_size", int, "generation batch size (sequences per GPU)", minimum=1, auto=True),
+    Key("micro_batch_size", int, "training micro-batch per GPU", minimum=1, auto=True),
+    Key("prompt_len", int, "prompt tokens per sequence the generation plan assumes", minimum=1),
+    Key("max_new_tokens", int, "new tokens generated per sequence", minimum=1),
+    Key("seq_len", int, "training sequence length in tokens", minimum=1),
+    Key("grad_checkpointing", bool, "recompute activations in backward: less memory, ~30% more compute"),
+    Key("lora_rank", int, "LoRA rank; 0 trains every weight", minimum=0),
+    Key("safety_margin", float, "fraction of GPU memory the planner keeps free", minimum=0, maximum=0.5),
+    Key("cuda_overhead_gib", float, "CUDA context + library workspaces per GPU, GiB (measured or prior)",
+        minimum=0),
 )}
 
 
@@ -83,6 +102,8 @@ def validate_value(key: str, value: Any, where: str) -> Any:
         hint = f" Did you mean '{close[0]}'?" if close else ""
         raise ParamsError(f"{where}: unknown parameter '{key}'.{hint} Known parameters: {', '.join(SCHEMA)}.")
     spec = SCHEMA[key]
+    if spec.auto and value == AUTO:
+        return value
     # bool is a subclass of int in Python; `batch_size: true` must not pass as 1.
     ok = isinstance(value, spec.kind) and not (spec.kind in (int, float) and isinstance(value, bool))
     if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -90,6 +111,8 @@ def validate_value(key: str, value: Any, where: str) -> Any:
     if ok and spec.choices and value not in spec.choices:
         ok = False
     if ok and spec.minimum is not None and value < spec.minimum:
+        ok = False
+    if ok and spec.maximum is not None and value > spec.maximum:
         ok = False
     if not ok:
         raise ParamsError(f"{where}: '{key}' is {value!r}; expected {spec.expected()} ({spec.meaning}).")

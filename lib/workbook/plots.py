@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-GIB = 2**30
+from workbook.units import GiB, format_bytes
 
 
 def memory_overview(devices: list[dict], weights_bytes: int | None, caption: str):
@@ -18,13 +18,13 @@ def memory_overview(devices: list[dict], weights_bytes: int | None, caption: str
     """
     figure, axis = plt.subplots(figsize=(8, 0.6 * len(devices) + 1.6))
     labels = [d["label"] for d in devices]
-    used = [(d["total_bytes"] - d["free_bytes"]) / GIB for d in devices]
-    free = [d["free_bytes"] / GIB for d in devices]
+    used = [(d["total_bytes"] - d["free_bytes"]) / GiB for d in devices]
+    free = [d["free_bytes"] / GiB for d in devices]
     axis.barh(labels, used, color="#c44e52", label="in use (read now)")
     axis.barh(labels, free, left=used, color="#8fbc8f", label="free (read now)")
     if weights_bytes:
-        axis.axvline(weights_bytes / GIB, color="black", linestyle="--",
-                     label=f"model weights alone: {weights_bytes / GIB:.2f} GiB")
+        axis.axvline(weights_bytes / GiB, color="black", linestyle="--",
+                     label=f"model weights alone: {format_bytes(weights_bytes)}")
     axis.set_xlabel("GiB")
     axis.invert_yaxis()
     axis.legend(loc="lower right", fontsize=8)

@@ -1,0 +1,86 @@
+"""The notebooks: committed clean, and executed headless on the cpu profile as a user would run them."""
+
+import json
+import subprocess
+import sys
+
+import nbformat
+import pytest
+
+from workbook import notebook, params, runner
+from workbook.paths import NOTEBOOKS_DIR, PARAMS_DIR, REPO_ROOT
+
+NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_committed_clean_and_literate(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [cell for cell in nb.cells if cell.cell_type == "code"]
+    assert all(cell.outputs == [] and cell.execution_count is None for cell in code), \
+        f"{path.name} has outputs or execution counts: clear them before committing"
+    assert "widgets" not in nb.metadata, f"{path.name} carries saved widget state"
+    assert nb.cells[0].cell_type == "markdown" and "papermill" in nb.cells[0].source
+    assert "parameters" in nb.cells[1].metadata.get("tags", []), "cell 2 must be the parameters cell"
+    assert nb.metadata.kernelspec.name == "python3"
+
+
+def test_start_rejects_a_parameter_papermill_injected_with_a_typo(tmp_path):
+    namespace = {"profile": "cpu", "dtype": "fp32", "dtyp": "bf16", "run_dir": str(tmp_path),
+                 "In": ["", "profile = 'cpu'", "# Parameters\ndtyp = \"bf16\"\nrun_dir = \"x\"\n"]}
+    with pytest.raises(params.ParamsError, match=r"unknown parameter 'dtyp'. Did you mean 'dtype'"):
+        notebook.start(namespace, "00_test")
+    del namespace["In"]
+    session = notebook.start(namespace, "00_test")
+    assert session.run_dir == tmp_path and session.params == {"profile": "cpu", "dtype": "fp32"}
+
+
+@pytest.fixture(scope="module")
+def cpu_run(tmp_path_factory):
+    """One full `workbook run --params cpu` into a temporary outputs folder, shared by the checks below."""
+    return runner.run("cpu", outputs_root=tmp_path_factory.mktemp("outputs"))
+
+
+@pytest.mark.notebook
+def test_full_run_on_cpu_profile_leaves_a_complete_run_folder(cpu_run):
+    assert cpu_run.ok, json.dumps(cpu_run.manifest["notebooks"], indent=2)
+    manifest = json.loads((cpu_run.run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "ok" and manifest["profile"] == "cpu"
+    assert [entry["name"] for entry in manifest["notebooks"]] == [p.stem for p in NOTEBOOKS]
+    assert all(entry["seconds"] > 0 for entry in manifest["notebooks"])
+    assert manifest["git"]["commit"] and manifest["versions"]["torch"] and manifest["params"]["dtype"] == "fp32"
+    assert manifest["started_at"] <= manifest["finished_at"]
+    for path in NOTEBOOKS:
+        executed = nbformat.read(cpu_run.run_dir / path.name, as_version=4)
+        assert any("injected-parameters" in c.metadata.get("tags", []) for c in executed.cells)
+
+
+@pytest.mark.notebook
+def test_gpu_detection_notebook_writes_gpu_json_and_plot(cpu_run):
+    data = json.loads((cpu_run.run_dir / "gpu.json").read_text())
+    assert data["run_profile"] == "cpu"
+    assert data["profile_choice"]["profile"] in params.profile_names()
+    assert data["detection"]["cpu"]["logical_cores"] >= 1
+    assert data["model"]["parameters"] > 0 and data["model"]["weights_bytes"] == 4 * data["model"]["parameters"]
+    assert (cpu_run.run_dir / "memory_overview.png").stat().st_size > 5000
+
+
+def papermill(*args, cwd=REPO_ROOT):
+    return subprocess.run([sys.executable, "-m", "papermill", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.notebook
+def test_plain_papermill_with_a_params_file_works_as_a_user_runs_it(tmp_path):
+    result = papermill(NOTEBOOKS_DIR / "00_gpu_detection.ipynb", tmp_path / "out.ipynb",
+                       "-f", PARAMS_DIR / "cpu.yaml", "-p", "run_dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((tmp_path / "gpu.json").read_text())["run_profile"] == "cpu"
+
+
+@pytest.mark.notebook
+def test_a_typo_passed_to_papermill_fails_loudly_instead_of_doing_nothing(tmp_path):
+    result = papermill(NOTEBOOKS_DIR / "00_gpu_detection.ipynb", tmp_path / "out.ipynb",
+                       "-f", PARAMS_DIR / "cpu.yaml", "-p", "dtyp", "bf16", "-p", "run_dir", tmp_path)
+    assert result.returncode != 0
+    assert "unknown parameter 'dtyp'" in result.stderr and "Did you mean 'dtype'" in result.stderr

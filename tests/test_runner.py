@@ -1,0 +1,57 @@
+"""The runner: notebook selection, failure reporting, exit codes."""
+
+import json
+
+import nbformat
+import pytest
+
+from workbook import cli, runner
+from workbook.paths import NOTEBOOKS_DIR
+
+
+def make_notebook(path, *sources):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell('run_dir = ""')
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params] + [nbformat.v4.new_code_cell(source) for source in sources]
+    nbformat.write(nb, path)
+
+
+def test_only_accepts_number_stem_or_file_name_and_rejects_unknown():
+    first = runner.list_notebooks(NOTEBOOKS_DIR)[0]
+    for name in (first.stem[:2], first.stem, first.name):
+        assert runner.select_notebooks([name], NOTEBOOKS_DIR) == [first]
+    with pytest.raises(runner.RunError, match=r"--only 99_nope: no such notebook. Notebooks: 00_gpu_detection"):
+        runner.select_notebooks(["99_nope"], NOTEBOOKS_DIR)
+
+
+@pytest.mark.notebook
+def test_a_failing_notebook_stops_the_run_and_points_at_the_cell(tmp_path, monkeypatch, capsys):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    make_notebook(notebooks / "00_fine.ipynb", "import pathlib; pathlib.Path(run_dir, 'fine.txt').write_text('ok')")
+    make_notebook(notebooks / "01_broken.ipynb", "x = 1", "raise ValueError('the data file is empty')")
+    make_notebook(notebooks / "02_never.ipynb", "print('must not run')")
+    monkeypatch.setattr(runner, "NOTEBOOKS_DIR", notebooks)
+    monkeypatch.setattr(runner, "OUTPUTS_DIR", tmp_path / "outputs")
+
+    assert cli.main(["run", "--params", "cpu"]) == 1
+
+    out = capsys.readouterr().out
+    run_dir = next((tmp_path / "outputs").iterdir())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "failed"
+    assert [(e["name"], e["status"]) for e in manifest["notebooks"]] == [("00_fine", "ok"), ("01_broken", "failed")]
+    failed = manifest["notebooks"][1]
+    assert failed["error"] == "ValueError: the data file is empty" and failed["cell"] == 4
+    assert (run_dir / "01_broken.ipynb").exists() and (run_dir / "fine.txt").read_text() == "ok"
+    assert "FAILED: 01_broken at cell In [4]: ValueError: the data file is empty" in out
+    assert str(run_dir / "01_broken.ipynb") in out
+
+
+def test_bad_params_exit_non_zero_with_a_message(capsys):
+    assert cli.main(["run", "--params", "cpu", "--set", "gpu_count=-2"]) == 2
+    assert "'gpu_count' is -2; expected an integer >= 0" in capsys.readouterr().err
+    assert cli.main(["run", "--params", "params/nope.yaml"]) == 2
+    assert "no such parameter file" in capsys.readouterr().err
