@@ -32,3 +32,57 @@ def memory_overview(devices: list[dict], weights_bytes: int | None, caption: str
     figure.text(0.01, -0.02, caption, fontsize=7, ha="left", va="top", wrap=True)
     figure.tight_layout()
     return figure
+
+
+TERM_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3", "#8c8c8c",
+               "#ccb974", "#64b5cd")
+
+
+def plan_breakdown(plan, axis=None):
+    """One stacked bar of the plan's terms (GiB) against the GPU's memory and the planner's budget."""
+    figure = None
+    if axis is None:
+        figure, axis = plt.subplots(figsize=(9, 2.8))
+    left = 0.0
+    for index, term in enumerate(plan.terms):
+        width = term.bytes / GiB
+        axis.barh([0], [width], left=left, color=TERM_COLORS[index % len(TERM_COLORS)],
+                  label=f"{term.name}: {format_bytes(term.bytes)}")
+        left += width
+    axis.axvline(plan.capacity_bytes / GiB, color="black", linewidth=2,
+                 label=f"GPU memory: {format_bytes(plan.capacity_bytes)}")
+    axis.axvline(plan.budget_bytes / GiB, color="black", linestyle="--",
+                 label=f"budget ({plan.safety_margin:.0%} kept free)")
+    axis.set_yticks([])
+    axis.set_xlim(0, max(left, plan.capacity_bytes / GiB) * 1.05)
+    axis.set_xlabel("GiB per GPU (predicted by the planner from the model config)")
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    axis.set_title(f"{plan.model}, {plan.mode}, {plan.dtype}, batch {plan.batch_size}: "
+                   f"{format_bytes(plan.total_bytes)} predicted, {verdict} (max batch {plan.max_batch_size})",
+                   fontsize=10)
+    axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+    if figure is not None:
+        figure.tight_layout()
+    return figure or axis.figure
+
+
+def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title: str, axis=None):
+    """Predicted peak memory against batch size, one line per setting, with the GPU's capacity.
+
+    `curves`: {label: (batch sizes, total bytes)}.
+    """
+    figure = None
+    if axis is None:
+        figure, axis = plt.subplots(figsize=(7, 4))
+    for label, (batches, totals) in curves.items():
+        axis.plot(batches, [t / GiB for t in totals], marker=".", label=label)
+    axis.axhline(capacity_bytes / GiB, color="black", linewidth=2, label=f"GPU memory {format_bytes(capacity_bytes)}")
+    axis.axhline(budget_bytes / GiB, color="black", linestyle="--", label="budget (safety margin kept free)")
+    axis.set_xlabel("batch size (sequences per GPU)")
+    axis.set_ylabel("predicted peak, GiB per GPU")
+    axis.set_title(title, fontsize=10)
+    axis.grid(alpha=0.3)
+    axis.legend(fontsize=8)
+    if figure is not None:
+        figure.tight_layout()
+    return figure or axis.figure

@@ -1,0 +1,468 @@
+"""The memory planner against real tensors: weights, KV caches and saved activations, on CPU."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from workbook import memory
+from workbook.memory import (
+    GiB,
+    DoesNotFitError,
+    kv_cache_bytes,
+    kv_cache_bytes_per_token,
+    lora_parameter_count,
+    plan_generate,
+    plan_train,
+    training_activation_bytes_per_layer,
+    weights_bytes,
+)
+from workbook.presets import load_config
+
+H200_BYTES = int(140.4 * GiB)  # params/h200.yaml: gpu_memory_gib as the driver reports it
+A100_80GB_BYTES = 80 * GiB
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def small_llama(layers=2, **overrides) -> LlamaConfig:
+    """A random Llama with grouped-query attention (4 query heads share 2 key/value heads)."""
+    values = dict(vocab_size=128, hidden_size=128, intermediate_size=352, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    return LlamaConfig(**{**values, **overrides})
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """Key and value tensors of a transformers 5.x DynamicCache (5.17 and later: ``.layers``)."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``: what the allocator really holds."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights.
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_weights_bytes_equal_the_real_model(dtype, tied):
+    config = small_llama(tie_word_embeddings=tied)
+    model = LlamaForCausalLM(config).to(TORCH_DTYPES[dtype])
+    real = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights_bytes(config, dtype) == real
+
+
+def test_weights_bytes_of_the_tiny_model():
+    tiny_model = pytest.importorskip("workbook.tiny_model")
+    model = LlamaForCausalLM(tiny_model.tiny_config()).to(torch.bfloat16)
+    real = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weights_bytes("tiny", "bf16") == real
+
+
+def test_quantized_weights_keep_embeddings_in_bf16():
+    config = load_config("Llama-3.1-8B")
+    params = 8_030_261_248
+    embeddings = 2 * 128256 * 4096  # input embedding and untied lm_head stay bf16
+    assert weights_bytes(config, "bf16") == 2 * params
+    int8, int4 = weights_bytes(config, "int8"), weights_bytes(config, "int4")
+    int8_without_scales = (params - embeddings) * 1 + embeddings * 2
+    assert int8_without_scales < int8 < 1.01 * int8_without_scales  # one fp32 scale per row
+    assert (params - embeddings) * 0.5 + embeddings * 2 < int4 < int8
+    assert 5.0 * GiB < int4 < 6.0 * GiB  # bitsandbytes NF4 Llama-3-8B: about 5.6 GiB
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache: against the cache a real forward pass or generate() builds.
+
+
+def test_kv_cache_bytes_per_token_of_llama_3_1_8b():
+    # 2 (K, V) x 32 layers x 8 kv heads x 128 head_dim x 2 bytes
+    assert kv_cache_bytes_per_token(load_config("Llama-3.1-8B"), "bf16") == 131_072
+    assert kv_cache_bytes_per_token(load_config("Llama-3.1-8B"), "int4") == 131_072  # bf16 cache
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_kv_cache_matches_a_real_forward_pass(dtype):
+    config = small_llama()
+    model = LlamaForCausalLM(config).to(TORCH_DTYPES[dtype]).eval()
+    batch, tokens = 3, 11
+    with torch.no_grad():
+        cache = model(torch.randint(0, 128, (batch, tokens)), use_cache=True).past_key_values
+    real = sum(t.numel() * t.element_size() for t in cache_tensors(cache))
+    assert real == batch * tokens * kv_cache_bytes_per_token(config, dtype)
+    assert real == kv_cache_bytes(config, dtype, batch_size=batch, tokens=tokens)
+    assert real == storage_bytes(cache_tensors(cache))
+
+
+def generate_cache(model, batch, prompt_len, new_tokens):
+    with torch.no_grad():
+        output = model.generate(
+            torch.randint(4, 100, (batch, prompt_len)),
+            attention_mask=torch.ones(batch, prompt_len),
+            max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+            return_dict_in_generate=True, pad_token_id=0,
+        )
+    assert output.sequences.shape[1] == prompt_len + new_tokens
+    return output.past_key_values
+
+
+def test_generate_caches_all_but_the_last_new_token():
+    config = small_llama()
+    model = LlamaForCausalLM(config).eval()
+    cache = generate_cache(model, batch=2, prompt_len=6, new_tokens=5)
+    assert storage_bytes(cache_tensors(cache)) == kv_cache_bytes(
+        config, "fp32", batch_size=2, tokens=6 + 5 - 1)
+
+
+def sliding_mistral(window=5) -> MistralConfig:
+    return MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, sliding_window=window)
+
+
+def test_sliding_window_cache_after_prefill_holds_the_whole_prompt():
+    # DynamicSlidingWindowLayer keeps a view of the last window - 1 tokens, but the view keeps
+    # the prompt's full key/value tensors alive until the next step replaces them.
+    config, window, batch, prompt_len = sliding_mistral(), 5, 2, 9
+    model = MistralForCausalLM(config).eval()
+    with torch.no_grad():
+        cache = model(torch.randint(0, 128, (batch, prompt_len)), use_cache=True).past_key_values
+    tensors = cache_tensors(cache)
+    per_token_per_layer = kv_cache_bytes_per_token(config, "fp32") // config.num_hidden_layers
+    visible = sum(t.numel() * t.element_size() for t in tensors)
+    assert visible == batch * (window - 1) * per_token_per_layer * config.num_hidden_layers
+    assert storage_bytes(tensors) == kv_cache_bytes(
+        config, "fp32", batch_size=batch, tokens=prompt_len, last_step_tokens=prompt_len)
+
+
+@pytest.mark.parametrize("prompt_len, new_tokens", [(9, 6), (2, 8), (2, 3)])
+def test_sliding_window_cache_after_generate_is_capped_at_the_window(prompt_len, new_tokens):
+    config, window, batch = sliding_mistral(), 5, 2
+    cache = generate_cache(MistralForCausalLM(config).eval(), batch, prompt_len, new_tokens)
+    tokens = prompt_len + new_tokens - 1
+    expected = kv_cache_bytes(config, "fp32", batch_size=batch, tokens=tokens)
+    assert storage_bytes(cache_tensors(cache)) == expected
+    per_layer_token = kv_cache_bytes_per_token(config, "fp32") // config.num_hidden_layers
+    assert expected == batch * min(tokens, window) * per_layer_token * config.num_hidden_layers
+
+
+def test_mistral_7b_kv_cache_stops_growing_at_4096_tokens():
+    config = load_config("Mistral-7B-v0.1")
+    at_window = kv_cache_bytes(config, "bf16", batch_size=1, tokens=4096)
+    assert at_window == 4096 * kv_cache_bytes_per_token(config, "bf16")
+    assert kv_cache_bytes(config, "bf16", batch_size=1, tokens=20_000) == at_window
+
+
+# ---------------------------------------------------------------------------------------------
+# Training activations: against what autograd saves for backward.
+
+
+def saved_tensor_bytes(config, dtype, autocast, batch, seq_len, checkpointing=False):
+    """Bytes autograd saves in one training forward pass, and the bytes of autocast weight copies.
+
+    Parameters themselves are not counted; bf16 copies of them (same shape as a parameter) are
+    returned separately. batch x seq_len must differ from every parameter dimension.
+    """
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(TORCH_DTYPES[dtype]).train()
+    if checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+            model, "gradient_checkpointing_enable")  # renamed in transformers 5.x
+        enable()
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameter_shapes = {tuple(p.shape) for p in model.parameters()}
+    activations, weight_copies = {}, {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            shape = tuple(tensor.shape)  # Linear saves the weight transposed
+            is_copy = tensor.dtype == torch.bfloat16 and (
+                shape in parameter_shapes or shape[::-1] in parameter_shapes)
+            found = weight_copies if is_copy and autocast else activations
+            found[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            model(input_ids=ids, labels=ids, use_cache=False)
+    return sum(activations.values()), sum(weight_copies.values())
+
+
+PRECISIONS = [  # (stored dtype, autocast): pure fp32, pure bf16, bf16 autocast on fp32 weights
+    ("fp32", False), ("bf16", False), ("fp32", True),
+]
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("stored, autocast", PRECISIONS)
+def test_activations_per_layer_equal_what_autograd_saves(stored, autocast, attn_implementation):
+    batch, seq_len = 3, 50  # 150 tokens: no parameter has a 150-long dimension
+    measured = {}
+    for layers in (1, 3):
+        config = small_llama(layers, attn_implementation=attn_implementation)
+        measured[layers], _ = saved_tensor_bytes(config, stored, autocast, batch, seq_len)
+    per_layer = (measured[3] - measured[1]) // 2
+    plan_dtype = "bf16" if autocast else stored
+    assert per_layer == training_activation_bytes_per_layer(
+        small_llama(1), batch_size=batch, seq_len=seq_len, dtype=plan_dtype,
+        mixed_precision=autocast, attn_implementation=attn_implementation)
+
+
+def activations_term(plan):
+    return next(term.bytes for term in plan.terms if term.name == "activations")
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("stored, autocast", PRECISIONS)
+def test_plan_activations_match_saved_tensors(stored, autocast, checkpointing):
+    batch, seq_len = 3, 50
+    plan_dtype = "bf16" if autocast else stored
+    measured, planned = {}, {}
+    for layers in (1, 3):
+        config = small_llama(layers)
+        measured[layers], _ = saved_tensor_bytes(config, stored, autocast, batch, seq_len,
+                                                 checkpointing=checkpointing)
+        plan = plan_train(config, micro_batch_size=batch, seq_len=seq_len, dtype=plan_dtype,
+                          mixed_precision=autocast, grad_checkpointing=checkpointing,
+                          gpu_memory_bytes=GiB)
+        planned[layers] = activations_term(plan)
+    # Two more layers add exactly what autograd saves for them (the layer inputs if checkpointed).
+    assert planned[3] - planned[1] == measured[3] - measured[1]
+    if not checkpointing:
+        # The whole model, outside the layers too: the plan's activations plus the fp32
+        # log-softmax output (counted in logits_and_loss) are all autograd saves, but for the
+        # rotary cos/sin tables (one per sequence position, shared by all layers) and the loss.
+        log_softmax_output = batch * seq_len * 128 * 4
+        rotary_tables = 2 * seq_len * 32 * (4 if stored == "fp32" else 2)
+        loss_scalar = 4
+        assert measured[3] == planned[3] + log_softmax_output + rotary_tables + loss_scalar
+
+
+def test_autocast_weight_copies_equal_the_linear_weights_in_bf16():
+    config = small_llama(2)
+    _, weight_copies = saved_tensor_bytes(config, "fp32", True, batch=3, seq_len=50)
+    plan = plan_train(config, micro_batch_size=3, seq_len=50, dtype="bf16", mixed_precision=True,
+                      gpu_memory_bytes=GiB)
+    planned = next(term.bytes for term in plan.terms if term.name == "autocast_weight_copies")
+    assert planned == weight_copies
+
+
+# ---------------------------------------------------------------------------------------------
+# Training states: bytes per parameter by convention.
+
+
+def term_bytes(plan, name):
+    return next(term.bytes for term in plan.terms if term.name == name)
+
+
+def test_bytes_per_parameter_of_each_training_convention():
+    config, params = load_config("Llama-3.2-1B"), 1_235_814_400
+    common = dict(micro_batch_size=1, seq_len=16, gpu_memory_bytes=H200_BYTES)
+    mixed = plan_train(config, dtype="bf16", mixed_precision=True, **common)
+    assert [term_bytes(mixed, n) for n in ("weights", "gradients", "optimizer_states")] == [
+        4 * params, 4 * params, 8 * params]
+    pure = plan_train(config, dtype="bf16", mixed_precision=False, **common)
+    assert [term_bytes(pure, n) for n in ("weights", "gradients", "optimizer_states")] == [
+        2 * params, 2 * params, 4 * params]
+    assert "autocast_weight_copies" not in [term.name for term in pure.terms]
+    fp32 = plan_train(config, dtype="fp32", **common)  # fp32 is full precision: no autocast
+    assert term_bytes(fp32, "optimizer_states") == 8 * params
+    eight_bit = plan_train(config, optimizer="adamw-8bit", **common)
+    assert term_bytes(eight_bit, "optimizer_states") == pytest.approx(2.03125 * params, abs=1)
+
+
+def test_fsdp_divides_states_by_gpu_count():
+    config = load_config("Llama-3.1-8B")
+    common = dict(micro_batch_size=1, seq_len=512, gpu_memory_bytes=A100_80GB_BYTES)
+    single = plan_train(config, **common)
+    sharded = plan_train(config, sharding="fsdp", gpu_count=8, **common)
+    for name in ("weights", "gradients", "optimizer_states"):
+        assert term_bytes(sharded, name) == -(-term_bytes(single, name) // 8)
+    assert term_bytes(sharded, "activations") == term_bytes(single, "activations")
+    assert "fsdp_gathered_parameters" in [term.name for term in sharded.terms]
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA.
+
+
+def test_lora_rank_16_on_llama_3_1_8b_has_41_943_040_parameters():
+    config = load_config("Llama-3.1-8B")
+    hidden, kv, intermediate, layers, rank = 4096, 1024, 14336, 32, 16
+    per_layer = rank * ((hidden + hidden) * 2 + (hidden + kv) * 2 + (hidden + intermediate) * 3)
+    assert lora_parameter_count(config, 16) == per_layer * layers == 41_943_040
+    assert lora_parameter_count(config, 16, ["q_proj", "v_proj"]) == rank * (
+        (hidden + hidden) + (hidden + kv)) * layers
+
+
+def test_lora_counts_the_adapter_a_real_model_would_get():
+    config = small_llama(2)
+    model = LlamaForCausalLM(config)
+    rank, expected = 8, 0
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in memory.DEFAULT_LORA_TARGET_MODULES:
+            expected += torch.nn.Linear(module.in_features, rank, bias=False).weight.numel()
+            expected += torch.nn.Linear(rank, module.out_features, bias=False).weight.numel()
+    assert lora_parameter_count(config, rank) == expected
+
+
+def test_lora_unknown_target_names_the_argument_and_the_layers():
+    with pytest.raises(ValueError, match="lora_target_modules.*q_proj"):
+        lora_parameter_count(small_llama(), 8, ["query"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans and the largest batch.
+
+
+def generate_8b(**overrides):
+    values = dict(batch_size=1, prompt_len=512, new_tokens=2048, gpu_memory_bytes=H200_BYTES)
+    return plan_generate(load_config("Llama-3.1-8B"), **{**values, **overrides})
+
+
+def test_largest_generate_batch_of_llama_8b_on_an_h200():
+    plan = generate_8b()
+    # Per sequence the cache holds 2559 tokens x 131,072 B = 335 MB; weights take 16.1 GB.
+    assert plan.weights_bytes == 2 * 8_030_261_248
+    assert 300 < plan.max_batch_size < 400
+    kv_only = (plan.budget_bytes - plan.weights_bytes) // (2559 * 131_072)
+    assert plan.max_batch_size < kv_only  # logits, activations and overhead cost something
+
+
+@pytest.mark.parametrize("make_plan", [
+    lambda batch: generate_8b(batch_size=batch),
+    lambda batch: generate_8b(batch_size=batch, dtype="int4", attn_implementation="eager"),
+    lambda batch: plan_generate(load_config("Mistral-7B-v0.1"), batch_size=batch, prompt_len=8000,
+                                new_tokens=100, gpu_memory_bytes=A100_80GB_BYTES),
+    lambda batch: plan_train(load_config("Llama-3.1-8B"), micro_batch_size=batch, seq_len=2048,
+                             gpu_memory_bytes=H200_BYTES, grad_checkpointing=True,
+                             optimizer="adamw-8bit"),
+    lambda batch: plan_train(load_config("Qwen2.5-0.5B"), micro_batch_size=batch, seq_len=1024,
+                             gpu_memory_bytes=A100_80GB_BYTES, lora_rank=16),
+])
+def test_plan_at_max_batch_fits_and_one_more_does_not(make_plan):
+    largest = make_plan(1).max_batch_size
+    assert largest > 0
+    assert make_plan(largest).fits
+    assert not make_plan(largest + 1).fits
+    assert make_plan(largest + 1).max_batch_size == largest
+
+
+def test_total_grows_with_the_batch_and_is_the_sum_of_the_terms():
+    totals = [generate_8b(batch_size=batch).total_bytes for batch in (1, 2, 8, 64)]
+    assert totals == sorted(totals) and len(set(totals)) == 4
+    plan = generate_8b(batch_size=8)
+    assert plan.total_bytes == sum(term.bytes for term in plan.terms)
+    assert all(term.explanation for term in plan.terms)
+
+
+def test_full_fine_tune_of_llama_8b_on_an_h200():
+    config = load_config("Llama-3.1-8B")
+    common = dict(seq_len=2048, gpu_memory_bytes=H200_BYTES, micro_batch_size=1)
+    # 16 B/param of states + 2 B/param autocast copies = 145 GB: over 133 GiB before activations.
+    assert plan_train(config, **common).max_batch_size == 0
+    eight_bit = plan_train(config, optimizer="adamw-8bit", **common).max_batch_size
+    checkpointed = plan_train(config, optimizer="adamw-8bit", grad_checkpointing=True,
+                              **common).max_batch_size
+    assert 0 < eight_bit < checkpointed
+    pure_bf16 = plan_train(config, mixed_precision=False, **common).max_batch_size
+    assert pure_bf16 > eight_bit  # 8 B/param instead of 12
+
+
+def test_70b_training_needs_sharding_or_lora():
+    config = load_config("Llama-3.1-70B")
+    common = dict(micro_batch_size=1, seq_len=2048, gpu_memory_bytes=A100_80GB_BYTES,
+                  grad_checkpointing=True)
+    alone = plan_train(config, **common)
+    assert not alone.fits and alone.max_batch_size == 0
+    assert "does not fit even at batch 1" in alone.advice() and "LoRA" in alone.advice()
+    with pytest.raises(DoesNotFitError):
+        alone.require_fit()
+    # 16 B/param of AdamW mixed-precision state over 8 GPUs is still 141 GB each ...
+    assert plan_train(config, sharding="fsdp", gpu_count=8, **common).max_batch_size == 0
+    # ... over 32 GPUs it is 35 GB each, and LoRA over 8 GPUs shards just the frozen bf16 base.
+    assert plan_train(config, sharding="fsdp", gpu_count=32, **common).fits
+    assert plan_train(config, sharding="fsdp", gpu_count=8, lora_rank=16, **common).fits
+    assert plan_train(config, dtype="int4", lora_rank=16, **common).fits  # QLoRA, one GPU
+
+
+def test_ddp_replicas_hold_everything_plus_gradient_buckets():
+    config = load_config("Llama-3.2-1B")
+    common = dict(micro_batch_size=1, seq_len=512, gpu_memory_bytes=A100_80GB_BYTES)
+    one, two = plan_train(config, **common), plan_train(config, gpu_count=2, **common)
+    assert two.total_bytes > one.total_bytes
+    assert term_bytes(two, "ddp_gradient_buckets") == term_bytes(one, "gradients")
+
+
+def test_generate_split_across_gpus_holds_a_share_of_the_layers():
+    one = generate_8b(batch_size=16)
+    four = generate_8b(batch_size=16, gpu_count=4)
+    assert term_bytes(four, "weights") == pytest.approx(term_bytes(one, "weights") / 4, abs=1)
+    assert four.max_batch_size > 3 * one.max_batch_size
+
+
+def test_all_logits_cost_more_than_the_last_position():
+    last = generate_8b(batch_size=64, new_tokens=1)
+    every = generate_8b(batch_size=64, new_tokens=1, logits_last_position_only=False)
+    assert term_bytes(every, "logits") - term_bytes(last, "logits") == 64 * 511 * 128256 * 2
+
+
+def test_to_dict_is_json_ready_with_the_documented_keys():
+    record = json.loads(json.dumps(generate_8b(batch_size=4).to_dict()))
+    assert record["params"] == 8_030_261_248
+    assert record["kv_cache_bytes_per_token"] == 131_072
+    assert record["total_bytes"] == sum(item["bytes"] for item in record["breakdown"])
+    for key in ("weights_bytes", "max_batch_size", "fits", "capacity_bytes", "budget_bytes"):
+        assert key in record
+    assert set(record["breakdown"][0]) == {"name", "bytes", "explanation"}
+
+
+def test_plans_accept_preset_names():
+    plan = plan_generate("llama-3.2-1b", batch_size=1, prompt_len=8, new_tokens=8,
+                         gpu_memory_bytes=A100_80GB_BYTES)
+    assert plan.model == "llama-3.2-1b" and plan.params == 1_235_814_400
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation: errors name the argument.
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (dict(dtype="fp8"), "dtype"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(prompt_len=-1), "prompt_len"),
+    (dict(new_tokens=0), "new_tokens"),
+    (dict(gpu_count=0), "gpu_count"),
+    (dict(gpu_memory_bytes=0), "gpu_memory_bytes"),
+    (dict(attn_implementation="flash"), "attn_implementation"),
+    (dict(safety_margin=1.5), "safety_margin"),
+])
+def test_generate_validation_names_the_argument(overrides, named):
+    values = dict(batch_size=1, prompt_len=8, new_tokens=8, gpu_memory_bytes=GiB)
+    with pytest.raises(ValueError, match=named):
+        plan_generate(small_llama(), **{**values, **overrides})
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (dict(micro_batch_size=-2), "micro_batch_size"),
+    (dict(seq_len=0), "seq_len"),
+    (dict(lora_rank=-1), "lora_rank"),
+    (dict(optimizer="sgd"), "optimizer.*adamw, adamw-8bit"),
+    (dict(sharding="zero2"), "sharding.*none, fsdp"),
+    (dict(dtype="int4"), "lora_rank"),
+    (dict(dtype="double"), "dtype.*fp32, bf16"),
+])
+def test_train_validation_names_the_argument(overrides, named):
+    values = dict(micro_batch_size=1, seq_len=8, gpu_memory_bytes=GiB)
+    with pytest.raises(ValueError, match=named):
+        plan_train(small_llama(), **{**values, **overrides})
+
+
+def test_dtype_aliases():
+    assert weights_bytes(small_llama(), "bfloat16") == weights_bytes(small_llama(), "bf16")
+    assert memory.canonical_dtype("Float32") == "fp32"

@@ -1,0 +1,110 @@
+"""The preset table: real architectures by name, counted exactly, and local directories by path."""
+
+import time
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from workbook.presets import build_on_meta_device, count_parameters, load_config, preset_names
+
+# Published parameter counts (model cards / safetensors metadata of each Hugging Face repository).
+PUBLISHED_PARAMETER_COUNTS = {
+    "Llama-3.1-8B": 8_030_261_248,
+    "Llama-3.1-70B": 70_553_706_496,
+    "Llama-3.2-1B": 1_235_814_400,
+    "Llama-3.2-3B": 3_212_749_824,
+    "Qwen2.5-0.5B": 494_032_768,
+    "Qwen2.5-7B": 7_615_616_512,
+    "Mistral-7B-v0.1": 7_241_732_096,
+}
+
+
+@pytest.mark.parametrize("name, published", PUBLISHED_PARAMETER_COUNTS.items())
+def test_parameter_count_equals_the_published_count(name, published):
+    assert count_parameters(load_config(name)) == published
+
+
+def test_counting_70b_on_the_meta_device_is_fast():
+    config = load_config("Llama-3.1-70B")
+    config.num_hidden_layers = 81  # a config not built before in this session, so not cached
+    started = time.perf_counter()
+    count_parameters(config)
+    assert time.perf_counter() - started < 5
+
+
+def test_tied_embeddings_are_counted_once():
+    tied = load_config("Llama-3.2-1B")
+    untied = load_config("Llama-3.2-1B")
+    untied.tie_word_embeddings = False
+    assert tied.tie_word_embeddings
+    assert count_parameters(untied) - count_parameters(tied) == tied.vocab_size * tied.hidden_size
+
+
+def test_count_equals_a_real_model_built_on_cpu():
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    assert count_parameters(config) == sum(p.numel() for p in model.parameters())
+
+
+def test_names_are_case_insensitive_and_accept_the_hub_id():
+    reference = load_config("Llama-3.1-8B").to_dict()
+    assert load_config("llama-3.1-8b").to_dict() == reference
+    assert load_config("META-LLAMA/Llama-3.1-8B").to_dict() == reference
+
+
+def test_preset_values_match_the_published_configs():
+    llama = load_config("Llama-3.1-8B")
+    assert (llama.num_key_value_heads, llama.max_position_embeddings) == (8, 131072)
+    assert llama.rope_parameters["rope_type"] == "llama3"
+    assert llama.rope_parameters["factor"] == 8.0
+    assert load_config("Llama-3.2-1B").rope_parameters["factor"] == 32.0
+    assert load_config("Mistral-7B-v0.1").sliding_window == 4096
+    assert load_config("Qwen2.5-7B").sliding_window is None  # use_sliding_window is false
+    assert load_config("Qwen2.5-0.5B").tie_word_embeddings
+    assert not load_config("Qwen2.5-7B").tie_word_embeddings
+
+
+def test_qwen2_layers_have_query_key_value_biases():
+    attention = build_on_meta_device(load_config("Qwen2.5-0.5B")).model.layers[0].self_attn
+    assert attention.q_proj.bias is not None and attention.o_proj.bias is None
+
+
+def test_tiny_preset_is_the_workbook_tiny_model():
+    tiny_model = pytest.importorskip("workbook.tiny_model")
+    assert "tiny" in preset_names()
+    assert load_config("tiny").to_dict() == tiny_model.tiny_config().to_dict()
+    assert load_config("TINY").num_key_value_heads < load_config("tiny").num_attention_heads
+
+
+def test_preset_names_lists_every_preset():
+    assert set(PUBLISHED_PARAMETER_COUNTS) | {"tiny"} == set(preset_names())
+
+
+def test_unknown_name_lists_the_presets():
+    with pytest.raises(ValueError) as error:
+        load_config("llama-9")
+    message = str(error.value)
+    assert "'llama-9'" in message
+    for name in preset_names():
+        assert name in message
+
+
+def test_local_directory_reads_config_json_only(tmp_path):
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    config.save_pretrained(tmp_path)  # config.json, no weights
+    loaded = load_config(str(tmp_path))
+    assert loaded.hidden_size == 64 and loaded.num_key_value_heads == 2
+    assert count_parameters(loaded) == count_parameters(config)
+
+
+def test_directory_without_config_json_says_so(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        load_config(tmp_path)
+
+
+def test_meta_models_hold_no_storage():
+    model = build_on_meta_device(load_config("Llama-3.1-8B"))
+    assert all(p.device == torch.device("meta") for p in model.parameters())

@@ -1,0 +1,54 @@
+"""The widget tuner, driven by setting control values as a person's clicks would."""
+
+import matplotlib
+import pytest
+
+matplotlib.use("Agg")
+
+from workbook import params, planning, presets, widgets  # noqa: E402
+
+
+@pytest.fixture
+def tuner():
+    profiles = params.load_all()
+    return widgets.PlannerTuner(profiles, presets.preset_names(), {**profiles["h200"], "model": "llama-3.1-8b"})
+
+
+def title(tuner):
+    return tuner.figure.axes[0].get_title()
+
+
+def test_auto_batch_starts_at_the_planners_answer(tuner):
+    assert tuner.batch_size.value == tuner.plan.max_batch_size > 32
+    assert "FITS" in tuner.verdict.value and f"<b>{tuner.plan.max_batch_size}</b>" in tuner.max_batch.value
+
+
+def test_batch_beyond_the_maximum_flips_the_verdict_and_redraws(tuner):
+    before = title(tuner)
+    tuner.batch_size.value = tuner.plan.max_batch_size + 1
+    assert "DOES NOT FIT" in tuner.verdict.value and title(tuner) != before
+    assert f"batch {tuner.plan.max_batch_size + 1}" in title(tuner)
+
+
+def test_model_profile_and_mode_changes_update_the_max_batch(tuner):
+    on_h200 = tuner.plan.max_batch_size
+    tuner.profile.value = "h100"
+    assert 0 < tuner.plan.max_batch_size < on_h200
+    tuner.model.value = "Llama-3.1-70B"
+    assert tuner.plan.max_batch_size == 0 and "<b>0</b>" in tuner.max_batch.value
+    tuner.model.value = "Llama-3.2-1B"
+    tuner.mode.value = "train"
+    assert tuner.plan.mode == "train" and tuner.prompt_len.disabled and not tuner.seq_len.disabled
+    without = tuner.plan.max_batch_size
+    tuner.grad_checkpointing.value = True
+    assert tuner.plan.max_batch_size > without
+    tuner.lora_rank.value = 16
+    assert tuner.plan.trainable_params < tuner.plan.params
+
+
+def test_a_callback_error_is_shown_not_swallowed(tuner, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("planner exploded")
+    monkeypatch.setattr(planning, "plan", broken)
+    tuner.batch_size.value = 3
+    assert "planner exploded" in tuner.error.value
