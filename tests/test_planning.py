@@ -1,12 +1,11 @@
 """Profile -> plan: 'auto' batch sizes, the max-batch table, and the `workbook plan` CLI."""
 
 import json
-import subprocess
-import sys
+from types import SimpleNamespace
 
 import pytest
 
-from workbook import memory, params, planning
+from workbook import cli, memory, params, planning
 from workbook.paths import PARAMS_DIR
 
 
@@ -50,11 +49,20 @@ def test_batch_size_accepts_auto_or_a_positive_integer_only():
         params.validate_value("safety_margin", 0.9, "t")
 
 
-def workbook(*args):
-    return subprocess.run([sys.executable, "-m", "workbook", *args], capture_output=True, text=True)
+@pytest.fixture
+def workbook(capsys):
+    """Run the `workbook` CLI in-process (a subprocess would spend seconds importing torch each time)."""
+    def run(*args):
+        try:
+            code = cli.main(list(args))
+        except SystemExit as exit_:  # argparse rejects bad choices this way
+            code = exit_.code
+        captured = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
+    return run
 
 
-def test_cli_plan_json_has_what_scripts_read():
+def test_cli_plan_json_has_what_scripts_read(workbook):
     result = workbook("plan", "--model", "llama-3.1-8b", "--profile", "h200", "--mode", "generate",
                       "--prompt-len", "512", "--new-tokens", "2048", "--batch-size", "32", "--json")
     assert result.returncode == 0, result.stderr
@@ -66,7 +74,7 @@ def test_cli_plan_json_has_what_scripts_read():
     assert all(term["explanation"] for term in plan["breakdown"])
 
 
-def test_cli_plan_train_human_output_and_exit_codes():
+def test_cli_plan_train_human_output_and_exit_codes(workbook):
     ok = workbook("plan", "--model", "llama-3.2-1b", "--profile", "h100", "--mode", "train", "--seq-len", "2048",
                   "--grad-checkpointing")
     assert ok.returncode == 0 and "FITS" in ok.stdout and "largest batch that fits" in ok.stdout
