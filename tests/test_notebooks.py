@@ -84,3 +84,23 @@ def test_a_typo_passed_to_papermill_fails_loudly_instead_of_doing_nothing(tmp_pa
                        "-f", PARAMS_DIR / "cpu.yaml", "-p", "dtyp", "bf16", "-p", "run_dir", tmp_path)
     assert result.returncode != 0
     assert "unknown parameter 'dtyp'" in result.stderr and "Did you mean 'dtype'" in result.stderr
+
+
+@pytest.mark.notebook
+def test_memory_planning_notebook_writes_plans_tables_and_the_proof(cpu_run):
+    data = json.loads((cpu_run.run_dir / "memory_plan.json").read_text())
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    assert set(data["plans"]) == {"generate", "train"}
+    generate = data["plans"]["generate"]
+    assert generate["batch_size"] == cpu.batch_size and generate["fits"]
+    assert sum(term["bytes"] for term in generate["breakdown"]) == generate["total_bytes"]
+    rows = data["max_batch_tables"]["generate"]
+    assert {"Llama-3.1-8B", "Qwen2.5-0.5B"} <= {row["model"] for row in rows}
+    assert all(set(row) >= {"h200", "h100", "a100-40gb", "v100"} for row in rows)
+    for mode, batch in (("generate", cpu.batch_size), ("train", cpu.micro_batch_size)):
+        proof = data["worst_case_probe"][mode]
+        assert proof["device"] == "cpu" and proof["batch_size"] == batch
+        assert proof["predicted_bytes"] == data["plans"][mode]["total_bytes"]
+    assert data["worst_case_probe"]["generate"]["measurement"]["generated_tokens"] == cpu.max_new_tokens
+    for name in ("plan_generate.png", "plan_train.png", "memory_vs_batch_generate.png", "memory_vs_batch_train.png"):
+        assert (cpu_run.run_dir / name).stat().st_size > 10_000, name

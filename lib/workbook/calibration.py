@@ -1,0 +1,551 @@
+"""How close the memory planner is to the peaks a real GPU measures: a benchmark, not a test.
+
+Run it once per GPU profile and keep the JSON beside the profile's reference outputs::
+
+    python -m workbook.calibration --out outputs/reference/h200 --profile h200
+
+On a CUDA machine it runs ``calibration_grid(profile)``: every case builds a preset model from its
+config with RANDOM bf16 weights directly on the GPU (nothing is downloaded; memory depends on
+shapes, not on weight values), measures the worst-case peak with the finder's probes
+(``workbook.finder``) and compares it with ``memory.plan_generate`` / ``plan_train`` for the same
+settings; ``memory_accuracy.json`` holds every case and the summary against the goal (median
+absolute relative error <= 1.5%, max <= 4%). The grid takes a few minutes on an H200.
+
+Without a GPU it runs ``cpu_exact_checks()`` only (what CPU can check exactly: parameter counts,
+weight bytes, the KV cache of a real generate(), saved activations) and says the GPU part is
+pending. Results are data only; plotting belongs to ``workbook.plots``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
+
+from workbook import finder, gpu, memory, params, presets
+
+GOAL_MEDIAN_ABS_RELATIVE_ERROR = 0.015  # the planner's target: median |predicted/measured - 1|
+GOAL_MAX_ABS_RELATIVE_ERROR = 0.04  # ... and the worst case
+# Cases are kept well under the GPU so an underestimate shows up as an error, not as an OOM that
+# measures nothing: a case runs only if its plan uses at most this share of the profile's budget.
+GRID_BUDGET_FRACTION = 0.8
+DTYPE = "bf16"  # weights, activations and KV cache: the model is built in bf16, no autocast
+ATTN_IMPLEMENTATION = "sdpa"  # transformers' default; the planner's default too
+LORA_RANK = 16
+RESULT_FILE = "memory_accuracy.json"
+CPU_CHECKS_FILE = "cpu_exact_checks.json"
+
+
+# ----------------------------------------------------------------------------------------------
+# The grid.
+
+
+@dataclass(frozen=True)
+class CalibrationCase:
+    """One measurement: a preset model, a mode and the sizes the planner is asked about."""
+
+    name: str  # unique, e.g. "llama-3.1-8b/generate/b64-p1024-n512"
+    model: str  # a preset name (workbook.presets)
+    mode: str  # "generate" or "train"
+    batch_size: int  # sequences (the micro-batch when training)
+    prompt_len: int = 0  # generate: tokens of the (forced) longest prompt
+    new_tokens: int = 0  # generate: tokens generated, forced (min_new_tokens = max_new_tokens)
+    seq_len: int = 0  # train: tokens per sequence
+    grad_checkpointing: bool = False  # train
+    lora_rank: int = 0  # train: 0 = full fine-tune; > 0 needs peft
+    # False for the tiny model: its tensors are a few MiB, so the measured CUDA context is nearly
+    # all of its total and its error says nothing about the formulas.
+    counts_toward_goal: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# (model, prompt_len, new_tokens, batch): prefill-heavy and decode-heavy shapes per model.
+_GENERATE_SHAPES = [
+    ("tiny", 64, 128, 64),
+    ("qwen2.5-0.5b", 512, 256, 16),
+    ("qwen2.5-0.5b", 2048, 256, 64),
+    ("llama-3.2-1b", 512, 256, 16),
+    ("llama-3.2-1b", 1024, 512, 64),
+    ("llama-3.1-8b", 512, 256, 16),
+    ("llama-3.1-8b", 1024, 512, 64),
+]
+# (model, seq_len, micro_batch, grad_checkpointing, lora_rank).
+_TRAIN_SHAPES = [
+    ("tiny", 256, 8, False, 0),
+    ("tiny", 256, 8, True, 0),
+    ("qwen2.5-0.5b", 1024, 4, False, 0),
+    ("qwen2.5-0.5b", 2048, 8, True, 0),
+    ("llama-3.2-1b", 1024, 4, False, 0),
+    ("llama-3.2-1b", 2048, 8, True, 0),
+    ("llama-3.1-8b", 1024, 1, False, 0),
+    ("llama-3.1-8b", 2048, 4, True, 0),
+    ("qwen2.5-0.5b", 1024, 4, False, LORA_RANK),
+    ("llama-3.2-1b", 2048, 4, False, LORA_RANK),
+    ("llama-3.1-8b", 2048, 2, False, LORA_RANK),
+]
+
+
+def calibration_grid(profile: str | dict) -> list[CalibrationCase]:
+    """The cases to measure on ``profile``'s GPU (a profile name, a params file, or loaded params).
+
+    Models: the tiny model, Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B; modes: generate, train,
+    train with gradient checkpointing, LoRA. Only cases whose plan stays within
+    ``GRID_BUDGET_FRACTION`` of the GPU's budget are kept, so smaller GPUs get a shorter grid.
+    18 cases on an H200 (11 on an A100 40GB), a few minutes: each builds its model and runs one
+    generate or one training step.
+    """
+    gpu_memory_bytes = _profile_gpu_memory_bytes(profile)
+    cases = [
+        CalibrationCase(
+            name=f"{model}/generate/b{batch}-p{prompt_len}-n{new_tokens}", model=model,
+            mode="generate", batch_size=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+            counts_toward_goal=model != presets.TINY_PRESET,
+        )
+        for model, prompt_len, new_tokens, batch in _GENERATE_SHAPES
+    ]
+    for model, seq_len, batch, checkpointing, rank in _TRAIN_SHAPES:
+        method = f"lora{rank}" if rank else ("train-checkpointed" if checkpointing else "train")
+        cases.append(CalibrationCase(
+            name=f"{model}/{method}/b{batch}-s{seq_len}", model=model, mode="train",
+            batch_size=batch, seq_len=seq_len, grad_checkpointing=checkpointing, lora_rank=rank,
+            counts_toward_goal=model != presets.TINY_PRESET,
+        ))
+    budget = memory.budget_bytes(gpu_memory_bytes, memory.DEFAULT_SAFETY_MARGIN)
+    return [
+        case for case in cases
+        if plan_for_case(case, gpu_memory_bytes=gpu_memory_bytes).total_bytes
+        <= GRID_BUDGET_FRACTION * budget
+    ]
+
+
+def plan_for_case(
+    case: CalibrationCase,
+    *,
+    gpu_memory_bytes: int,
+    overhead_bytes: int = memory.DEFAULT_OVERHEAD_BYTES,
+) -> memory.Plan:
+    """The planner's prediction for ``case``, with the settings measure_case runs it under.
+
+    Training is pure bf16 (``mixed_precision=False``: the weights are bf16, no autocast) with
+    AdamW; LoRA adapters are fp32, as PEFT makes them.
+    """
+    if case.mode == "generate":
+        return memory.plan_generate(
+            case.model, batch_size=case.batch_size, prompt_len=case.prompt_len,
+            new_tokens=case.new_tokens, gpu_memory_bytes=gpu_memory_bytes, dtype=DTYPE,
+            attn_implementation=ATTN_IMPLEMENTATION, overhead_bytes=overhead_bytes,
+        )
+    if case.mode == "train":
+        return memory.plan_train(
+            case.model, micro_batch_size=case.batch_size, seq_len=case.seq_len,
+            gpu_memory_bytes=gpu_memory_bytes, dtype=DTYPE, mixed_precision=False,
+            grad_checkpointing=case.grad_checkpointing, lora_rank=case.lora_rank,
+            attn_implementation=ATTN_IMPLEMENTATION, overhead_bytes=overhead_bytes,
+        )
+    raise ValueError(f"case {case.name!r}: mode {case.mode!r} is not 'generate' or 'train'")
+
+
+def skip_reason(case: CalibrationCase) -> str | None:
+    """Why ``case`` cannot run here (a missing package), or None."""
+    if case.lora_rank > 0 and importlib.util.find_spec("peft") is None:
+        return "LoRA cases need the 'peft' package, which is not installed (pip install peft)"
+    return None
+
+
+def _profile_gpu_memory_bytes(profile: str | dict) -> int:
+    loaded = profile if isinstance(profile, dict) else params.load(params.profile_path(profile))
+    gib = loaded["gpu_memory_gib"]
+    if not gib:
+        raise ValueError(
+            f"profile {loaded.get('profile', '?')!r} has no GPU (gpu_memory_gib is {gib}); the "
+            "calibration grid is sized by a GPU's memory: pass a GPU profile such as 'h200'"
+        )
+    return int(gib * memory.GiB)
+
+
+# ----------------------------------------------------------------------------------------------
+# One case on the GPU.
+
+
+def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda") -> dict:
+    """Build ``case``'s model on the GPU, measure its worst-case peak, compare with the planner.
+
+    The plan's CUDA context term uses the overhead measured in this run (memory used outside
+    PyTorch's allocator), so the comparison tests the tensor formulas and the fragmentation
+    prior, not a guess of the context size. Everything is freed before returning. Returns a
+    JSON-ready record: status "measured", "oom" (the planner said it fits, the GPU disagreed) or
+    "skipped" with the reason.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(
+            "measure_case needs a CUDA GPU (it reads torch.cuda's peak memory statistics); on "
+            "this machine run cpu_exact_checks() instead"
+        )
+    record = {"case": case.to_dict(), "settings": {
+        "dtype": DTYPE, "attn_implementation": ATTN_IMPLEMENTATION, "weights": "random",
+        "mixed_precision": False, "optimizer": "adamw (lr=0: the probe does not train)",
+    }}
+    reason = skip_reason(case)
+    if reason:
+        return {**record, "status": "skipped", "reason": reason}
+    _, total_bytes = torch.cuda.mem_get_info(device)
+    clear_device_cache(garbage_collection=True)
+    started = time.perf_counter()
+    try:
+        measurement = run_case_probe(case, device)
+    except Exception as error:
+        if not should_reduce_batch_size(error):
+            raise
+        measurement = None
+        oom_error = finder.error_summary(error)
+    finally:
+        clear_device_cache(garbage_collection=True)  # the model went with run_case_probe's frame
+    seconds = time.perf_counter() - started
+    if measurement is None:
+        plan = plan_for_case(case, gpu_memory_bytes=total_bytes)
+        return {**record, "status": "oom", "error": oom_error, "seconds": seconds,
+                "predicted_bytes": plan.total_bytes, "plan": plan.to_dict()}
+    plan = plan_for_case(case, gpu_memory_bytes=total_bytes,
+                         overhead_bytes=max(0, measurement.non_pytorch_bytes))
+    return {**record, "status": "measured", "seconds": seconds,
+            **compare(plan, measurement), "measurement": measurement.to_dict(),
+            "plan": plan.to_dict()}
+
+
+def compare(plan: memory.Plan, measurement: finder.ProbeMeasurement) -> dict:
+    """Predicted against measured bytes: the whole peak, and the tensors alone.
+
+    ``relative_error`` is (predicted - measured) / measured of the device peak (reserved peak +
+    non-PyTorch memory); positive means the planner overestimates (safe). ``tensor_relative_error``
+    compares the plan without its context and fragmentation terms to the allocator's
+    allocated peak, isolating the tensor formulas.
+    """
+    overhead_terms = ("cuda_context", "allocator_fragmentation")
+    planned_tensors = sum(t.bytes for t in plan.terms if t.name not in overhead_terms)
+    measured = measurement.peak_bytes
+    return {
+        "predicted_bytes": plan.total_bytes,
+        "measured_bytes": measured,
+        "relative_error": (plan.total_bytes - measured) / measured,
+        "predicted_tensor_bytes": planned_tensors,
+        "measured_allocated_bytes": measurement.peak_allocated_bytes,
+        "tensor_relative_error": (
+            (planned_tensors - measurement.peak_allocated_bytes)
+            / measurement.peak_allocated_bytes
+        ),
+        "measured_fragmentation_bytes": (
+            measurement.peak_reserved_bytes - measurement.peak_allocated_bytes
+        ),
+        "measured_overhead_bytes": measurement.non_pytorch_bytes,
+    }
+
+
+def run_case_probe(case: CalibrationCase, device: torch.device) -> finder.ProbeMeasurement:
+    """Build the model with random bf16 weights on ``device`` and run the case's probe once.
+
+    The model lives only in this frame, so returning (or raising) releases it. Runs on CPU too
+    (the tests use that for the tiny model), where the measurement has no peaks.
+    """
+    from transformers import AutoModelForCausalLM  # local: only the GPU path builds models
+
+    config = presets.load_config(case.model)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.bfloat16, attn_implementation=ATTN_IMPLEMENTATION
+        )
+    if case.mode == "generate":
+        model.eval()
+        # Random ids: memory depends on the lengths only; min_new_tokens forces the full length.
+        generator = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, config.vocab_size, (case.prompt_len,), generator=generator)
+        probe = finder.generation_probe(model, None, prompt.tolist(), case.new_tokens)
+        return probe(case.batch_size)
+    if case.grad_checkpointing:
+        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
+            model, "gradient_checkpointing_enable")  # renamed in transformers 5.x
+        enable()
+    if case.lora_rank > 0:
+        model = _with_lora(model, case.lora_rank)
+    return finder.training_probe(model, case.seq_len)(case.batch_size)
+
+
+def _with_lora(model, rank: int):
+    import peft  # optional: skip_reason() says so when it is missing
+
+    lora_config = peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
+        target_modules=list(memory.DEFAULT_LORA_TARGET_MODULES),
+    )
+    # PEFT keeps the adapters in fp32 on a bf16 base (autocast_adapter_dtype=True, its default),
+    # which is what memory.plan_train assumes.
+    return peft.get_peft_model(model, lora_config)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole grid, written to memory_accuracy.json.
+
+
+def run_calibration(
+    out_dir: str | Path,
+    profile_name: str,
+    cases: list[CalibrationCase] | None = None,
+    *,
+    log=print,
+) -> dict:
+    """Measure every case (default: ``calibration_grid(profile_name)``) on this CUDA GPU and
+    write ``<out_dir>/memory_accuracy.json``; returns the same record.
+
+    The record holds every case (settings, predicted, measured, relative error), the summary
+    against the goal, the hardware, the software versions and the command that reproduces it.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            "run_calibration needs a CUDA GPU; on this machine run cpu_exact_checks(), or run "
+            f"`{command_line(out_dir, profile_name)}` on the GPU the profile describes"
+        )
+    cases = calibration_grid(profile_name) if cases is None else cases
+    say = log or (lambda line: None)
+    started = time.perf_counter()
+    records = []
+    for number, case in enumerate(cases, 1):
+        record = measure_case(case)
+        records.append(record)
+        say(f"[{number}/{len(cases)}] {case.name}: {_case_line(record)}")
+    result = {
+        "profile": profile_name,
+        "goal": {"median_abs_relative_error": GOAL_MEDIAN_ABS_RELATIVE_ERROR,
+                 "max_abs_relative_error": GOAL_MAX_ABS_RELATIVE_ERROR},
+        "summary": summarize(records),
+        "cases": records,
+        "hardware": gpu.detect(),
+        "versions": gpu.software_versions(),
+        "command": command_line(out_dir, profile_name),
+        "seconds": time.perf_counter() - started,
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def summarize(records: list[dict]) -> dict:
+    """Median and max absolute relative error of the measured cases that count toward the goal,
+    and whether the goal is met (no case may run out of memory)."""
+    errors = [
+        abs(record["relative_error"]) for record in records
+        if record["status"] == "measured" and record["case"]["counts_toward_goal"]
+    ]
+    out_of_memory = [record["case"]["name"] for record in records if record["status"] == "oom"]
+    median = statistics.median(errors) if errors else None
+    largest = max(errors) if errors else None
+    return {
+        "cases": len(records),
+        "measured": sum(record["status"] == "measured" for record in records),
+        "counted_toward_goal": len(errors),
+        "skipped": [{"name": r["case"]["name"], "reason": r["reason"]}
+                    for r in records if r["status"] == "skipped"],
+        "out_of_memory": out_of_memory,
+        "median_abs_relative_error": median,
+        "max_abs_relative_error": largest,
+        "meets_goal": bool(errors) and not out_of_memory
+        and median <= GOAL_MEDIAN_ABS_RELATIVE_ERROR and largest <= GOAL_MAX_ABS_RELATIVE_ERROR,
+    }
+
+
+def command_line(out_dir: str | Path, profile_name: str) -> str:
+    """The command that reproduces a calibration."""
+    return f"python -m workbook.calibration --out {out_dir} --profile {profile_name}"
+
+
+def _case_line(record: dict) -> str:
+    if record["status"] == "measured":
+        return (f"predicted {record['predicted_bytes'] / memory.GiB:.2f} GiB, measured "
+                f"{record['measured_bytes'] / memory.GiB:.2f} GiB "
+                f"({record['relative_error']:+.1%})")
+    return record["status"] + (f": {record['reason']}" if "reason" in record else "")
+
+
+# ----------------------------------------------------------------------------------------------
+# What CPU can check exactly.
+
+
+def cpu_exact_checks() -> dict:
+    """The planner's formulas against real tensors of the tiny model, on CPU: each must be exact.
+
+    - parameter count and weight bytes (fp32 and bf16) against the trained tiny model as loaded;
+    - KV cache bytes against the cache a real generate() builds (full length forced: it holds
+      prompt + new - 1 tokens, the last token is never fed back);
+    - activation bytes one decoder layer saves for backward (pure fp32, sdpa), against autograd's
+      saved tensors (the difference between a 2-layer and a 1-layer model).
+    The same checks tests/test_memory.py makes on stand-in models, here as a JSON-ready dict
+    that a notebook can show.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # local: pulls in the tokenizer
+
+    from workbook.tiny_model import ensure_tiny_model, tiny_config
+
+    model_dir = ensure_tiny_model()
+    config = tiny_config()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    checks = [
+        _check("parameters", "parameters of the tiny model (tied embeddings counted once)",
+               presets.count_parameters(config), sum(p.numel() for p in model.parameters()),
+               "parameters"),
+        _check("weights_fp32", "weight bytes of the tiny model loaded in fp32",
+               memory.weights_bytes(config, "fp32"), _parameter_bytes(model), "bytes"),
+        _kv_cache_check(model, tokenizer, config),
+        _activation_check(config),
+        _check("weights_bf16", "weight bytes of the tiny model cast to bf16",
+               memory.weights_bytes(config, "bf16"), _parameter_bytes(model.to(torch.bfloat16)),
+               "bytes"),
+    ]
+    return {
+        "checks": checks,
+        "all_exact": all(check["exact"] for check in checks),
+        "model_dir": str(model_dir),
+        "versions": gpu.software_versions(),
+    }
+
+
+KV_CHECK_PROMPT = "What is 23 + 45?"
+KV_CHECK_BATCH = 3
+KV_CHECK_NEW_TOKENS = 8  # more than the tiny model's answer: min_new_tokens must force it
+ACTIVATION_CHECK_BATCH, ACTIVATION_CHECK_SEQ_LEN = 3, 50  # 150 tokens: no parameter dimension
+
+
+def _check(name: str, what: str, predicted: int, measured: int, unit: str) -> dict:
+    return {"name": name, "what": what, "unit": unit, "predicted": int(predicted),
+            "measured": int(measured), "exact": int(predicted) == int(measured)}
+
+
+def _parameter_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _kv_cache_check(model, tokenizer, config) -> dict:
+    prompt_ids = tokenizer(KV_CHECK_PROMPT, return_tensors="pt")["input_ids"]
+    input_ids = prompt_ids.repeat(KV_CHECK_BATCH, 1)
+    with torch.no_grad():
+        output = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=KV_CHECK_NEW_TOKENS, min_new_tokens=KV_CHECK_NEW_TOKENS,
+            do_sample=False, pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True,
+        )
+    generated = output.sequences.shape[1] - input_ids.shape[1]
+    # Distinct storages: what the allocator holds, views counted once (DynamicCache, 5.17+).
+    tensors = [t for layer in output.past_key_values.layers for t in (layer.keys, layer.values)]
+    measured = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in tensors}.values())
+    tokens = input_ids.shape[1] + generated - 1
+    predicted = memory.kv_cache_bytes(config, "fp32", batch_size=KV_CHECK_BATCH, tokens=tokens)
+    check = _check("kv_cache_after_generate",
+                   f"KV cache of generate(): {KV_CHECK_BATCH} x ({input_ids.shape[1]} prompt + "
+                   f"{generated} new - 1) tokens, fp32", predicted, measured, "bytes")
+    check["exact"] = check["exact"] and generated == KV_CHECK_NEW_TOKENS
+    check["generated_tokens"] = generated
+    return check
+
+
+def _activation_check(config) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from workbook.tiny_model import ARCHITECTURE
+
+    saved = {}
+    for layers in (1, 2):
+        layer_config = LlamaConfig(**{**ARCHITECTURE, "num_hidden_layers": layers},
+                                   attn_implementation=ATTN_IMPLEMENTATION)
+        torch.manual_seed(0)
+        saved[layers] = _saved_activation_bytes(LlamaForCausalLM(layer_config).train())
+    predicted = memory.training_activation_bytes_per_layer(
+        config, batch_size=ACTIVATION_CHECK_BATCH, seq_len=ACTIVATION_CHECK_SEQ_LEN,
+        dtype="fp32", mixed_precision=False, attn_implementation=ATTN_IMPLEMENTATION,
+    )
+    return _check("activations_per_layer",
+                  f"bytes one decoder layer saves for backward ({ACTIVATION_CHECK_BATCH} x "
+                  f"{ACTIVATION_CHECK_SEQ_LEN} tokens, fp32, {ATTN_IMPLEMENTATION}), tiny "
+                  "architecture, random weights", predicted, saved[2] - saved[1], "bytes")
+
+
+def _saved_activation_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct storages autograd saves in one training forward (not parameters)."""
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, model.config.vocab_size,
+                        (ACTIVATION_CHECK_BATCH, ACTIVATION_CHECK_SEQ_LEN))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(input_ids=ids, labels=ids, use_cache=False)
+    return sum(saved.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line.
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m workbook.calibration --out DIR --profile NAME``: CPU checks, then the grid."""
+    parser = argparse.ArgumentParser(
+        prog="python -m workbook.calibration",
+        description="Compare the memory planner with measured GPU peaks (memory_accuracy.json); "
+                    "without a GPU, run only the exact CPU checks (cpu_exact_checks.json).",
+    )
+    parser.add_argument("--out", required=True, help="output folder, e.g. outputs/reference/h200")
+    parser.add_argument("--profile", required=True, help="GPU profile in params/, e.g. h200")
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = command_line(args.out, args.profile)
+
+    cpu_checks = cpu_exact_checks()
+    has_gpu = torch.cuda.is_available()
+    cpu_checks["command"] = command
+    cpu_checks["gpu_calibration"] = (
+        {"status": "run", "file": RESULT_FILE} if has_gpu else
+        {"status": "pending",
+         "reason": "the GPU calibration needs a CUDA GPU; none was found on this machine",
+         "to_run": f"{command}  (on the GPU the profile describes)"}
+    )
+    (out_dir / CPU_CHECKS_FILE).write_text(json.dumps(cpu_checks, indent=2) + "\n")
+    exact = sum(check["exact"] for check in cpu_checks["checks"])
+    print(f"CPU exact checks: {exact}/{len(cpu_checks['checks'])} exact -> "
+          f"{out_dir / CPU_CHECKS_FILE}")
+    if not has_gpu:
+        print(f"GPU calibration pending: it needs a CUDA GPU and none was found. Run `{command}` "
+              f"on the GPU of profile '{args.profile}' to write {out_dir / RESULT_FILE}.")
+        return 0 if cpu_checks["all_exact"] else 1
+
+    result = run_calibration(out_dir, args.profile)
+    summary = result["summary"]
+    print(f"GPU calibration: {summary['measured']} cases measured, median |error| "
+          f"{_percent(summary['median_abs_relative_error'])}, max "
+          f"{_percent(summary['max_abs_relative_error'])} (goal <= "
+          f"{GOAL_MEDIAN_ABS_RELATIVE_ERROR:.1%} / {GOAL_MAX_ABS_RELATIVE_ERROR:.0%}) -> "
+          f"{out_dir / RESULT_FILE}")
+    return 0 if cpu_checks["all_exact"] else 1
+
+
+def _percent(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2%}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The planner's calibration: exact CPU checks, a well-formed GPU grid, the CLI on CPU.
+
+The GPU grid itself is a benchmark run by `python -m workbook.calibration` on a GPU; here only
+its shape, its planner predictions and its summary arithmetic are checked.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from workbook import calibration, memory
+from workbook.calibration import (
+    CalibrationCase,
+    calibration_grid,
+    compare,
+    cpu_exact_checks,
+    measure_case,
+    plan_for_case,
+    skip_reason,
+    summarize,
+)
+from workbook.finder import ProbeMeasurement
+from workbook.paths import REPO_ROOT
+
+H200_BYTES = int(140.4 * memory.GiB)  # params/h200.yaml: gpu_memory_gib
+EXPECTED_CHECKS = {"parameters", "weights_fp32", "weights_bf16", "kv_cache_after_generate",
+                   "activations_per_layer"}
+
+
+# ---------------------------------------------------------------------------------------------
+# What CPU checks exactly.
+
+
+@pytest.fixture(scope="module")
+def cpu_checks():
+    pytest.importorskip("workbook.tiny_model")
+    return cpu_exact_checks()
+
+
+def test_cpu_exact_checks_are_exact(cpu_checks):
+    checks = {check["name"]: check for check in cpu_checks["checks"]}
+    assert set(checks) == EXPECTED_CHECKS
+    assert cpu_checks["all_exact"]
+    for check in checks.values():
+        assert check["predicted"] == check["measured"] and check["exact"], check
+    assert checks["weights_fp32"]["measured"] == 4 * checks["parameters"]["measured"]
+    assert checks["weights_bf16"]["measured"] == 2 * checks["parameters"]["measured"]
+    assert checks["kv_cache_after_generate"]["generated_tokens"] == calibration.KV_CHECK_NEW_TOKENS
+    assert json.loads(json.dumps(cpu_checks)) == cpu_checks
+
+
+# ---------------------------------------------------------------------------------------------
+# The grid, and the planner's predictions for it (computable without a GPU).
+
+
+def test_grid_is_well_formed_and_planned_without_a_gpu():
+    grid = calibration_grid("h200")
+    assert len({case.name for case in grid}) == len(grid)
+    assert {case.model for case in grid} == {"tiny", "qwen2.5-0.5b", "llama-3.2-1b",
+                                             "llama-3.1-8b"}
+    kinds = {(case.mode, case.grad_checkpointing, case.lora_rank > 0) for case in grid}
+    assert kinds == {("generate", False, False), ("train", False, False),
+                     ("train", True, False), ("train", False, True)}
+    budget = memory.budget_bytes(H200_BYTES, memory.DEFAULT_SAFETY_MARGIN)
+    for case in grid:
+        assert case.batch_size >= 1
+        if case.mode == "generate":
+            assert case.prompt_len >= 1 and case.new_tokens >= 1 and case.seq_len == 0
+        else:
+            assert case.seq_len >= 1 and case.prompt_len == case.new_tokens == 0
+        assert case.counts_toward_goal == (case.model != "tiny")
+        plan = plan_for_case(case, gpu_memory_bytes=H200_BYTES)
+        assert plan.mode == case.mode and plan.batch_size == case.batch_size
+        assert 0 < plan.total_bytes <= calibration.GRID_BUDGET_FRACTION * budget
+        assert json.loads(json.dumps(case.to_dict()))["name"] == case.name
+
+
+def test_plan_for_case_takes_the_measured_overhead():
+    case = calibration_grid("h200")[0]
+    default = plan_for_case(case, gpu_memory_bytes=H200_BYTES)
+    measured = plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=600 * memory.MiB)
+    assert measured.total_bytes - default.total_bytes == 88 * memory.MiB
+
+
+def test_smaller_gpus_get_a_shorter_grid_and_cpu_has_none():
+    a100_40gb = {case.name for case in calibration_grid("a100-40gb")}
+    assert a100_40gb < {case.name for case in calibration_grid("h200")}
+    assert not any(name.startswith("llama-3.1-8b/train") for name in a100_40gb)
+    with pytest.raises(ValueError, match="no GPU.*h200"):
+        calibration_grid("cpu")
+
+
+def test_lora_cases_are_skipped_with_the_reason_when_peft_is_missing(monkeypatch):
+    lora = next(case for case in calibration_grid("h200") if case.lora_rank > 0)
+    monkeypatch.setattr(calibration.importlib.util, "find_spec",
+                        lambda name: None if name == "peft" else object())
+    assert "peft" in skip_reason(lora)
+    full = next(case for case in calibration_grid("h200") if case.mode == "train")
+    assert skip_reason(full) is None
+
+
+@pytest.mark.parametrize("case", [
+    CalibrationCase(name="tiny/generate/small", model="tiny", mode="generate", batch_size=2,
+                    prompt_len=8, new_tokens=5),
+    CalibrationCase(name="tiny/train-checkpointed/small", model="tiny", mode="train",
+                    batch_size=2, seq_len=16, grad_checkpointing=True),
+], ids=lambda case: case.name)
+def test_the_gpu_path_builds_and_probes_the_tiny_model_on_cpu(case):
+    # The code measure_case runs on the GPU (random bf16 weights from the config, the finder's
+    # probes), run on CPU, where no peak is measured.
+    result = calibration.run_case_probe(case, torch.device("cpu"))
+    assert result.batch_size == 2 and result.peak_bytes is None
+    if case.mode == "generate":
+        assert result.generated_tokens == case.new_tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# Comparing and summarizing (stand-in measurements: the arithmetic, not the GPU).
+
+
+def gpu_like_measurement(reserved, allocated, non_pytorch) -> ProbeMeasurement:
+    """A hand-made measurement with the fields a CUDA probe fills (not a real reading)."""
+    return ProbeMeasurement(batch_size=1, device="cuda:0", seconds=1.0,
+                            peak_reserved_bytes=reserved, peak_allocated_bytes=allocated,
+                            non_pytorch_bytes=non_pytorch, sequence_tokens=768)
+
+
+def test_compare_reports_signed_errors_of_the_peak_and_of_the_tensors():
+    case = next(case for case in calibration_grid("h200") if case.model == "llama-3.1-8b")
+    plan = plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=500 * memory.MiB)
+    tensors = plan.total_bytes - sum(term.bytes for term in plan.terms
+                                     if term.name in ("cuda_context", "allocator_fragmentation"))
+    measured = gpu_like_measurement(reserved=plan.total_bytes - 500 * memory.MiB - 1000,
+                                    allocated=tensors, non_pytorch=500 * memory.MiB)
+    record = compare(plan, measured)
+    assert record["measured_bytes"] == plan.total_bytes - 1000
+    assert record["relative_error"] == pytest.approx(1000 / (plan.total_bytes - 1000))
+    assert record["relative_error"] > 0  # overestimate: the safe side
+    assert record["tensor_relative_error"] == 0
+
+
+def record(name, status, error=None, counts=True):
+    values = {"case": {"name": name, "counts_toward_goal": counts}, "status": status}
+    if status == "measured":
+        values["relative_error"] = error
+    if status == "skipped":
+        values["reason"] = "LoRA cases need the 'peft' package"
+    return values
+
+
+def test_summary_against_the_goal():
+    records = [record("a", "measured", 0.01), record("b", "measured", -0.03),
+               record("c", "measured", 0.005), record("tiny", "measured", 0.5, counts=False),
+               record("lora", "skipped")]
+    summary = summarize(records)
+    assert summary["median_abs_relative_error"] == pytest.approx(0.01)
+    assert summary["max_abs_relative_error"] == pytest.approx(0.03)
+    assert summary["measured"] == 4 and summary["counted_toward_goal"] == 3
+    assert summary["skipped"] == [{"name": "lora", "reason": "LoRA cases need the 'peft' package"}]
+    assert summary["meets_goal"]
+    assert not summarize(records + [record("8b", "oom")])["meets_goal"]
+    assert not summarize(records + [record("d", "measured", 0.05)])["meets_goal"]
+    assert not summarize([record("lora", "skipped")])["meets_goal"]  # nothing measured
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a GPU: the CLI runs the CPU checks and says the GPU part is pending.
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_measure_case_needs_a_gpu():
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        measure_case(calibration_grid("h200")[0])
+    with pytest.raises(RuntimeError, match="CUDA GPU"):
+        calibration.run_calibration("unused", "h200")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
+def test_cli_on_cpu_writes_the_exact_checks_and_says_the_gpu_part_is_pending(tmp_path):
+    pytest.importorskip("workbook.tiny_model")
+    out = tmp_path / "reference" / "h200"
+    completed = subprocess.run(
+        [sys.executable, "-m", "workbook.calibration", "--out", str(out), "--profile", "h200"],
+        capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "GPU calibration pending" in completed.stdout
+    written = json.loads((out / calibration.CPU_CHECKS_FILE).read_text())
+    assert written["all_exact"]
+    assert written["gpu_calibration"]["status"] == "pending"
+    assert "--profile h200" in written["command"]
+    assert not (out / calibration.RESULT_FILE).exists()  # never a placeholder for GPU results
+
+
+# ---------------------------------------------------------------------------------------------
+# On a GPU only.
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["generate", "train"])
+def test_measure_case_on_the_tiny_model(mode):
+    case = next(case for case in calibration_grid("h200")
+                if case.model == "tiny" and case.mode == mode)
+    result = measure_case(case)
+    assert result["status"] == "measured", result
+    assert result["measured_bytes"] > 0 and result["predicted_bytes"] > 0
+    assert result["measurement"]["non_pytorch_bytes"] > 0  # the CUDA context
+    assert abs(result["relative_error"]) < 0.25
+    assert json.loads(json.dumps(result))["case"]["name"] == case.name
+    if mode == "generate":
+        assert result["measurement"]["generated_tokens"] == case.new_tokens
