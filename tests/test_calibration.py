@@ -213,3 +213,20 @@ def test_measure_case_on_the_tiny_model(mode):
     assert json.loads(json.dumps(result))["case"]["name"] == case.name
     if mode == "generate":
         assert result["measurement"]["generated_tokens"] == case.new_tokens
+
+
+def test_accuracy_figure_draws_a_calibration_record(tmp_path):
+    # A hand-made record with the fields run_calibration writes: this checks the figure, not the planner.
+    import matplotlib
+    matplotlib.use("Agg")
+    from workbook import plots
+    cases = [{"status": "measured", "case": {"name": f"case-{i}", "mode": mode},
+              "measured_bytes": (i + 1) * 2**30, "predicted_bytes": int((i + 1) * 2**30 * 1.02),
+              "relative_error": 0.02} for i, mode in enumerate(("generate", "train", "train"))]
+    cases.append({"status": "skipped", "case": {"name": "lora", "mode": "train"}, "reason": "peft missing"})
+    record = {"profile": "h200", "cases": cases, "hardware": {"gpus": [{"name": "NVIDIA H200"}]},
+              "summary": {"median_abs_relative_error": 0.02, "max_abs_relative_error": 0.02}}
+    figure = plots.memory_accuracy(record)
+    assert "median |error| 2.00%" in figure._suptitle.get_text() and "3 measured cases" in figure._suptitle.get_text()
+    figure.savefig(tmp_path / "memory_accuracy.png")
+    assert (tmp_path / "memory_accuracy.png").stat().st_size > 10_000

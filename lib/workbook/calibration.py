@@ -534,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if cpu_checks["all_exact"] else 1
 
     result = run_calibration(out_dir, args.profile)
+    from workbook import plots  # the figure is for people; the JSON above is the record
+    plots.memory_accuracy(result).savefig(out_dir / "memory_accuracy.png", dpi=120, bbox_inches="tight")
     summary = result["summary"]
     print(f"GPU calibration: {summary['measured']} cases measured, median |error| "
           f"{_percent(summary['median_abs_relative_error'])}, max "

@@ -95,6 +95,11 @@ def _plan_text(result, profile_name: str) -> str:
     return "\n".join(lines)
 
 
+def _cmd_calibrate(args) -> int:
+    from workbook import calibration
+    return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbook", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -134,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)
+
+    calibrate_parser = commands.add_parser(
+        "calibrate", help="measure peak memory over a grid of models x batches x modes on this GPU and compare "
+                          "with the planner (memory_accuracy.json + .png); without a GPU only the exact CPU checks")
+    calibrate_parser.add_argument("--profile", required=True, help="the GPU profile of this machine, e.g. h200")
+    calibrate_parser.add_argument("--out", help="output folder (default outputs/reference/<profile>)")
+    calibrate_parser.set_defaults(handler=_cmd_calibrate)
     return parser
 
 

@@ -86,3 +86,36 @@ def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title:
     if figure is not None:
         figure.tight_layout()
     return figure or axis.figure
+
+
+def memory_accuracy(result: dict):
+    """Planner prediction against measured peak per calibration case, with the y = x line.
+
+    `result` is what `calibration.run_calibration` writes (memory_accuracy.json).
+    """
+    figure, (scatter_axis, error_axis) = plt.subplots(1, 2, figsize=(12, 4.8))
+    measured = [r for r in result["cases"] if r["status"] == "measured"]
+    for mode in sorted({r["case"]["mode"] for r in measured}):
+        points = [r for r in measured if r["case"]["mode"] == mode]
+        scatter_axis.scatter([r["measured_bytes"] / GiB for r in points], [r["predicted_bytes"] / GiB for r in points],
+                             label=mode, s=25)
+    top = max([r["measured_bytes"] / GiB for r in measured] + [1.0]) * 1.05
+    scatter_axis.plot([0, top], [0, top], color="black", linewidth=1, label="prediction = measurement")
+    scatter_axis.set_xlabel("measured peak, GiB (max_memory_reserved + non-PyTorch)")
+    scatter_axis.set_ylabel("predicted peak, GiB (planner)")
+    scatter_axis.legend(fontsize=8)
+    scatter_axis.grid(alpha=0.3)
+    names = [r["case"]["name"] for r in measured]
+    errors = [100 * r["relative_error"] for r in measured]
+    error_axis.barh(names, errors, color=["#c44e52" if abs(e) > 4 else "#4c72b0" for e in errors])
+    error_axis.axvline(0, color="black", linewidth=1)
+    error_axis.set_xlabel("(predicted - measured) / measured, %  (positive: safe side)")
+    error_axis.tick_params(axis="y", labelsize=7)
+    summary = result["summary"]
+    hardware = result["hardware"]["gpus"][0]["name"] if result["hardware"]["gpus"] else "no GPU"
+    median, worst = summary.get("median_abs_relative_error"), summary.get("max_abs_relative_error")
+    figure.suptitle(f"Memory planner accuracy on {hardware} ({result['profile']}): median |error| "
+                    f"{median:.2%}, max {worst:.2%} over {len(measured)} measured cases" if measured else
+                    f"Memory planner accuracy on {hardware}: no case measured", fontsize=10)
+    figure.tight_layout()
+    return figure
