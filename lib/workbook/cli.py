@@ -100,6 +100,14 @@ def _cmd_calibrate(args) -> int:
     return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile])
 
 
+def _job(module_name: str):
+    """Handler for a job subcommand whose logic lives in `workbook.<module_name>.cli_main`."""
+    def handler(args) -> int:
+        import importlib
+        return importlib.import_module(f"workbook.{module_name}").cli_main(args.params, args.set)
+    return handler
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="workbook", description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -146,6 +154,15 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_parser.add_argument("--profile", required=True, help="the GPU profile of this machine, e.g. h200")
     calibrate_parser.add_argument("--out", help="output folder (default outputs/reference/<profile>)")
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
+
+    for name, module_name, what in (
+            ("generate", "generate", "batched generation of teacher outputs (JSONL in, JSONL out), resumable"),
+            ("train", "train", "supervised fine-tuning on input/output JSONL"),
+            ("bench", "bench", "generation and training sweeps against the hardware's limits")):
+        job = commands.add_parser(name, help=what)
+        job.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
+        job.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a parameter")
+        job.set_defaults(handler=_job(module_name))
     return parser
 
 
