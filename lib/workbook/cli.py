@@ -109,7 +109,8 @@ def _job(module_name: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="workbook", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="workbook", description="GPU experiment workbook: detect the GPU, "
+                                     "plan memory, generate, train and benchmark; run the notebooks headless.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gpu_parser = commands.add_parser("gpu", help="show the GPUs, versions and the matching params profile")
