@@ -47,8 +47,46 @@ def test_model_profile_and_mode_changes_update_the_max_batch(tuner):
 
 
 def test_a_callback_error_is_shown_not_swallowed(tuner, monkeypatch):
+    assert tuner.error.layout.display == "none"
+    working = planning.plan
+
     def broken(*args, **kwargs):
         raise ValueError("planner exploded")
     monkeypatch.setattr(planning, "plan", broken)
     tuner.batch_size.value = 3
-    assert "planner exploded" in tuner.error.value
+    assert "ValueError: planner exploded" in tuner.error.value and tuner.error.layout.display != "none"
+    # The verdict no longer claims the previous settings' answer.
+    assert "NOT UPDATED" in tuner.verdict.value and "FITS" not in tuner.verdict.value
+    monkeypatch.setattr(planning, "plan", working)
+    tuner.batch_size.value = 4
+    assert tuner.error.value == "" and tuner.error.layout.display == "none" and "FITS" in tuner.verdict.value
+
+
+def test_each_mode_keeps_its_own_batch(tuner):
+    generate_batch = tuner.batch_size.value
+    tuner.mode.value = "train"
+    # llama-3.1-8b does not train on one H200 even at batch 1: 'auto' gives 1, not the generate batch.
+    assert tuner.batch_size.value == 1 and tuner.plan.batch_size == 1 and tuner.plan.mode == "train"
+    tuner.batch_size.value = 2
+    tuner.mode.value = "generate"
+    assert tuner.batch_size.value == generate_batch == tuner.plan.batch_size
+    tuner.mode.value = "train"
+    assert tuner.batch_size.value == 2
+
+
+def test_the_slider_spans_twice_the_largest_batch(tuner):
+    assert tuner.batch_size.max == 2 * tuner.plan.max_batch_size
+    tuner.model.value = "Llama-3.2-1B"
+    assert tuner.batch_size.max == 2 * tuner.plan.max_batch_size > 2 * 345
+
+
+def test_the_line_under_the_verdict_says_what_to_change_or_what_is_left(tuner):
+    assert "of the budget left per GPU" in tuner.advice.value
+    tuner.batch_size.value = tuner.plan.max_batch_size + 1
+    assert f"the largest batch that fits is {tuner.plan.max_batch_size}" in tuner.advice.value
+
+
+def test_a_preset_given_in_another_case_is_listed_once(tuner):
+    assert tuner.model.value == "Llama-3.1-8B"
+    names = [name.lower() for name in tuner.model.options]
+    assert len(names) == len(set(names))

@@ -3,7 +3,13 @@
 Controls update on release (`continuous_update=False`), not on every pixel of a drag: one plan is
 cheap, but redrawing a figure per pixel makes a slider stutter. The figure redraws inside an
 Output widget with `clear_output(wait=True)`, which swaps the old image for the new one without a
-blank frame. A callback error is shown under the controls instead of vanishing into the log.
+blank frame, and the Output keeps the figure's height so the page below does not jump while the
+new image decodes. A callback error is shown under the verdict instead of vanishing into the log.
+
+Layout: four labelled groups (model and hardware, workload, generation lengths, training) that sit
+two by two on a laptop (1024 to 1280 px) and stack on a narrow window; the verdict line right
+under them; the two plots side by side so controls, verdict and plot fit on one laptop screen.
+`tests/test_browser.py` checks all of this in JupyterLab in a headless browser.
 """
 
 from __future__ import annotations
@@ -21,13 +27,39 @@ from workbook.units import format_bytes
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 LORA_RANKS = (0, 4, 8, 16, 32, 64, 128)
 CURVE_POINTS = 16
+LABEL_WIDTH = "160px"  # wide enough for the longest label with its unit, at JupyterLab's font size
+# Two plots side by side, 1000 x 320 px at the inline backend's 100 dpi: full size at 1280 px,
+# scaled to ~80% (still readable) in a 1024 px window; controls, verdict and plot then fit one
+# laptop screen (1280 x 800, 1024 x 768) under JupyterLab's menus.
+FIGURE_INCHES = (10, 3.2)
+FIGURE_MIN_HEIGHT = "335px"  # the figure's height: the page does not jump while an image swaps
+# CSS classes: a handle for the browser test and for anyone styling the tuner.
+CSS_CLASSES = {"widget": "workbook-tuner", "verdict": "workbook-tuner-verdict",
+               "max_batch": "workbook-tuner-max-batch", "advice": "workbook-tuner-advice",
+               "error": "workbook-tuner-error", "output": "workbook-tuner-figure"}
 
 
-def _labelled(control, label: str, width: str = "360px"):
+def _labelled(control, label: str, tooltip: str):
+    """A control with its label (unit in brackets) in a fixed-width column, filling its group."""
     control.description = label
-    control.style = {"description_width": "150px"}
-    control.layout = widgets.Layout(width=width, max_width="100%")
+    control.tooltip = tooltip
+    control.style.description_width = LABEL_WIDTH
+    control.layout = widgets.Layout(width="100%")
     return control
+
+
+def _group(title: str, children: list, note: str = ""):
+    heading = f"<b>{html.escape(title)}</b>" + (f" <span style='color:#666'>{html.escape(note)}</span>"
+                                                 if note else "")
+    # flex-basis 360px: two groups per row from ~740 px of notebook width, one below that.
+    return widgets.VBox([widgets.HTML(heading, layout=widgets.Layout(height="22px")), *children],
+                        layout=widgets.Layout(border="1px solid #ddd", padding="2px 8px", margin="0 8px 6px 0",
+                                              flex="1 1 360px", min_width="0"))
+
+
+def _canonical_model(model: str, models: list[str]) -> str:
+    """The listed spelling of `model` ('llama-3.1-8b' -> 'Llama-3.1-8B'), so it is not listed twice."""
+    return next((name for name in models if name.lower() == str(model).lower()), str(model))
 
 
 class PlannerTuner:
@@ -40,33 +72,54 @@ class PlannerTuner:
     def __init__(self, profiles: dict, models: list[str], params: dict):
         self.profiles = profiles
         self.base = dict(params)
-        models = list(models) + ([params["model"]] if params["model"] not in models else [])
+        models = list(models)
+        model = _canonical_model(params["model"], models)
+        models += [model] if model not in models else []
         mode = params["plan_mode"]
-        # 'auto' starts the slider at the planner's answer for the profile's own settings.
-        batch = planning.plan(params, mode=mode).batch_size
-        self.model = _labelled(widgets.Dropdown(options=models, value=params["model"]), "model")
-        self.profile = _labelled(widgets.Dropdown(options=list(profiles), value=params["profile"]), "GPU profile")
-        self.dtype = _labelled(widgets.Dropdown(options=WEIGHT_DTYPES, value=params["dtype"]), "weights dtype")
-        self.mode = _labelled(widgets.ToggleButtons(options=("generate", "train"), value=mode), "mode")
-        self.batch_size = _labelled(widgets.IntSlider(min=1, max=max(1024, 2 * batch), value=batch,
-                                                      continuous_update=False), "batch (sequences/GPU)")
+        # A batch per mode, as in the params (batch_size, micro_batch_size): a generation batch of
+        # hundreds means nothing for a training step. 'auto' starts at the planner's answer.
+        self._batch_by_mode = {m: planning.plan(params, mode=m).batch_size for m in ("generate", "train")}
+        self._quiet = False  # True while the tuner itself moves a control: one update, not two
+        batch = self._batch_by_mode[mode]
+        self.model = _labelled(widgets.Dropdown(options=models, value=model), "model",
+                               "a preset or a local model directory (its config.json only; nothing is loaded)")
+        self.profile = _labelled(widgets.Dropdown(options=list(profiles), value=params["profile"]), "GPU profile",
+                                 "params/<profile>.yaml: GPU memory, count, safety margin, CUDA overhead")
+        self.dtype = _labelled(widgets.Dropdown(options=WEIGHT_DTYPES, value=params["dtype"]), "weights dtype",
+                               "bytes per weight: fp32 4, bf16/fp16 2, int8 1, int4 0.5")
+        self.mode = _labelled(widgets.ToggleButtons(options=("generate", "train"), value=mode), "mode",
+                              "plan generation (KV cache) or a training step (gradients, optimizer)")
+        self.mode.style.button_width = "90px"
+        # ipywidgets 8 puts a ToggleButtons' label above its buttons; inline, it lines up with the others.
+        self.mode.add_class("widget-inline-hbox")
+        self.batch_size = _labelled(widgets.IntSlider(min=1, max=max(64, 2 * batch), value=batch,
+                                                      continuous_update=False), "batch (seqs/GPU)",
+                                    "sequences per GPU (the micro-batch when training); click the number to type one")
         self.prompt_len = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["prompt_len"]),
-                                    "prompt (tokens)")
+                                    "prompt (tokens)", "prompt tokens per sequence (use your data's longest)")
         self.new_tokens = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["max_new_tokens"]),
-                                    "new tokens")
+                                    "new (tokens)", "tokens generated per sequence; the KV cache grows with them")
         self.seq_len = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["seq_len"]),
-                                 "sequence (tokens)")
-        self.grad_checkpointing = widgets.Checkbox(value=params["grad_checkpointing"],
-                                                   description="gradient checkpointing", indent=False)
+                                 "sequence (tokens)", "training sequence length; activations grow with it")
+        # indent: the box lines up with the other controls, its label beside it.
+        self.grad_checkpointing = _labelled(widgets.Checkbox(value=params["grad_checkpointing"], indent=True),
+                                            "gradient checkpointing", "recompute activations in backward: "
+                                            "~1 layer of activations, ~30% more compute")
         self.lora_rank = _labelled(widgets.Dropdown(options=sorted({*LORA_RANKS, params["lora_rank"]}),
-                                                    value=params["lora_rank"]), "LoRA rank (0 = full)")
+                                                    value=params["lora_rank"]), "LoRA rank",
+                                   "0: full fine-tune; > 0: train LoRA adapters only, on a frozen base")
         self.verdict = widgets.HTML()
         self.max_batch = widgets.HTML()
-        self.error = widgets.HTML()
-        self.output = widgets.Output(layout=widgets.Layout(min_height="420px"))
+        self.advice = widgets.HTML()
+        self.error = widgets.HTML(layout=widgets.Layout(display="none"))  # shown only when there is one
+        self.output = widgets.Output(layout=widgets.Layout(min_height=FIGURE_MIN_HEIGHT))
+        for name, css_class in CSS_CLASSES.items():
+            if name != "widget":
+                getattr(self, name).add_class(css_class)
         self.plan = None
         self.figure = None
         self.widget = self._layout()
+        self.widget.add_class(CSS_CLASSES["widget"])
         for control in self._controls():
             control.observe(self._on_change, names="value")
         self.update()
@@ -76,17 +129,16 @@ class PlannerTuner:
                 self.new_tokens, self.seq_len, self.grad_checkpointing, self.lora_rank)
 
     def _layout(self):
-        box = dict(layout=widgets.Layout(border="1px solid #ddd", padding="6px", margin="0 8px 8px 0",
-                                         flex="1 1 380px"))
-        what = widgets.VBox([widgets.HTML("<b>Model and hardware</b>"), self.model, self.profile, self.dtype,
-                             self.mode], **box)
-        shape = widgets.VBox([widgets.HTML("<b>Batch and lengths</b>"), self.batch_size, self.prompt_len,
-                              self.new_tokens, self.seq_len], **box)
-        training = widgets.VBox([widgets.HTML("<b>Training memory savers</b>"), self.grad_checkpointing,
-                                 self.lora_rank], **box)
-        # flex-wrap: the three groups sit side by side on a wide screen and stack on a laptop.
-        controls = widgets.HBox([what, shape, training], layout=widgets.Layout(flex_flow="row wrap"))
-        return widgets.VBox([controls, widgets.HBox([self.verdict, self.max_batch]), self.error, self.output])
+        groups = [
+            _group("Model and hardware", [self.model, self.profile, self.dtype]),
+            _group("Workload", [self.mode, self.batch_size]),
+            _group("Generation lengths", [self.prompt_len, self.new_tokens], "(mode generate)"),
+            _group("Training", [self.seq_len, self.grad_checkpointing, self.lora_rank], "(mode train)"),
+        ]
+        controls = widgets.HBox(groups, layout=widgets.Layout(flex_flow="row wrap"))
+        result = widgets.HBox([self.verdict, self.max_batch],
+                              layout=widgets.Layout(flex_flow="row wrap", align_items="baseline"))
+        return widgets.VBox([controls, result, self.advice, self.error, self.output])
 
     def settings(self) -> dict:
         """The planner settings the controls describe (profile facts + control values)."""
@@ -97,6 +149,17 @@ class PlannerTuner:
                 "lora_rank": self.lora_rank.value}
 
     def _on_change(self, change) -> None:
+        if self._quiet:
+            return
+        if change["owner"] is self.mode:
+            self._batch_by_mode[change["old"]] = self.batch_size.value
+            batch = self._batch_by_mode[change["new"]]
+            self._quiet = True
+            try:
+                self.batch_size.max = max(self.batch_size.max, batch)
+                self.batch_size.value = batch
+            finally:
+                self._quiet = False
         self.update()
 
     def update(self) -> None:
@@ -108,9 +171,16 @@ class PlannerTuner:
             self._show_verdict()
             self._redraw(settings, mode)
             self.error.value = ""
+            self.error.layout.display = "none"
         except Exception as error:  # shown to the person at the controls, not swallowed
-            self.error.value = (f"<pre style='color:#b00;white-space:pre-wrap'>{html.escape(str(error))}\n"
+            # The verdict above would otherwise still describe the previous settings.
+            self.verdict.value = ("<span style='font-size:1.2em;color:#b00'><b>NOT UPDATED</b></span> "
+                                  "the planner failed for these settings (below); the plot shows the last good plan")
+            self.max_batch.value = self.advice.value = ""
+            self.error.value = (f"<pre style='color:#b00;white-space:pre-wrap;margin:0'>"
+                                f"{html.escape(type(error).__name__)}: {html.escape(str(error))}\n"
                                 f"{html.escape(traceback.format_exc(limit=2))}</pre>")
+            self.error.layout.display = None
         for control in (self.prompt_len, self.new_tokens):
             control.disabled = self.mode.value != "generate"
         self.seq_len.disabled = self.grad_checkpointing.disabled = self.lora_rank.disabled = \
@@ -120,24 +190,36 @@ class PlannerTuner:
         plan = self.plan
         color, word = ("#1a7f37", "FITS") if plan.fits else ("#b00", "DOES NOT FIT")
         self.verdict.value = (f"<span style='font-size:1.2em;color:{color}'><b>{word}</b></span> "
-                              f"{format_bytes(plan.total_bytes)} predicted of "
+                              f"batch {plan.batch_size} ({plan.mode}): {format_bytes(plan.total_bytes)} predicted of "
                               f"{format_bytes(plan.budget_bytes)} budget per GPU&nbsp;&nbsp;")
         self.max_batch.value = f"<span style='font-size:1.2em'>max batch: <b>{plan.max_batch_size}</b></span>"
-        if plan.max_batch_size > self.batch_size.max // 2:
-            self.batch_size.max = min(max(2 * plan.max_batch_size, 64), 1 << 20)
+        # Always one line (the spare memory when it fits), so the plot below does not jump when the
+        # verdict flips.
+        spare = f"{format_bytes(plan.budget_bytes - plan.total_bytes)} of the budget left per GPU."
+        notes = [plan.advice() or spare, *plan.notes]
+        self.advice.value = "<br>".join(f"<span style='color:#555'>{html.escape(n)}</span>" for n in notes)
+        # The slider spans twice the largest batch that fits (as the curve does), so the interesting
+        # part is not squeezed into a few pixels; never below the batch it shows.
+        self.batch_size.max = min(max(2 * plan.max_batch_size, 64, self.batch_size.value), 1 << 20)
 
     def _redraw(self, settings: dict, mode: str) -> None:
         plan = self.plan
         top = max(plan.max_batch_size, plan.batch_size, 1) * 2
         batches = sorted({max(1, round(top * i / CURVE_POINTS)) for i in range(CURVE_POINTS + 1)})
         totals = [planning.plan(settings, mode=mode, batch_size=b).total_bytes for b in batches]
-        figure, (bar_axis, curve_axis) = plt.subplots(2, 1, figsize=(9, 6.5), height_ratios=(1, 1.6))
+        figure, (bar_axis, curve_axis) = plt.subplots(1, 2, figsize=FIGURE_INCHES, width_ratios=(1, 1.15),
+                                                      layout="constrained")
         plots.plan_breakdown(plan, axis=bar_axis)
+        # Half a figure wide, the bar has no room for the legend beside it: legend under, a shorter title.
+        bar_axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=7, frameon=False)
+        verdict = "fits" if plan.fits else "DOES NOT FIT"
+        bar_axis.set_title(f"{mode}, {plan.dtype}, batch {plan.batch_size}: {format_bytes(plan.total_bytes)}, "
+                           f"{verdict}", fontsize=9.5, color="black" if plan.fits else "#b00")
+        bar_axis.set_xlabel("GiB per GPU (predicted from the model config)", fontsize=8.5)
         plots.memory_vs_batch({f"{settings['model']}, {plan.dtype}": (batches, totals)}, plan.capacity_bytes,
-                              plan.budget_bytes, "predicted peak vs batch (the dot is the batch above)",
-                              axis=curve_axis)
+                              plan.budget_bytes, f"predicted peak vs batch (red dot: batch {plan.batch_size}, "
+                                                 f"max {plan.max_batch_size})", axis=curve_axis)
         curve_axis.plot([plan.batch_size], [plan.total_bytes / 2**30], "o", color="red", markersize=8)
-        figure.tight_layout()
         with self.output:
             clear_output(wait=True)
             display(figure)
