@@ -104,3 +104,48 @@ def test_memory_planning_notebook_writes_plans_tables_and_the_proof(cpu_run):
     assert data["worst_case_probe"]["generate"]["measurement"]["generated_tokens"] == cpu.max_new_tokens
     for name in ("plan_generate.png", "plan_train.png", "memory_vs_batch_generate.png", "memory_vs_batch_train.png"):
         assert (cpu_run.run_dir / name).stat().st_size > 10_000, name
+
+
+@pytest.mark.notebook
+def test_batched_generation_notebook_generates_every_prompt_and_reports_throughput_and_accuracy(cpu_run):
+    data = json.loads((cpu_run.run_dir / "generation.json").read_text())
+    summary = data["summary"]
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    assert summary["output_path"] == str(cpu_run.run_dir / "generations.jsonl")
+    assert summary["examples"] == summary["in_output"] == summary["generated"] > 0
+    assert summary["unaccounted"] == 0 and summary["in_failures"] == 0
+    assert summary["backend"] == cpu.backend and summary["batch_size"] == cpu.batch_size
+    assert summary["examples_per_minute"] > 0 and 0 <= summary["padding_waste"] < 1
+    assert len(summary["batch_list"]) == summary["batches"]
+    lines = (cpu_run.run_dir / "generations.jsonl").read_text().splitlines()
+    assert len(lines) == summary["examples"]
+    assert data["accuracy"]["task"] == "arithmetic" and data["accuracy"]["scored"] == summary["examples"]
+    assert 0 <= data["accuracy"]["accuracy"] <= 1
+    assert data["sample"][0]["metadata"]["teacher_model"] == cpu.model
+    assert (cpu_run.run_dir / "generation_timeline.png").stat().st_size > 10_000
+
+
+@pytest.mark.notebook
+def test_training_notebook_fine_tunes_on_the_run_and_reports_what_it_measured(cpu_run):
+    data = json.loads((cpu_run.run_dir / "training_metrics.json").read_text())
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    assert data["status"] == "finished" and data["steps"]["reached"] == data["steps"]["total"] > 0
+    # Notebook 02's teacher outputs in the same run folder are the default training data.
+    assert data["data"]["source"].startswith(str(cpu_run.run_dir / "generations.jsonl"))
+    lengths = data["data"]["token_lengths"]
+    assert data["data"]["max_seq_length"] % 64 == 0 and lengths["max"] <= data["data"]["max_seq_length"]
+    assert data["data"]["truncation"]["truncated"] == 0 and 0 <= data["plan"]["padding_fraction"] < 0.5
+    assert len(data["history"]) == data["steps"]["total"] and data["plan"]["micro_batch_size"] == cpu.micro_batch_size
+    assert data["loss"]["eval_after"] < data["loss"]["eval_before"]  # the validation loss fell
+    assert data["loss"]["epoch_means"][-1] < data["loss"]["epoch_means"][0]  # and so did the training loss
+    assert data["throughput"]["tokens_per_second"] > 0
+    assert data["throughput"]["mfu"] is None and data["throughput"]["mfu_note"].startswith("n/a")  # CPU: no peak
+    assert data["memory"]["measured"]["peak_bytes"] is None and data["memory"]["predicted_peak_bytes"] > 0
+    for moment in ("before", "after"):  # scored against the task's true answers, whatever they are
+        assert data["accuracy"][moment]["records"] == data["data"]["examples"]["validation"]
+        assert 0 <= data["accuracy"][moment]["accuracy"] <= 1
+    assert data["settings"]["torch_compile"] is False and data["settings"]["tf32"] == {"requested": False, "applied": False}
+    final = cpu_run.run_dir / "training" / "final"
+    assert (final / "model.safetensors").is_file() and (final / "tokenizer.json").is_file()
+    for name in ("training_lengths.png", "training_curves.png"):
+        assert (cpu_run.run_dir / name).stat().st_size > 10_000, name

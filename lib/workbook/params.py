@@ -79,6 +79,65 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("safety_margin", float, "fraction of GPU memory the planner keeps free", minimum=0, maximum=0.5),
     Key("cuda_overhead_gib", float, "CUDA context + library workspaces per GPU, GiB (measured or prior)",
         minimum=0),
+    # Generation (notebook 02, `workbook generate`); batch_size, max_new_tokens, model and dtype above.
+    Key("prompts_path", str, "JSONL of prompts, one object per line (a relative path is read from the working "
+        "directory, else the repository root)"),
+    Key("prompt_field", str, "the field holding each prompt: 'auto' (the first of input, prompt, question) "
+        "or a field name"),
+    Key("output_path", str, "JSONL the outputs are appended to; '' writes generations.jsonl in the run folder; "
+        "rerunning with the same path resumes"),
+    Key("backend", str, "generation backend", choices=("static", "static-compiled", "continuous")),
+    Key("do_sample", bool, "sample with temperature/top_p (true) or decode greedily (false)"),
+    Key("temperature", float, "sampling temperature, used when do_sample is true", minimum=0),
+    Key("top_p", float, "nucleus sampling probability mass, used when do_sample is true", minimum=0, maximum=1),
+    Key("seed", int, "random seed for sampling (each process adds its index)", minimum=0),
+    Key("max_examples", int, "generate for the first N examples of the file only; 0: all", minimum=0),
+    Key("on_bad_line", str, "malformed line, missing or empty prompt, duplicate id: 'fail' stops with file:line, "
+        "'skip' lists it in the failures file", choices=("fail", "skip")),
+    Key("on_long_prompt", str, "prompt that leaves no room in the model's context: 'fail' or 'skip'",
+        choices=("fail", "skip")),
+    Key("use_chat_template", bool, "wrap each prompt as one user turn with the tokenizer's chat template"),
+    Key("log_every_batches", int, "print a progress line every N batches; 0: never", minimum=0),
+    Key("data_parallel_processes", int, "processes sharing the job, one per GPU, each holding the whole model",
+        minimum=1),
+    # Training (notebook 03, `workbook train`); model, dtype, micro_batch_size, grad_checkpointing,
+    # lora_rank and use_chat_template above. Choices mirror workbook.memory (checked by tests/test_train.py).
+    Key("train_data_path", str, "JSONL of input/output pairs; '' = notebook 02's output (output_path, or "
+        "generations.jsonl in the run folder), else the shipped arithmetic sample"),
+    Key("input_field", str, "the field of each training record holding the prompt"),
+    Key("output_field", str, "the field of each training record holding the response (the only tokens with loss)"),
+    Key("max_seq_length", int, "training tokens per row; 'auto': smallest multiple of 64 covering length_percentile",
+        minimum=1, auto=True),
+    Key("length_percentile", float, "percentile of example lengths that max_seq_length 'auto' covers (100: all)",
+        minimum=1, maximum=100),
+    Key("padding", str, "'packing' (several examples per row, no attention across them) or 'length_grouped' "
+        "(similar lengths batched, padded to the longest)", choices=("packing", "length_grouped")),
+    Key("validation_fraction", float, "fraction of the examples held out for validation loss and accuracy",
+        minimum=0, maximum=0.5),
+    Key("learning_rate", float, "peak learning rate (linear warmup, cosine decay to 10%)", minimum=0),
+    Key("lr_scaling", str, "heuristic applied when the effective batch differs from base_batch",
+        choices=("none", "linear", "sqrt")),
+    Key("base_batch", int, "effective batch (rows per optimizer step) learning_rate was tuned at; 0: this run's",
+        minimum=0),
+    Key("gradient_accumulation_steps", int, "micro-batches per optimizer step and process", minimum=1),
+    Key("epochs", int, "passes over the training split (when max_steps is 0)", minimum=1),
+    Key("max_steps", int, "optimizer steps to run; 0: epochs decide", minimum=0),
+    Key("warmup_steps", int, "optimizer steps of linear learning-rate warmup", minimum=0),
+    Key("weight_decay", float, "AdamW decoupled weight decay (matrices only)", minimum=0),
+    Key("optimizer", str, "'adamw' (fused on CUDA) or 'adamw-8bit' (needs bitsandbytes)",
+        choices=("adamw", "adamw-8bit")),
+    Key("tf32", bool, "TF32 for float32 matmuls on Ampere and later (bf16 autocast matmuls are bf16 anyway)"),
+    Key("torch_compile", bool, "torch.compile the model (inductor): slower start, often faster steps"),
+    Key("attn_implementation", str, "attention kernels", choices=("sdpa", "flash_attention_2", "eager")),
+    Key("dataloader_workers", int, "DataLoader worker processes (0: batches are built in the training process)",
+        minimum=0),
+    Key("pin_memory", bool, "page-locked host batches for faster copies to the GPU"),
+    Key("prefetch_factor", int, "batches each DataLoader worker prepares ahead (with workers > 0)", minimum=1),
+    Key("save_every_steps", int, "checkpoint every N optimizer steps (training resumes from the last); 0: only "
+        "the final model", minimum=0),
+    Key("train_output_dir", str, "checkpoints and the final model; '' = <run folder>/training; an existing "
+        "folder with checkpoints resumes"),
+    Key("train_processes", int, "training processes, one per GPU (data parallel)", minimum=1),
 )}
 
 

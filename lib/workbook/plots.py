@@ -119,3 +119,88 @@ def memory_accuracy(result: dict):
                     f"Memory planner accuracy on {hardware}: no case measured", fontsize=10)
     figure.tight_layout()
     return figure
+
+
+def training_lengths(lengths: list[int], max_seq_length: int, percentile_lengths: dict, truncated: int, source: str):
+    """Histogram of the training examples' token lengths, with max_seq_length and the percentiles.
+
+    `percentile_lengths`: {"median": n, "p95": n, ...} in tokens; `truncated`: examples longer than
+    max_seq_length (cut, never hidden).
+    """
+    figure, axis = plt.subplots(figsize=(8, 3.6))
+    axis.hist(lengths, bins=min(60, max(10, len(set(lengths)))), color="#4c72b0")
+    for (name, value), style in zip(percentile_lengths.items(), (":", "-.", "--", (0, (1, 3)))):
+        axis.axvline(value, color="#555555", linestyle=style, linewidth=1, label=f"{name} {value}")
+    axis.axvline(max_seq_length, color="#c44e52", linewidth=2,
+                 label=f"max_seq_length {max_seq_length} ({truncated} truncated)")
+    axis.set_xlabel("tokens per example (prompt + response, as formatted for training)")
+    axis.set_ylabel("examples")
+    axis.legend(fontsize=8)
+    axis.set_title(f"Training data lengths: {len(lengths)} examples from {source}", fontsize=9)
+    figure.tight_layout()
+    return figure
+
+
+def training_curves(history: list[dict], eval_history: list[dict], title: str):
+    """Loss per optimizer step (with a moving mean and the validation loss) and tokens/s per step.
+
+    `history`: [{"step", "loss", "tokens_per_second"}]; `eval_history`: [{"step", "eval_loss"}].
+    """
+    figure, (loss_axis, speed_axis) = plt.subplots(1, 2, figsize=(12, 3.8))
+    steps = [r["step"] for r in history]
+    losses = [r["loss"] for r in history]
+    window = max(1, min(len(losses) // 3, max(3, len(losses) // 10)))  # a few steps: one step's loss is noisy
+    mean = [sum(losses[max(0, i - window + 1):i + 1]) / len(losses[max(0, i - window + 1):i + 1])
+            for i in range(len(losses))]
+    loss_axis.plot(steps, losses, color="#4c72b0", alpha=0.35, marker=".", linewidth=1, label="training loss per step")
+    loss_axis.plot(steps, mean, color="#4c72b0", linewidth=2, label=f"moving mean ({window} steps)")
+    if eval_history:
+        loss_axis.plot([e["step"] for e in eval_history], [e["eval_loss"] for e in eval_history], color="#dd8452",
+                       marker="o", linewidth=2, label="validation loss")
+    loss_axis.set_xlabel("optimizer step")
+    loss_axis.set_ylabel("cross-entropy per response token (nats)")
+    loss_axis.legend(fontsize=8)
+    loss_axis.grid(alpha=0.3)
+    speeds = [r["tokens_per_second"] or 0 for r in history]
+    speed_axis.plot(steps, speeds, color="#55a868", marker=".", linewidth=1)
+    speed_axis.set_xlabel("optimizer step")
+    speed_axis.set_ylabel("non-padding tokens / s (all processes)")
+    speed_axis.set_ylim(bottom=0)
+    speed_axis.grid(alpha=0.3)
+    speed_axis.set_title("throughput per step (the first steps include warm-up)", fontsize=9)
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
+def generation_timeline(batches: list[dict], title: str):
+    """Generation throughput over the run and the longest output of each batch.
+
+    `batches`: the `batch_list` of `generate.run_job`'s summary ({"finished_at_seconds", "seconds",
+    "output_tokens", "examples", "failed", "longest_output_tokens", "rank"}).
+    """
+    figure, (speed_axis, length_axis) = plt.subplots(1, 2, figsize=(12, 3.8))
+    for rank in sorted({b["rank"] for b in batches}):
+        own = [b for b in batches if b["rank"] == rank]
+        label = f"process {rank}" if len(batches) != len(own) else "per batch"
+        speed_axis.plot([b["finished_at_seconds"] for b in own],
+                        [b["output_tokens"] / b["seconds"] if b["seconds"] else 0 for b in own],
+                        marker=".", linewidth=1, label=label)
+    speed_axis.set_xlabel("seconds since generation started (batch end)")
+    speed_axis.set_ylabel("output tokens / s within the batch")
+    speed_axis.set_ylim(bottom=0)
+    speed_axis.grid(alpha=0.3)
+    speed_axis.legend(fontsize=8)
+    speed_axis.set_title("throughput over time (the first batch includes warm-up)", fontsize=9)
+    index = range(1, len(batches) + 1)
+    means = [b["output_tokens"] / max(b["examples"] - b["failed"], 1) for b in batches]
+    length_axis.bar(index, [b["longest_output_tokens"] for b in batches], color="#c8d6e8",
+                    label="longest output in the batch (every row waits for it)")
+    length_axis.plot(index, means, color="#4c72b0", marker=".", linewidth=1, label="mean output in the batch")
+    length_axis.set_xlabel("batch, in the order run (longest prompts first)")
+    length_axis.set_ylabel("output tokens")
+    length_axis.grid(alpha=0.3, axis="y")
+    length_axis.legend(fontsize=8, loc="lower right")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    return figure

@@ -1,0 +1,179 @@
+"""The checkable task behind the tiny model: short arithmetic questions with integer answers.
+
+One place for the task: which problems exist, how a question and an answer are written, which
+problems are held out as the shipped sample prompts, and how a generated answer is scored.
+
+A problem is ``left + right`` or ``left - right`` with operands 0..99; subtraction keeps
+``left >= right`` so every answer is a non-negative integer. A record (one line of the sample file)
+uses the seed format of teacher-output pipelines::
+
+    {"id": "arith-0000", "input": "What is 23 + 45?", "output": "68",
+     "difficulty": "easy", "domain": "arithmetic"}
+
+``output`` is the reference answer. ``difficulty`` is "hard" when the column method needs a carry
+(addition) or a borrow (subtraction), else "easy".
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+OPERAND_MAX = 99  # operands are 0..OPERAND_MAX: answers have at most 3 digits (99 + 99 = 198)
+OPERATORS = ("+", "-")
+DOMAIN = "arithmetic"
+SAMPLE_SIZE = 300  # records in the shipped sample file, held out from the tiny model's training
+SAMPLE_SEED = 1234  # picks which problems are held out; changing it changes the sample file
+SAMPLE_PROMPTS_PATH = Path(__file__).parent / "data" / "arithmetic_prompts.jsonl"
+
+# The first integer in a generated text, with an optional minus sign ("-3", " 68</s>", "68.").
+_FIRST_INTEGER = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True, order=True)
+class Problem:
+    """One question: ``left operator right``."""
+
+    left: int
+    operator: str  # "+" or "-"
+    right: int
+
+    @property
+    def answer(self) -> int:
+        return self.left + self.right if self.operator == "+" else self.left - self.right
+
+    @property
+    def question(self) -> str:
+        return question_text(self.left, self.operator, self.right)
+
+    @property
+    def difficulty(self) -> str:
+        """ "hard" if any column carries (addition) or borrows (subtraction), else "easy"."""
+        if self.operator == "+":
+            ones_carry = self.left % 10 + self.right % 10 >= 10
+            tens_carry = self.left // 10 + self.right // 10 + ones_carry >= 10
+            return "hard" if ones_carry or tens_carry else "easy"
+        # left >= right, so only the ones column can borrow.
+        return "hard" if self.left % 10 < self.right % 10 else "easy"
+
+
+def question_text(left: int, operator: str, right: int) -> str:
+    """The prompt a model sees, e.g. "What is 23 + 45?"."""
+    return f"What is {left} {operator} {right}?"
+
+
+def answer_text(value: int) -> str:
+    """The reference answer as written in a record's ``output``, e.g. "68"."""
+    return str(value)
+
+
+def completion_text(answer: str) -> str:
+    """What a model trained on this task writes after the question: a space, then the answer.
+
+    The tiny model is trained to continue "What is 23 + 45?" with " 68" and then end of text.
+    """
+    return " " + answer
+
+
+def all_problems() -> list[Problem]:
+    """Every problem of the task, in a fixed order: 10,000 additions and 5,050 subtractions."""
+    problems = []
+    for left in range(OPERAND_MAX + 1):
+        for right in range(OPERAND_MAX + 1):
+            problems.append(Problem(left, "+", right))
+            if left >= right:
+                problems.append(Problem(left, "-", right))
+    return problems
+
+
+def sample_problems() -> list[Problem]:
+    """The held-out problems of the shipped sample file, chosen by ``SAMPLE_SEED``."""
+    return random.Random(SAMPLE_SEED).sample(all_problems(), SAMPLE_SIZE)
+
+
+def training_problems() -> list[Problem]:
+    """Every problem except the held-out sample, so accuracy on the sample file is honest."""
+    held_out = set(sample_problems())
+    return [problem for problem in all_problems() if problem not in held_out]
+
+
+def make_record(problem: Problem, index: int) -> dict:
+    """A record in the teacher-output seed format (see the module docstring)."""
+    return {
+        "id": f"arith-{index:04d}",
+        "input": problem.question,
+        "output": answer_text(problem.answer),
+        "difficulty": problem.difficulty,
+        "domain": DOMAIN,
+    }
+
+
+def sample_records() -> list[dict]:
+    """The records of the shipped sample file, as the generator produces them."""
+    return [make_record(problem, index) for index, problem in enumerate(sample_problems())]
+
+
+def write_sample_prompts(path: str | Path = SAMPLE_PROMPTS_PATH) -> Path:
+    """Write the sample records as JSON lines to ``path`` (default: the shipped file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps(record) + "\n" for record in sample_records()]
+    path.write_text("".join(lines), encoding="utf-8")
+    return path
+
+
+def load_prompts(path: str | Path = SAMPLE_PROMPTS_PATH) -> list[dict]:
+    """Read prompt records from a JSON-lines file (default: the shipped sample file)."""
+    path = Path(path)
+    records = []
+    with path.open(encoding="utf-8") as lines:
+        for line_number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as error:
+                raise ValueError(
+                    f"{path}:{line_number}: not valid JSON ({error.msg}); "
+                    "each line must be one JSON object"
+                ) from None
+    return records
+
+
+def parse_answer(generated_text: str) -> int | None:
+    """The first integer in ``generated_text``, or None if it has none."""
+    match = _FIRST_INTEGER.search(generated_text)
+    return int(match.group()) if match else None
+
+
+def score(prompt_record: dict, generated_text: str) -> bool:
+    """True if the first integer of ``generated_text`` equals the record's ``output``.
+
+    ``generated_text`` is the model's continuation only (not the prompt, whose numbers would be
+    parsed first).
+    """
+    reference = prompt_record.get("output")
+    try:
+        expected = int(str(reference).strip())
+    except ValueError:
+        raise ValueError(
+            f"record {prompt_record.get('id')!r}: output {reference!r} is not an integer; "
+            "score() only checks records of the arithmetic task"
+        ) from None
+    return parse_answer(generated_text) == expected
+
+
+def accuracy(prompt_records: list[dict], generated_texts: list[str]) -> float:
+    """Fraction of records whose generated text is scored correct (0.0 to 1.0)."""
+    if len(prompt_records) != len(generated_texts):
+        raise ValueError(
+            f"got {len(prompt_records)} records but {len(generated_texts)} generated texts; "
+            "pass one generated text per record, in the same order"
+        )
+    if not prompt_records:
+        raise ValueError("no records to score; pass at least one record")
+    correct = sum(score(record, text) for record, text in zip(prompt_records, generated_texts))
+    return correct / len(prompt_records)

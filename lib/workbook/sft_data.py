@@ -1,0 +1,423 @@
+"""Supervised fine-tuning data: input/output pairs -> token ids with response-only labels, length
+statistics, and batches that waste as little as possible on padding.
+
+Every function here is pure CPU work on token ids, so the notebook can show the data (lengths,
+truncation, padding waste) before any process touches a GPU, and every training process can
+rebuild exactly the same batches from the same seed::
+
+    examples, report = tokenize_pairs(records, tokenizer, use_chat_template=False)
+    lengths = [example.length for example in examples]
+    stats = length_statistics(lengths)                            # min/median/p95/p99/max tokens
+    max_len = auto_max_seq_length(lengths, percentile=100)        # smallest multiple of 64 covering it
+    examples, truncation = truncate(examples, max_len)            # how many were cut: never hidden
+    lengths = [example.length for example in examples]
+    rows = plan_rows(lengths, "packing", max_len)                 # example indices per row
+    micro_batches = epoch_micro_batches(rows, lengths, "packing", micro_batch_size=16, seed=0, epoch=0)
+    collate = Collator("packing", max_len, tokenizer.pad_token_id)
+    batch = collate([[examples[i] for i in row] for row in micro_batches[0]])   # tensors for one micro-batch
+
+Formatting. Plain: the prompt is the input as the tokenizer encodes it (with its BOS), the response
+is the output joined by one space (none when it already starts with whitespace) and ended by EOS.
+Chat: the tokenizer's chat template renders one user turn (with the generation prompt) and the
+assistant's reply; the response is whatever the template adds after the prompt (its end-of-turn
+token included). Prompt and response are tokenized separately and concatenated, so the boundary
+between "no loss" and "loss" is exact even for tokenizers that would merge across it.
+
+Labels follow the Hugging Face convention (a copy of the input ids, -100 on prompt tokens). The
+collator turns them into next-token targets *within each example*, so in a packed row the last
+token of one example is never trained to predict the first token of the next.
+
+Packing puts several examples in one row of ``max_seq_length`` tokens; ``position_ids`` restart
+at 0 for every example, and examples in a row never attend to each other:
+- sdpa and eager: transformers 5.x (``masking_utils.find_packed_sequence_indices``) turns restarting
+  position ids into a block-causal mask, but only when no attention mask and no KV cache are
+  passed, so the model must be called with ``use_cache=False`` (a model in train mode still builds a
+  DynamicCache otherwise, and packing silently becomes attention across examples);
+- flash_attention_2: transformers reads restarting position ids as variable-length sequences only
+  for a batch of ONE row (``modeling_flash_attention_utils._is_packed_sequence``); with more rows
+  it runs plain causal attention over each whole row. So for it the collator flattens a
+  micro-batch into one row of micro_batch_size x max_seq_length tokens (``flatten=True``).
+tests/test_train.py checks a packed row against its examples run alone, and both conditions.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from workbook.data import DataError  # one error type for unusable data files and records
+
+IGNORE_INDEX = -100  # label of tokens that carry no loss (PyTorch cross_entropy's default ignore_index)
+SEQUENCE_LENGTH_MULTIPLE = 64  # `max_seq_length: auto` rounds up to this: tensor-core and kernel friendly
+# Length-grouped batching sorts lengths inside windows of this many micro-batches (as the HF
+# Trainer's LengthGroupedSampler does with its "megabatch" of 50): similar lengths meet, the order
+# stays random.
+LENGTH_GROUP_WINDOW = 50
+PADDINGS = ("packing", "length_grouped")
+
+
+@dataclass
+class TokenizedExample:
+    """One input/output pair as token ids."""
+
+    input_ids: list[int]
+    labels: list[int]  # input_ids with IGNORE_INDEX on every prompt token
+    source: str  # where it came from, e.g. "data.jsonl:12"
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def response_tokens(self) -> int:
+        return sum(label != IGNORE_INDEX for label in self.labels)
+
+
+@dataclass
+class TokenizeReport:
+    examples: int
+    chat_template: bool
+    skipped: list[str] = field(default_factory=list)  # "source: why", for records without a usable pair
+
+
+# ----------------------------------------------------------------------------------------------
+# Formatting and tokenization.
+
+
+def plain_response_text(output: str) -> str:
+    """The response as appended to the prompt in plain formatting: one space, unless the output
+    already starts with whitespace (a teacher's " 68" stays " 68"; "68" becomes " 68")."""
+    return output if output[:1].isspace() else " " + output
+
+
+def tokenize_pairs(
+    records: list[dict],
+    tokenizer,
+    *,
+    use_chat_template: bool,
+    input_field: str = "input",
+    output_field: str = "output",
+    sources: list[str] | None = None,
+) -> tuple[list[TokenizedExample], TokenizeReport]:
+    """Token ids and response-only labels for each record's (input, output) pair.
+
+    Records whose input or output is missing, not a string, or empty are skipped and listed in the
+    report (never silently). ``sources`` names each record in messages (default "record <n>").
+    """
+    sources = sources or [f"record {index + 1}" for index in range(len(records))]
+    report = TokenizeReport(examples=0, chat_template=use_chat_template)
+    prompts, responses, kept_sources = [], [], []
+    for record, source in zip(records, sources):
+        prompt, response = record.get(input_field), record.get(output_field)
+        problem = None
+        for name, value in ((input_field, prompt), (output_field, response)):
+            if not isinstance(value, str) or not value.strip():
+                problem = f"field '{name}' is {'missing' if value is None else repr(value)[:40]}"
+                break
+        if problem:
+            report.skipped.append(f"{source}: {problem}")
+            continue
+        prompts.append(prompt)
+        responses.append(response)
+        kept_sources.append(source)
+    if not prompts:
+        fields = f"'{input_field}' and '{output_field}'"
+        raise DataError(f"no usable record: every record lacks a non-empty {fields} string "
+                        f"(first problem: {report.skipped[0] if report.skipped else 'no records'}). "
+                        "Set input_field / output_field to the field names of your data.")
+    if use_chat_template:
+        prompt_texts, response_texts = _chat_texts(tokenizer, prompts, responses, kept_sources)
+        prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+        response_ids = tokenizer(response_texts, add_special_tokens=False)["input_ids"]
+    else:
+        if tokenizer.eos_token_id is None:
+            raise DataError("the tokenizer has no eos_token: plain formatting ends every response with it. "
+                            "Set the tokenizer's eos_token, or use_chat_template: true.")
+        prompt_ids = tokenizer(prompts)["input_ids"]  # with the tokenizer's BOS, as at inference
+        response_ids = [ids + [tokenizer.eos_token_id] for ids in
+                        tokenizer([plain_response_text(r) for r in responses], add_special_tokens=False)["input_ids"]]
+    examples = [
+        TokenizedExample(list(p) + list(r), [IGNORE_INDEX] * len(p) + list(r), source)
+        for p, r, source in zip(prompt_ids, response_ids, kept_sources)
+    ]
+    report.examples = len(examples)
+    return examples, report
+
+
+def _chat_texts(tokenizer, prompts, responses, sources) -> tuple[list[str], list[str]]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("use_chat_template is true but the tokenizer has no chat template; "
+                        "set use_chat_template: false (plain formatting) or use an instruct model's tokenizer.")
+    prompt_texts, response_texts = [], []
+    for prompt, response, source in zip(prompts, responses, sources):
+        user = {"role": "user", "content": prompt}
+        # Reply content is stripped, as Llama-3's template does (`| trim`): the template places it.
+        assistant = {"role": "assistant", "content": response.strip()}
+        prompt_text = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        full_text = tokenizer.apply_chat_template([user, assistant], tokenize=False)
+        if not full_text.startswith(prompt_text):
+            raise DataError(f"{source}: the chat template renders the prompt differently once the reply follows "
+                            "it, so the response tokens cannot be separated exactly; use use_chat_template: false.")
+        prompt_texts.append(prompt_text)
+        response_texts.append(full_text[len(prompt_text):])
+    return prompt_texts, response_texts
+
+
+def prompt_ids(tokenizer, prompt: str, *, use_chat_template: bool) -> list[int]:
+    """The prompt's token ids exactly as training formats them (for generation after training)."""
+    if use_chat_template:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Lengths: statistics, `auto` max_seq_length, truncation, validation split.
+
+
+def length_percentile(lengths: list[int], percentile: float) -> int:
+    """Nearest-rank percentile: the smallest length that ``percentile`` % of the examples do not exceed."""
+    if not lengths:
+        raise DataError("no examples to measure")
+    if not 0 < percentile <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {percentile!r}")
+    ordered = sorted(lengths)
+    rank = math.ceil(percentile / 100 * len(ordered))
+    return ordered[max(rank, 1) - 1]
+
+
+def length_statistics(lengths: list[int]) -> dict:
+    """Token-length statistics (nearest-rank percentiles) of a data set: what max_seq_length must cover."""
+    return {
+        "examples": len(lengths),
+        "min": min(lengths),
+        "median": length_percentile(lengths, 50),
+        "p95": length_percentile(lengths, 95),
+        "p99": length_percentile(lengths, 99),
+        "max": max(lengths),
+        "mean": round(sum(lengths) / len(lengths), 2),
+        "total_tokens": sum(lengths),
+    }
+
+
+def auto_max_seq_length(lengths: list[int], percentile: float = 100.0,
+                        multiple: int = SEQUENCE_LENGTH_MULTIPLE) -> int:
+    """The smallest multiple of ``multiple`` that covers the ``percentile`` % shortest examples.
+
+    With the default 100 every example fits (seed 003 picked 1536 for a longest example of 1481
+    tokens by hand: this is that rule, computed).
+    """
+    covered = length_percentile(lengths, percentile)
+    return max(multiple, math.ceil(covered / multiple) * multiple)
+
+
+@dataclass
+class TruncationReport:
+    max_seq_length: int
+    truncated: int  # examples cut to max_seq_length (they keep their first max_seq_length tokens)
+    dropped: int  # examples with no response token left after the cut (no loss possible): removed
+    tokens_cut: int  # tokens removed by truncation
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def truncate(examples: list[TokenizedExample], max_seq_length: int) -> tuple[list[TokenizedExample], TruncationReport]:
+    """Cut every example to ``max_seq_length`` tokens (the end of the response goes first)."""
+    kept, truncated, dropped, cut = [], 0, 0, 0
+    for example in examples:
+        if example.length <= max_seq_length:
+            kept.append(example)
+            continue
+        truncated += 1
+        cut += example.length - max_seq_length
+        short = TokenizedExample(example.input_ids[:max_seq_length], example.labels[:max_seq_length], example.source)
+        if short.response_tokens == 0:
+            dropped += 1
+        else:
+            kept.append(short)
+    return kept, TruncationReport(max_seq_length, truncated, dropped, cut)
+
+
+def split_validation(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(training indices, validation indices): a seeded random ``fraction`` held out.
+
+    At least one example goes to each side when ``fraction > 0`` and there are two or more.
+    """
+    if not 0 <= fraction < 1:
+        raise ValueError(f"validation fraction must be in [0, 1), got {fraction!r}")
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    held = 0 if fraction == 0 or count < 2 else min(count - 1, max(1, round(count * fraction)))
+    return sorted(order[held:]), sorted(order[:held])
+
+
+# ----------------------------------------------------------------------------------------------
+# Rows and micro-batches: packing or length grouping.
+
+
+def plan_rows(lengths: list[int], padding: str, max_seq_length: int) -> list[tuple[int, ...]]:
+    """Example indices per row. ``packing``: first-fit decreasing into rows of ``max_seq_length``
+    tokens; ``length_grouped``: one example per row (grouping happens per epoch, see below)."""
+    _check_padding(padding)
+    if padding == "length_grouped":
+        return [(index,) for index in range(len(lengths))]
+    too_long = [index for index, length in enumerate(lengths) if length > max_seq_length]
+    if too_long:
+        raise DataError(f"{len(too_long)} example(s) are longer than max_seq_length={max_seq_length}; truncate first")
+    rows: list[list[int]] = []
+    free: list[int] = []  # tokens left per row
+    for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        length = lengths[index]
+        for row, room in enumerate(free):  # first fit; rows are few, a linear scan is fine
+            if room >= length:
+                rows[row].append(index)
+                free[row] -= length
+                break
+        else:
+            rows.append([index])
+            free.append(max_seq_length - length)
+    return [tuple(row) for row in rows]
+
+
+def epoch_micro_batches(rows: list[tuple[int, ...]], lengths: list[int], padding: str, *,
+                        micro_batch_size: int, seed: int, epoch: int, shuffle: bool = True) -> list[list[tuple[int, ...]]]:
+    """The micro-batches (lists of rows) of one epoch, in order. Same seed and epoch, same batches,
+    in every process.
+
+    Packed rows are shuffled and cut into micro-batches. Length-grouped rows are shuffled, sorted by
+    length inside windows of LENGTH_GROUP_WINDOW micro-batches, cut into micro-batches, and the
+    micro-batches shuffled, except that the longest comes first: if anything runs out of memory it
+    does so at the first step, not hours later.
+    """
+    _check_padding(padding)
+    order = list(range(len(rows)))
+    generator = random.Random(seed * 1_000_003 + epoch)
+    if shuffle:
+        generator.shuffle(order)
+    if padding == "packing":
+        return [[rows[i] for i in order[start:start + micro_batch_size]]
+                for start in range(0, len(order), micro_batch_size)]
+    row_length = [sum(lengths[i] for i in row) for row in rows]
+    window = micro_batch_size * LENGTH_GROUP_WINDOW
+    batches = []
+    for start in range(0, len(order), window):
+        group = sorted(order[start:start + window], key=lambda i: -row_length[i])
+        batches += [group[b:b + micro_batch_size] for b in range(0, len(group), micro_batch_size)]
+    if shuffle:
+        longest = max(range(len(batches)), key=lambda b: row_length[batches[b][0]])
+        batches.insert(0, batches.pop(longest))
+        rest = batches[1:]
+        generator.shuffle(rest)
+        batches = batches[:1] + rest
+    return [[rows[i] for i in batch] for batch in batches]
+
+
+def micro_batch_width(micro_batch: list[tuple[int, ...]], lengths: list[int], padding: str, max_seq_length: int) -> int:
+    """Tokens per row of this micro-batch once padded: the fixed row length when packing (one shape
+    for every step, which torch.compile likes), the longest row when length grouping."""
+    if padding == "packing":
+        return max_seq_length
+    return max(sum(lengths[i] for i in row) for row in micro_batch)
+
+
+def padding_fraction(micro_batches: list[list[tuple[int, ...]]], lengths: list[int], padding: str,
+                     max_seq_length: int) -> float:
+    """Padding tokens / all token positions over these micro-batches (0: no waste)."""
+    positions = real = 0
+    for batch in micro_batches:
+        positions += len(batch) * micro_batch_width(batch, lengths, padding, max_seq_length)
+        real += sum(lengths[i] for row in batch for i in row)
+    return 1 - real / positions if positions else 0.0
+
+
+def padding_comparison(lengths: list[int], max_seq_length: int, micro_batch_size: int, seed: int) -> dict:
+    """Padding fraction of one epoch under each choice, and under plain pad-to-max_seq_length
+    (random batches padded to the full length, what a fixed `max_length` tokenizer call does)."""
+    result = {}
+    for padding in PADDINGS:
+        rows = plan_rows(lengths, padding, max_seq_length)
+        batches = epoch_micro_batches(rows, lengths, padding, micro_batch_size=micro_batch_size, seed=seed, epoch=0)
+        result[padding] = padding_fraction(batches, lengths, padding, max_seq_length)
+    result["pad_to_max_seq_length"] = 1 - sum(lengths) / (len(lengths) * max_seq_length) if lengths else 0.0
+    return result
+
+
+def _check_padding(padding: str) -> None:
+    if padding not in PADDINGS:
+        raise ValueError(f"padding {padding!r}: expected one of {', '.join(PADDINGS)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tensors.
+
+
+class SftDataset(torch.utils.data.Dataset):
+    """Indexed by a row (a tuple of example indices); returns that row's examples for `collate`.
+
+    Used with a batch sampler that yields micro-batches of rows, so DataLoader workers, pinned
+    memory and prefetching apply as for any data set.
+    """
+
+    def __init__(self, examples: list[TokenizedExample]):
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, row: tuple[int, ...]) -> list[TokenizedExample]:
+        return [self.examples[index] for index in row]
+
+
+@dataclass
+class Collator:
+    """Micro-batch of rows -> tensors: input_ids, position_ids and next-token targets, plus counts.
+
+    ``targets[t]`` is the token that position t must predict (``labels[t + 1]`` of the same
+    example), IGNORE_INDEX where there is none: prompt positions, each example's last token, padding.
+    """
+
+    padding: str
+    max_seq_length: int
+    pad_token_id: int
+    flatten: bool = False  # one row of all the micro-batch's tokens (flash-attention-2 packing, see above)
+
+    def __call__(self, rows: list[list[TokenizedExample]]) -> dict[str, torch.Tensor]:
+        if self.padding == "packing":
+            width = self.max_seq_length
+        else:
+            width = max(sum(example.length for example in row) for row in rows)
+        input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
+        targets = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+        position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+        tokens = length_squares = 0
+        for r, row in enumerate(rows):
+            start = 0
+            for example in row:
+                n = example.length
+                input_ids[r, start:start + n] = torch.tensor(example.input_ids)
+                targets[r, start:start + n - 1] = torch.tensor(example.labels[1:])
+                position_ids[r, start:start + n] = torch.arange(n)
+                start += n
+                tokens += n
+                length_squares += n * n
+            # Padding continues as one more "sequence" of its own (positions from 0 when packing,
+            # continuing when not, so an unpacked row keeps plain causal positions).
+            if self.padding == "packing":
+                position_ids[r, start:] = torch.arange(width - start)
+            else:
+                position_ids[r, start:] = torch.arange(start, width)
+        if self.flatten:
+            input_ids, position_ids, targets = (t.reshape(1, -1) for t in (input_ids, position_ids, targets))
+        return {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "targets": targets,
+            "tokens": torch.tensor(tokens),  # non-padding input tokens
+            "target_tokens": (targets != IGNORE_INDEX).sum(),  # tokens that carry loss
+            "length_squares": torch.tensor(length_squares),  # sum of n_i^2: the attention FLOPs term
+        }

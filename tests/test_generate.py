@@ -1,0 +1,408 @@
+"""The generation engine: batched equals one-at-a-time, nothing lost to a kill, an OOM or a bad line."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from workbook import arithmetic, cli, data, generate, params
+from workbook.paths import PARAMS_DIR, REPO_ROOT
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_path):
+    """(model, tokenizer) of the tiny model in float32 on CPU, loaded once for this module."""
+    return generate.load_model(str(tiny_model_path), "fp32", "cpu")
+
+
+def write_prompts(path, records):
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def job_params(prompts_path, output_path, **changes):
+    """The cpu profile pointed at test files, with validated changes."""
+    values = params.load(PARAMS_DIR / "cpu.yaml")
+    values.update(prompts_path=str(prompts_path), output_path=str(output_path), log_every_batches=0)
+    for key, value in changes.items():
+        values[key] = params.validate_value(key, value, "test")
+    return values
+
+
+def read_records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def outputs_by_id(path):
+    return {r["metadata"]["example_id"]: (r["output"], r["metadata"]["finish_reason"]) for r in read_records(path)}
+
+
+# Prompts of many lengths (1 to ~60 characters = tokens), so batches carry real left padding and
+# rows that end early; arithmetic ones end with end of sequence, odd ones often run to the limit.
+VARIED_PROMPTS = [record["input"] for record in arithmetic.sample_records()[:10]] + [
+    "x", "Hi", "What is 7 + 8? What is 7 + 8?", "Add 12 and 30.", "What is 1 + 1?" * 3, "Tell me: what is 20 + 22?",
+    "What is 45 - 45?", "9 + 9 = ?", "What is 3 + 4? Answer with a number, please.", "Sum: 10 + 20 + 30?", "?",
+    "What is 88 - 16?  ", "Compute 5 - 2.", "What is 0 + 0?"]
+
+
+def greedy_one_at_a_time(model, prompts, settings):
+    """Reference: plain `generate` on each prompt alone (no padding), cut at the first end of sequence."""
+    results = {}
+    for prompt in prompts:
+        output = model.generate(torch.tensor([prompt.token_ids]), max_new_tokens=prompt.max_new_tokens,
+                                do_sample=False, eos_token_id=list(settings.eos_token_ids),
+                                pad_token_id=settings.pad_token_id)
+        new = output[0, len(prompt.token_ids):].tolist()
+        ends = [i for i, token in enumerate(new) if token in settings.eos_token_ids]
+        results[prompt.index] = new[: ends[0] + 1] if ends else new
+    return results
+
+
+def engine_results(backend, prompts):
+    collected = {}
+
+    def write(outcome):
+        assert not outcome.failed
+        collected.update({prompt.index: completion.token_ids for prompt, completion in outcome.completed})
+
+    generate.run_batches(backend, prompts, write=write)
+    return collected
+
+
+def make_prompts(tiny, texts, max_new_tokens=8):
+    model, tokenizer = tiny
+    ids = generate.tokenize_prompts(tokenizer, texts, use_chat_template=True)
+    settings = generate.DecodingSettings(max_new_tokens, generate.eos_token_ids(model, tokenizer), 0)
+    return [generate.Prompt(i, row, max_new_tokens) for i, row in enumerate(ids)], settings
+
+
+@pytest.fixture(scope="module")
+def varied(tiny):
+    """The varied prompts, their decoding settings, and their one-at-a-time greedy outputs."""
+    prompts, settings = make_prompts(tiny, VARIED_PROMPTS)
+    reference = greedy_one_at_a_time(tiny[0], prompts, settings)
+    lengths = {len(tokens) for tokens in reference.values()}
+    assert min(lengths) < settings.max_new_tokens == max(lengths), "outputs should end early and at the limit"
+    return prompts, settings, reference
+
+
+EQUALITY_CASES = [
+    ("static", len(VARIED_PROMPTS), [1, 5, len(VARIED_PROMPTS)]),
+    ("continuous", len(VARIED_PROMPTS), [3, len(VARIED_PROMPTS)]),
+    # torch.compile on CPU takes 10-40 s per batch size (each size compiles anew), so one size whose
+    # batches are all full keeps the suite fast.
+    ("static-compiled", 12, [6]),
+]
+
+
+def test_every_backend_the_params_offer_is_proven():
+    assert sorted(case[0] for case in EQUALITY_CASES) == sorted(generate.BACKENDS)
+
+
+@pytest.mark.parametrize("backend, prompt_count, batch_sizes", EQUALITY_CASES)
+def test_batched_greedy_equals_one_at_a_time(tiny, varied, backend, prompt_count, batch_sizes):
+    prompts, settings, reference = varied
+    prompts = prompts[:prompt_count]
+    for batch_size in batch_sizes:
+        results = engine_results(generate.make_backend(backend, tiny[0], settings, batch_size), prompts)
+        assert results == {p.index: reference[p.index] for p in prompts}, \
+            f"{backend} at batch {batch_size} differs from one-at-a-time generation"
+
+
+def test_output_is_sliced_at_the_padded_prompt_length_not_at_the_unpadded_count(tiny):
+    # Seed 000's slice (at the count of non-pad tokens) would start a short prompt's output inside
+    # its own prompt; the long prompt forces 30+ pad tokens on the short one.
+    prompts, settings = make_prompts(tiny, ["What is 2 + 2?", "Please tell me right now: what is 40 + 2?"])
+    results = engine_results(generate.make_backend("static", tiny[0], settings, 2), prompts)
+    text = tiny[1].decode(results[0], skip_special_tokens=True)
+    assert "?" not in text and "What" not in text and results == greedy_one_at_a_time(tiny[0], prompts, settings)
+
+
+def test_a_job_writes_seed_format_records_counts_and_a_summary(tmp_path, tiny):
+    records = [{**r, "source": "test"} for r in arithmetic.sample_records()[:20]]
+    records[3] = {"input": records[3]["input"], "output": records[3]["output"]}  # no id: the line number
+    prompts = write_prompts(tmp_path / "in.jsonl", records)
+    lines = []
+    summary = generate.run_job(job_params(prompts, tmp_path / "out.jsonl", batch_size=6, log_every_batches=2),
+                               tmp_path / "out.jsonl", model=tiny[0], tokenizer=tiny[1], log=lines.append,
+                               show_progress=False)
+    written = read_records(tmp_path / "out.jsonl")
+    assert [r["metadata"]["example_id"] for r in written] == [r.get("id", 4) for r in records]  # input order
+    first = written[0]
+    assert first["input"] == records[0]["input"] and first["domain"] == "arithmetic" and first["source"] == "test"
+    assert first["metadata"]["original_output"] == records[0]["output"]
+    assert first["metadata"]["teacher_model"] == "tiny"
+    assert first["metadata"]["generation_params"] == {"temperature": None, "top_p": None, "max_new_tokens": 8,
+                                                      "do_sample": False, "seed": None}
+    assert all(r["metadata"]["finish_reason"] in ("eos", "length") and r["metadata"]["output_tokens"] >= 1
+               and r["metadata"]["prompt_tokens"] == len(r["input"]) + 1 for r in written)  # + <s>
+    assert summary["generated"] == summary["in_output"] == 20 and summary["unaccounted"] == 0
+    assert summary["batches"] == 4 and len(summary["batch_list"]) == 4
+    assert all(b["longest_output_tokens"] >= 1 for b in summary["batch_list"])
+    assert summary["examples_per_minute"] > 0 and summary["output_tokens_per_second"] > 0
+    assert 0 <= summary["padding_waste"] < 1 and summary["failures_path"] is None
+    assert json.loads((tmp_path / "out.summary.json").read_text())["in_output"] == 20
+    assert any(line.startswith("batch 2/4: 12/20 (60.0%) - generated 12, failed 0") for line in lines)
+    assert generate.task_accuracy(written)["scored"] == 19  # the line without a domain is not scored
+
+
+def test_a_rerun_skips_what_is_written_and_regenerates_only_a_torn_last_line(tmp_path, tiny):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
+    output = tmp_path / "out.jsonl"
+    run = dict(model=tiny[0], tokenizer=tiny[1], log=lambda line: None, show_progress=False)
+    generate.run_job(job_params(prompts, output), output, **run)
+    complete = output.read_bytes()
+    assert generate.run_job(job_params(prompts, output), output, **run)["generated"] == 0
+    assert output.read_bytes() == complete
+    lines = complete.decode().splitlines(keepends=True)
+    output.write_text("".join(lines[:-1]) + lines[-1][:25])  # a kill in the middle of the last write
+    again = generate.run_job(job_params(prompts, output), output, **run)
+    assert again["generated"] == 1 and output.read_bytes() == complete
+
+
+class OutOfMemoryAbove:
+    """The model, except that generate() raises the real CUDA out-of-memory error above `limit` rows."""
+
+    def __init__(self, model, limit):
+        self.model, self.limit, self.batch_sizes = model, limit, []
+
+    def generate(self, input_ids, **kwargs):
+        self.batch_sizes.append(input_ids.shape[0])
+        if input_ids.shape[0] > self.limit:
+            raise torch.OutOfMemoryError(
+                "CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 139.81 GiB "
+                "of which 1.25 GiB is free.")
+        return self.model.generate(input_ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_out_of_memory_splits_the_batch_and_loses_nothing(tmp_path, tiny):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
+    run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
+    expected_output = tmp_path / "expected.jsonl"
+    generate.run_job(job_params(prompts, expected_output, batch_size=8), expected_output, model=tiny[0], **run)
+    wrapped = OutOfMemoryAbove(tiny[0], limit=3)
+    output = tmp_path / "out.jsonl"
+    summary = generate.run_job(job_params(prompts, output, batch_size=8), output, model=wrapped, **run)
+    assert wrapped.batch_sizes[:4] == [8, 4, 2, 2]
+    assert summary["in_output"] == 12 and summary["failed"] == 0 and summary["oom_or_error_splits"] > 0
+    assert outputs_by_id(output) == outputs_by_id(expected_output)
+
+
+def test_an_example_that_runs_out_of_memory_alone_is_recorded_and_retried_on_rerun(tmp_path, tiny):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:6])
+    output = tmp_path / "out.jsonl"
+    run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
+    summary = generate.run_job(job_params(prompts, output, batch_size=4), output,
+                               model=OutOfMemoryAbove(tiny[0], limit=0), **run)
+    failures = read_records(tmp_path / "out.failures.jsonl")
+    assert summary["failed"] == 6 and summary["in_output"] == 0 and summary["unaccounted"] == 0
+    assert sorted(f["line"] for f in failures) == [1, 2, 3, 4, 5, 6]
+    assert all(f["stage"] == "generation" and "CUDA out of memory" in f["error"] for f in failures)
+    rerun = generate.run_job(job_params(prompts, output, batch_size=4), output, model=tiny[0], **run)
+    assert rerun["in_output"] == 6 and rerun["in_failures"] == 0
+    assert not (tmp_path / "out.failures.jsonl").exists()
+
+
+class FailsOn:
+    """The model, except that a batch holding the prompt `bad_ids` raises ValueError (or every batch)."""
+
+    def __init__(self, model, bad_ids=None):
+        self.model, self.bad_ids = model, bad_ids
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        rows = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
+        if self.bad_ids is None or self.bad_ids in rows:
+            raise ValueError("index out of range in self")
+        return self.model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_an_error_is_isolated_to_its_example_and_a_systematic_one_stops_the_run(tmp_path, tiny):
+    records = arithmetic.sample_records()[:10]
+    prompts = write_prompts(tmp_path / "in.jsonl", records)
+    bad_ids = tiny[1](records[4]["input"])["input_ids"]
+    output = tmp_path / "out.jsonl"
+    run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
+    summary = generate.run_job(job_params(prompts, output, batch_size=8, use_chat_template=False), output,
+                               model=FailsOn(tiny[0], bad_ids), **run)
+    assert summary["in_output"] == 9 and summary["failed"] == 1
+    failure, = read_records(tmp_path / "out.failures.jsonl")
+    assert failure["example_id"] == records[4]["id"] and failure["error"] == "ValueError: index out of range in self"
+    with pytest.raises(generate.GenerationError, match="3 examples in a row failed alone.*broken setup"):
+        generate.run_job(job_params(prompts, tmp_path / "other.jsonl", batch_size=8), tmp_path / "other.jsonl",
+                         model=FailsOn(tiny[0]), **run)
+
+
+def test_bad_lines_and_long_prompts_follow_their_policies(tmp_path, tiny):
+    good = arithmetic.sample_records()[:4]
+    too_long = "What is 1 + 1? " * 20  # 300 characters: more than the tiny model's 256 positions
+    nearly_full = "What is 2 + 2?" + " " * 238  # 253 tokens with <s>: room for 3 new tokens
+    lines = [json.dumps(good[0]), "{not json", json.dumps(good[1]), json.dumps({"input": ""}),
+             json.dumps({"id": "long", "input": too_long}), json.dumps(good[2]),
+             json.dumps({"id": "tight", "input": nearly_full}), json.dumps(good[3])]
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out.jsonl"
+    run = dict(model=tiny[0], tokenizer=tiny[1], log=lambda line: None, show_progress=False)
+    with pytest.raises(data.DataError, match=r"in.jsonl:2: not valid JSON.*on_bad_line: skip"):
+        generate.run_job(job_params(prompts, output), output, **run)
+    with pytest.raises(data.DataError, match=r"in.jsonl:5: prompt of 301 tokens leaves no room.*256.*"
+                                             r"on_long_prompt: skip"):
+        generate.run_job(job_params(prompts, output, on_bad_line="skip"), output, **run)
+    assert not output.exists() or output.read_text() == ""  # both stopped before generating
+    summary = generate.run_job(job_params(prompts, output, on_bad_line="skip", on_long_prompt="skip"), output, **run)
+    failures = {f["line"]: f for f in read_records(tmp_path / "out.failures.jsonl")}
+    assert sorted(failures) == [2, 4, 5]
+    assert failures[2]["stage"] == "input" and "not valid JSON" in failures[2]["error"]
+    assert failures[4]["error"] == "'input' is empty" and failures[5]["stage"] == "prompt_too_long"
+    written = {r["metadata"]["example_id"]: r for r in read_records(output)}
+    assert sorted(map(str, written)) == sorted([g["id"] for g in good] + ["tight"])
+    assert written["tight"]["metadata"]["output_tokens"] <= 3  # capped by the context, as vLLM does
+    assert summary["unaccounted"] == 0 and summary["bad_input_lines"] == 2 and summary["too_long"] == 1
+
+
+def test_sampling_is_recorded_and_repeats_with_the_same_seed(tmp_path, tiny):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:8])
+    run = dict(model=tiny[0], tokenizer=tiny[1], log=lambda line: None, show_progress=False)
+    sampled = dict(do_sample=True, temperature=1.5, top_p=0.95, seed=7, max_new_tokens=6)
+    for name in ("a.jsonl", "b.jsonl"):
+        generate.run_job(job_params(prompts, tmp_path / name, **sampled), tmp_path / name, **run)
+    first = read_records(tmp_path / "a.jsonl")
+    assert first[0]["metadata"]["generation_params"] == {"temperature": 1.5, "top_p": 0.95, "max_new_tokens": 6,
+                                                         "do_sample": True, "seed": 7}
+    assert outputs_by_id(tmp_path / "a.jsonl") == outputs_by_id(tmp_path / "b.jsonl")
+    with pytest.raises(generate.GenerationError, match="sampling needs temperature > 0"):
+        generate.run_job(job_params(prompts, tmp_path / "c.jsonl", do_sample=True, temperature=0.0),
+                         tmp_path / "c.jsonl", **run)
+
+
+class ContinuousBatchingThatRunsOutOfMemory:
+    """generate_batch as transformers has it, answering each prompt with one token and end of sequence,
+    but with more than `limit` requests the later half of them fail with the thread's OOM text."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, limit):
+        self.limit, self.calls = limit, []
+
+    def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, progress_bar=False):
+        self.calls.append(len(inputs))
+        failing = range(len(inputs) // 2, len(inputs)) if len(inputs) > self.limit else ()
+        return {f"req_{i}": SimpleNamespace(
+            prompt_ids=ids, generated_tokens=[] if i in failing else [10 + len(ids), 2],
+            error="CUDA out of memory. Tried to allocate 8.00 GiB" if i in failing else None)
+            for i, ids in enumerate(inputs)}
+
+
+def test_continuous_backend_keeps_finished_requests_and_retries_failed_ones_in_smaller_calls():
+    settings = generate.DecodingSettings(4, (2,), 0)
+    prompts = [generate.Prompt(i, [5] * (i + 1), 4) for i in range(8)]
+    model = ContinuousBatchingThatRunsOutOfMemory(limit=2)
+    outcome = generate.generate_with_split(generate.make_backend("continuous", model, settings, 8), prompts,
+                                           log=lambda line: None)
+    assert model.calls == [8, 2, 2] and not outcome.failed and outcome.splits == 1
+    assert sorted((p.index, c.token_ids, c.finish_reason) for p, c in outcome.completed) == [
+        (i, [11 + i, 2], "eos") for i in range(8)]
+
+
+def test_continuous_backend_says_clearly_when_transformers_lacks_it(tiny):
+    class WithoutContinuousBatching:
+        device = torch.device("cpu")
+
+    with pytest.raises(generate.GenerationError, match=r"backend 'continuous' needs transformers' continuous "
+                                                       r"batching \(model.generate_batch\).*backend: static"):
+        generate.make_backend("continuous", WithoutContinuousBatching(), None, 4)
+
+
+def test_cli_generates_and_reports_errors_with_exit_codes(tmp_path, capsys):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:5])
+    output = tmp_path / "cli.jsonl"
+    code = cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={prompts}", f"output_path={output}",
+                     "max_examples=3", "log_every_batches=0"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "generated 3 in" in captured.out and f"output: {output} (3 of 3 examples)" in captured.out
+    assert len(read_records(output)) == 3
+    assert cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={tmp_path / 'nope.jsonl'}",
+                     f"output_path={output}"]) == 2
+    assert "nope.jsonl: no such file" in capsys.readouterr().err
+
+
+def run_cli(*settings, **kwargs):
+    command = [sys.executable, "-m", "workbook.generate", "--params", "cpu", "--set", "log_every_batches=0",
+               "interactive=false", *settings]
+    return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+
+
+def complete_lines(path):
+    if not path.exists():
+        return 0
+    return path.read_bytes().count(b"\n")
+
+
+def test_kill_9_at_random_moments_then_resume_leaves_every_id_exactly_once(tmp_path):
+    rng = random.Random(20251121)
+    records = arithmetic.sample_records()[:60]
+    prompts = write_prompts(tmp_path / "in.jsonl", records)
+    output = tmp_path / "out.jsonl"
+    settings = (f"prompts_path={prompts}", f"output_path={output}", "batch_size=2")
+    killed_mid_run = 0
+    for attempt in range(3):
+        before = complete_lines(output)
+        target = before + rng.randint(2, 12)
+        process = run_cli(*settings)
+        deadline = time.monotonic() + 120
+        while complete_lines(output) < target and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.15))
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            killed_mid_run += 1
+        process.communicate()
+        if attempt == 1:  # as if the kill had hit the middle of a write
+            last = output.read_text().splitlines()[-1]
+            with output.open("a") as handle:
+                handle.write(last[: len(last) // 2])
+    assert killed_mid_run == 3 and 0 < complete_lines(output) < 60
+    finished = run_cli(*settings)
+    out, err = finished.communicate(timeout=300)
+    assert finished.returncode == 0, err[-3000:]
+    text = output.read_text()
+    assert text.endswith("\n")
+    ids = [json.loads(line)["metadata"]["example_id"] for line in text.splitlines()]
+    assert ids == [r["id"] for r in records]  # each exactly once, in input order
+    assert not (tmp_path / "out.failures.jsonl").exists()
+    assert "60 of 60 examples" in out
+
+
+@pytest.mark.multiprocess
+def test_two_processes_share_the_job_and_merge_into_the_one_process_output(tmp_path, tiny):
+    records = arithmetic.sample_records()[:24]
+    prompts = write_prompts(tmp_path / "in.jsonl", records)
+    single = tmp_path / "single.jsonl"
+    generate.run_job(job_params(prompts, single, batch_size=4), single, model=tiny[0], tokenizer=tiny[1],
+                     log=lambda line: None, show_progress=False)
+    output = tmp_path / "two.jsonl"
+    process = run_cli(f"prompts_path={prompts}", f"output_path={output}", "batch_size=4", "data_parallel_processes=2")
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 0, err[-3000:]
+    assert output.read_text() == single.read_text()  # same records, same order, byte for byte
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "single.jsonl", "single.summary.json",
+                                                          "two.jsonl", "two.summary.json"]  # parts merged away
+    summary = json.loads((tmp_path / "two.summary.json").read_text())
+    assert summary["processes"] == 2 and summary["in_output"] == 24 and summary["unaccounted"] == 0
+    assert [share["rank"] for share in summary["per_process"]] == [0, 1]
+    assert all(share["generated"] == 12 for share in summary["per_process"])

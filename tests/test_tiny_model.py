@@ -1,0 +1,146 @@
+"""The tiny default model: loads like any Hugging Face model, answers held-out arithmetic, is cached.
+
+The first test that asks for ``tiny_model_path`` builds the model (about a minute on 2 CPU cores)
+into the default cache; later runs reuse it.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+from workbook import arithmetic, tiny_model
+
+# Measured held-out accuracy is in workbook_tiny.json (see the report in tiny_model.TRAINING);
+# the threshold leaves margin for other CPUs and torch versions. Chance is about 1%.
+MIN_HELD_OUT_ACCURACY = 0.6
+
+
+def test_config_uses_grouped_query_attention_and_needs_no_weights():
+    config = tiny_model.tiny_config()
+    assert config.model_type == "llama"
+    assert config.num_key_value_heads < config.num_attention_heads
+    assert config.tie_word_embeddings
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, 0)
+    with torch.device("meta"):  # counts parameters without allocating or training anything
+        model = LlamaForCausalLM(config)
+    assert 500_000 < sum(parameter.numel() for parameter in model.parameters()) < 1_500_000
+
+
+def test_tokenizer_has_one_token_per_character_and_round_trips_text():
+    tokenizer = tiny_model.build_tokenizer()
+    assert len(tokenizer) == tiny_model.tiny_config().vocab_size
+    for text in ["What is 23 + 45? 68", "  two  spaces, tab\tand\nnewline ", "café × 2", ""]:
+        ids = tokenizer(text)["input_ids"]
+        assert ids[0] == tokenizer.bos_token_id
+        assert len(ids) == 1 + len(text)
+        assert tokenizer.decode(ids, skip_special_tokens=True) == text
+    assert tokenizer("✓")["input_ids"] == [tokenizer.bos_token_id, tokenizer.unk_token_id]
+
+
+def test_chat_template_renders_a_user_turn_as_the_training_prompt():
+    tokenizer = tiny_model.build_tokenizer()
+    question = "What is 23 + 45?"
+    messages = [{"role": "user", "content": question}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == "<s>" + question
+    # Templates write <s> themselves, so their text is tokenized without special tokens.
+    assert tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer(question)["input_ids"]
+
+
+def test_built_model_loads_with_auto_classes_and_answers(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    assert tokenizer.pad_token_id == 0 and tokenizer.eos_token_id == 2
+    assert model.generation_config.eos_token_id == 2
+    assert model.generation_config.pad_token_id == 0
+    batch = tokenizer(["What is 23 + 45?"], return_tensors="pt")
+    output_ids = model.generate(**batch, max_new_tokens=6, do_sample=False)
+    completion = tokenizer.decode(output_ids[0, batch["input_ids"].shape[1] :])
+    assert completion.startswith(" ") and completion.endswith("</s>")
+    assert arithmetic.parse_answer(completion) is not None
+
+
+def test_greedy_accuracy_on_held_out_prompts_is_well_above_chance(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
+    records = arithmetic.load_prompts()
+    accuracy = arithmetic.accuracy(records, tiny_model.greedy_answers(model, tokenizer, records))
+    assert accuracy >= MIN_HELD_OUT_ACCURACY
+    info = json.loads((tiny_model_path / tiny_model.BUILD_INFO_FILE).read_text())
+    assert info["held_out_accuracy"] == pytest.approx(accuracy)  # the recorded number is honest
+    assert info["recipe_hash"] == tiny_model.recipe_hash()
+    assert info["torch_version"] == torch.__version__
+
+
+def test_ensure_tiny_model_reuses_the_cache(tiny_model_path):
+    info_before = (tiny_model_path / tiny_model.BUILD_INFO_FILE).read_text()
+    started = time.perf_counter()
+    assert tiny_model.ensure_tiny_model() == tiny_model_path
+    assert time.perf_counter() - started < 5  # no rebuild (a build takes about a minute)
+    assert (tiny_model_path / tiny_model.BUILD_INFO_FILE).read_text() == info_before
+
+
+def test_cache_directory_name_changes_with_the_recipe(monkeypatch):
+    before = tiny_model.recipe_hash()
+    monkeypatch.setitem(tiny_model.TRAINING, "steps", tiny_model.TRAINING["steps"] + 1)
+    assert tiny_model.recipe_hash() != before
+
+
+def _fake_build(path):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / tiny_model.BUILD_INFO_FILE).write_text('{"builder": "this process"}')
+
+
+def test_ensure_uses_the_winner_when_another_process_finishes_first(tmp_path, monkeypatch):
+    final = tmp_path / f"tiny-{tiny_model.recipe_hash()}"
+
+    def build_while_another_process_wins(path):
+        final.mkdir()
+        (final / tiny_model.BUILD_INFO_FILE).write_text('{"builder": "other process"}')
+        _fake_build(path)
+
+    monkeypatch.setattr(tiny_model, "build_tiny_model", build_while_another_process_wins)
+    assert tiny_model.ensure_tiny_model(tmp_path) == final
+    assert "other process" in (final / tiny_model.BUILD_INFO_FILE).read_text()
+    assert [entry.name for entry in tmp_path.iterdir()] == [final.name]  # staging removed
+
+
+def test_ensure_builds_into_a_staging_directory_and_renames(tmp_path, monkeypatch):
+    built_in = []
+
+    def recording_build(path):
+        built_in.append(path)
+        assert not (tmp_path / f"tiny-{tiny_model.recipe_hash()}").exists()
+        _fake_build(path)
+
+    monkeypatch.setattr(tiny_model, "build_tiny_model", recording_build)
+    final = tiny_model.ensure_tiny_model(tmp_path)
+    assert built_in[0] != final and built_in[0].parent == final.parent
+    assert (final / tiny_model.BUILD_INFO_FILE).is_file()
+
+
+def test_a_failed_build_leaves_no_directory_behind(tmp_path, monkeypatch):
+    def failing_build(path):
+        _fake_build(path)
+        raise KeyboardInterrupt  # e.g. the user stops a notebook mid-build
+
+    monkeypatch.setattr(tiny_model, "build_tiny_model", failing_build)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_model.ensure_tiny_model(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resolve_model_path_accepts_tiny_and_local_directories(tiny_model_path, tmp_path):
+    assert tiny_model.resolve_model_path("tiny") == str(tiny_model_path)
+    assert tiny_model.resolve_model_path(str(tmp_path)) == str(tmp_path)
+
+
+@pytest.mark.parametrize("model", ["/no/such/model/dir", "meta-llama/Llama-3.2-1B"])
+def test_resolve_model_path_refuses_to_download(model):
+    with pytest.raises(ValueError, match="downloads nothing") as error:
+        tiny_model.resolve_model_path(model)
+    assert repr(model) in str(error.value)
+    assert "tiny" in str(error.value)
