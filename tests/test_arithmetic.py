@@ -31,9 +31,9 @@ def test_records_use_the_seed_format_and_their_output_is_the_true_answer():
         assert set(record) == {"id", "input", "output", "difficulty", "domain"}
         assert record["domain"] == "arithmetic"
         assert record["difficulty"] in {"easy", "hard"}
-        left, operator, right = record["input"].removeprefix("What is ").rstrip("?").split()
-        expected = int(left) + int(right) if operator == "+" else int(left) - int(right)
-        assert record["output"] == str(expected)
+        left, plus, right = record["input"].removeprefix("What is ").removesuffix("?").split()
+        assert plus == "+"
+        assert record["output"] == str(int(left) + int(right))
     difficulties = [record["difficulty"] for record in records]
     assert 0.2 < difficulties.count("hard") / len(records) < 0.8  # both levels well represented
 
@@ -41,27 +41,32 @@ def test_records_use_the_seed_format_and_their_output_is_the_true_answer():
 @pytest.mark.parametrize(
     "problem, difficulty",
     [
-        (Problem(23, "+", 45), "easy"),
-        (Problem(27, "+", 45), "hard"),  # ones column carries
-        (Problem(55, "+", 61), "hard"),  # tens column carries: three-digit answer
-        (Problem(3, "+", 4), "easy"),
-        (Problem(45, "-", 23), "easy"),
-        (Problem(42, "-", 17), "hard"),  # ones column borrows
-        (Problem(9, "-", 9), "easy"),
+        (Problem(23, 45), "easy"),
+        (Problem(3, 4), "easy"),
+        (Problem(50, 60), "easy"),  # a three-digit answer, but no carry to propagate
+        (Problem(27, 45), "hard"),  # ones column carries into the tens
+        (Problem(95, 5), "hard"),
     ],
 )
-def test_difficulty_is_hard_when_a_column_carries_or_borrows(problem, difficulty):
+def test_difficulty_is_hard_when_the_ones_column_carries(problem, difficulty):
     assert problem.difficulty == difficulty
 
 
 def test_question_and_completion_formats():
-    assert Problem(23, "+", 45).question == "What is 23 + 45?"
+    assert Problem(23, 45).question == "What is 23 + 45?"
     assert arithmetic.completion_text(arithmetic.answer_text(68)) == " 68"
 
 
 @pytest.mark.parametrize(
     "generated, parsed",
-    [(" 68", 68), ("68</s>", 68), (" 68. Then 70", 68), ("-3", -3), ("the answer", None), ("", None)],
+    [
+        (" 68", 68),
+        ("68</s>", 68),
+        (" 68. Then 70", 68),
+        ("-3", -3),
+        ("the answer", None),
+        ("", None),
+    ],
 )
 def test_parse_answer_takes_the_first_integer(generated, parsed):
     assert arithmetic.parse_answer(generated) == parsed

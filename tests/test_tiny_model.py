@@ -1,6 +1,6 @@
-"""The tiny default model: loads like any Hugging Face model, answers held-out arithmetic, is cached.
+"""The tiny default model: loads like any Hugging Face model, answers held-out sums, is cached.
 
-The first test that asks for ``tiny_model_path`` builds the model (about a minute on 2 CPU cores)
+The first test that asks for ``tiny_model_path`` builds the model (about 45 s on 2 CPU cores)
 into the default cache; later runs reuse it.
 """
 
@@ -13,9 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from workbook import arithmetic, tiny_model
 
-# Measured held-out accuracy is in workbook_tiny.json (see the report in tiny_model.TRAINING);
-# the threshold leaves margin for other CPUs and torch versions. Chance is about 1%.
-MIN_HELD_OUT_ACCURACY = 0.6
+# Measured 0.97 on 2 CPU cores, torch 2.13 (0.997 and 0.993 with training seeds 1 and 2). Other
+# CPUs and torch versions round differently and train a slightly different model: hence the margin.
+# Chance is about 1%.
+MIN_HELD_OUT_ACCURACY = 0.8
 
 
 def test_config_uses_grouped_query_attention_and_needs_no_weights():
@@ -47,13 +48,15 @@ def test_chat_template_renders_a_user_turn_as_the_training_prompt():
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<s>" + question
     # Templates write <s> themselves, so their text is tokenized without special tokens.
-    assert tokenizer(text, add_special_tokens=False)["input_ids"] == tokenizer(question)["input_ids"]
+    template_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert template_ids == tokenizer(question)["input_ids"]
 
 
 def test_built_model_loads_with_auto_classes_and_answers(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
     assert tokenizer.pad_token_id == 0 and tokenizer.eos_token_id == 2
+    assert tokenizer.padding_side == "right"  # library default; callers pick left to generate
     assert model.generation_config.eos_token_id == 2
     assert model.generation_config.pad_token_id == 0
     batch = tokenizer(["What is 23 + 45?"], return_tensors="pt")
@@ -79,7 +82,7 @@ def test_ensure_tiny_model_reuses_the_cache(tiny_model_path):
     info_before = (tiny_model_path / tiny_model.BUILD_INFO_FILE).read_text()
     started = time.perf_counter()
     assert tiny_model.ensure_tiny_model() == tiny_model_path
-    assert time.perf_counter() - started < 5  # no rebuild (a build takes about a minute)
+    assert time.perf_counter() - started < 5  # no rebuild (a build takes about 45 s)
     assert (tiny_model_path / tiny_model.BUILD_INFO_FILE).read_text() == info_before
 
 

@@ -1,17 +1,18 @@
-"""The checkable task behind the tiny model: short arithmetic questions with integer answers.
+"""The checkable task behind the tiny model: two-digit addition questions with integer answers.
 
 One place for the task: which problems exist, how a question and an answer are written, which
 problems are held out as the shipped sample prompts, and how a generated answer is scored.
 
-A problem is ``left + right`` or ``left - right`` with operands 0..99; subtraction keeps
-``left >= right`` so every answer is a non-negative integer. A record (one line of the sample file)
-uses the seed format of teacher-output pipelines::
+A problem is ``left + right`` with operands 0..99. (Mixing in subtraction was tried: in the tiny
+model's ~40 s of training it reached 39-93% held-out accuracy depending on learning rate and
+initialization, against 97-100% for addition alone, so the task is addition only.) A record (one
+line of the sample file) uses the seed format of teacher-output pipelines::
 
     {"id": "arith-0000", "input": "What is 23 + 45?", "output": "68",
      "difficulty": "easy", "domain": "arithmetic"}
 
-``output`` is the reference answer. ``difficulty`` is "hard" when the column method needs a carry
-(addition) or a borrow (subtraction), else "easy".
+``output`` is the reference answer. ``difficulty`` is "hard" when the ones column carries into the
+tens (27 + 45), else "easy" (23 + 45, 50 + 60): about 45% of problems are hard.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OPERAND_MAX = 99  # operands are 0..OPERAND_MAX: answers have at most 3 digits (99 + 99 = 198)
-OPERATORS = ("+", "-")
 DOMAIN = "arithmetic"
 SAMPLE_SIZE = 300  # records in the shipped sample file, held out from the tiny model's training
 SAMPLE_SEED = 1234  # picks which problems are held out; changing it changes the sample file
@@ -35,34 +35,28 @@ _FIRST_INTEGER = re.compile(r"-?\d+")
 
 @dataclass(frozen=True, order=True)
 class Problem:
-    """One question: ``left operator right``."""
+    """One question: ``left + right``."""
 
     left: int
-    operator: str  # "+" or "-"
     right: int
 
     @property
     def answer(self) -> int:
-        return self.left + self.right if self.operator == "+" else self.left - self.right
+        return self.left + self.right
 
     @property
     def question(self) -> str:
-        return question_text(self.left, self.operator, self.right)
+        return question_text(self.left, self.right)
 
     @property
     def difficulty(self) -> str:
-        """ "hard" if any column carries (addition) or borrows (subtraction), else "easy"."""
-        if self.operator == "+":
-            ones_carry = self.left % 10 + self.right % 10 >= 10
-            tens_carry = self.left // 10 + self.right // 10 + ones_carry >= 10
-            return "hard" if ones_carry or tens_carry else "easy"
-        # left >= right, so only the ones column can borrow.
-        return "hard" if self.left % 10 < self.right % 10 else "easy"
+        """ "hard" if the ones column carries into the tens, else "easy"."""
+        return "hard" if self.left % 10 + self.right % 10 >= 10 else "easy"
 
 
-def question_text(left: int, operator: str, right: int) -> str:
+def question_text(left: int, right: int) -> str:
     """The prompt a model sees, e.g. "What is 23 + 45?"."""
-    return f"What is {left} {operator} {right}?"
+    return f"What is {left} + {right}?"
 
 
 def answer_text(value: int) -> str:
@@ -79,14 +73,9 @@ def completion_text(answer: str) -> str:
 
 
 def all_problems() -> list[Problem]:
-    """Every problem of the task, in a fixed order: 10,000 additions and 5,050 subtractions."""
-    problems = []
-    for left in range(OPERAND_MAX + 1):
-        for right in range(OPERAND_MAX + 1):
-            problems.append(Problem(left, "+", right))
-            if left >= right:
-                problems.append(Problem(left, "-", right))
-    return problems
+    """Every problem of the task, in a fixed order: 100 x 100 = 10,000 additions."""
+    operands = range(OPERAND_MAX + 1)
+    return [Problem(left, right) for left in operands for right in operands]
 
 
 def sample_problems() -> list[Problem]:
@@ -144,7 +133,7 @@ def load_prompts(path: str | Path = SAMPLE_PROMPTS_PATH) -> list[dict]:
 
 
 def parse_answer(generated_text: str) -> int | None:
-    """The first integer in ``generated_text``, or None if it has none."""
+    """The first integer in ``generated_text`` (sign included), or None if it has none."""
     match = _FIRST_INTEGER.search(generated_text)
     return int(match.group()) if match else None
 
