@@ -121,3 +121,11 @@ def test_h100_and_h200_peaks_are_dense_not_sparse():
     # Datasheets print 1,979 TFLOPS "with sparsity"; the dense figure MFU is measured against is half.
     for name in ("h200", "h100", "h100x8"):
         assert params.load(PARAMS_DIR / f"{name}.yaml").peak_bf16_tflops == pytest.approx(989.5)
+
+
+def test_exponent_notation_without_a_dot_is_a_number():
+    # YAML 1.1 (PyYAML) reads 1e-4 as a string; users write it that way in files and --set.
+    assert params.parse_overrides(["learning_rate=1e-4"]) == {"learning_rate": 1e-4}
+    assert params.validate_value("learning_rate", "3E-5", "t") == 3e-5
+    with pytest.raises(params.ParamsError, match="'learning_rate' is 'fast'"):
+        params.validate_value("learning_rate", "fast", "t")

@@ -138,6 +138,20 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("train_output_dir", str, "checkpoints and the final model; '' = <run folder>/training; an existing "
         "folder with checkpoints resumes"),
     Key("train_processes", int, "training processes, one per GPU (data parallel)", minimum=1),
+    # Benchmarks (notebook 04/05, `workbook bench`); dtype, prompt_len, seq_len and the peaks above.
+    Key("bench_generate_model", str, "model of the generation sweep: 'tiny', a local dir, or a preset (random "
+        "weights built on the device)"),
+    Key("bench_train_model", str, "model of the training sweep: 'tiny', a local dir, or a preset (random weights, "
+        "synthetic sequences of seq_len tokens)"),
+    Key("bench_strategies", str, "comma-separated generation strategies: seed-before, seed-after, static-sorted, "
+        "static-compiled, continuous"),
+    Key("bench_batch_sizes", str, "comma-separated batch sizes of the per-batch strategies, e.g. '1,8,32'"),
+    Key("bench_examples", int, "prompts every generation point runs", minimum=1),
+    Key("bench_max_new_tokens", int, "new tokens per prompt, forced (every output runs to this length)", minimum=1),
+    Key("bench_repeats", int, "timed runs per generation point (the median counts)", minimum=1),
+    Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16'"),
+    Key("bench_train_steps", int, "optimizer steps per training point (the first 2 are warm-up); 0: no training "
+        "sweep", minimum=0),
 )}
 
 
@@ -163,6 +177,12 @@ def validate_value(key: str, value: Any, where: str) -> Any:
     spec = SCHEMA[key]
     if spec.auto and value == AUTO:
         return value
+    if spec.kind is float and isinstance(value, str):
+        # PyYAML reads `1e-4` (no dot) as a string, a YAML 1.1 rule nobody expects.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     # bool is a subclass of int in Python; `batch_size: true` must not pass as 1.
     ok = isinstance(value, spec.kind) and not (spec.kind in (int, float) and isinstance(value, bool))
     if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
