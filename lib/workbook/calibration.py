@@ -518,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_checks = cpu_exact_checks()
     has_gpu = torch.cuda.is_available()
     cpu_checks["command"] = command
+    if args.profile == "cpu":  # the exact checks are all a CPU can give; the grid needs a GPU profile
+        command = "workbook calibrate --profile h200   (or the profile of the GPU at hand)"
     cpu_checks["gpu_calibration"] = (
         {"status": "run", "file": RESULT_FILE} if has_gpu else
         {"status": "pending",
@@ -530,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{out_dir / CPU_CHECKS_FILE}")
     if not has_gpu:
         print(f"GPU calibration pending: it needs a CUDA GPU and none was found. Run `{command}` "
-              f"on the GPU of profile '{args.profile}' to write {out_dir / RESULT_FILE}.")
+              f"on that GPU to write outputs/reference/<profile>/{RESULT_FILE}.")
         return 0 if cpu_checks["all_exact"] else 1
 
     result = run_calibration(out_dir, args.profile)
