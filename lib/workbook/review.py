@@ -1,0 +1,171 @@
+"""Every run side by side: the logic behind notebook 05.
+
+A run is a folder under ``outputs/`` (``workbook run`` writes ``manifest.json`` there; ``workbook
+bench`` writes only ``benchmark.json``) or under the committed ``outputs/reference/<gpu>/``. A run
+may be incomplete, failed or still running, and a JSON file may be half written or broken: such a
+run is listed with what is wrong, never an exception.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workbook.paths import OUTPUTS_DIR
+
+# The metric files the notebooks and commands write, by the name a run's ``metrics`` uses.
+METRIC_FILES = {"gpu": "gpu.json", "memory_plan": "memory_plan.json", "generation": "generation.json",
+                "training": "training_metrics.json", "benchmark": "benchmark.json",
+                "memory_accuracy": "memory_accuracy.json"}
+REFERENCE_FOLDER = "reference"
+
+
+@dataclass
+class Run:
+    """One run folder: what its manifest says and the metric files it holds."""
+
+    path: Path
+    reference: bool
+    manifest: dict | None = None
+    metrics: dict = field(default_factory=dict)  # name in METRIC_FILES -> parsed JSON
+    problems: list[str] = field(default_factory=list)  # unreadable files, a failed or unfinished run
+
+    @property
+    def label(self) -> str:
+        return ("reference/" if self.reference else "") + self.path.name
+
+    @property
+    def profile(self) -> str | None:
+        if self.manifest and self.manifest.get("profile"):
+            return self.manifest["profile"]
+        bench = self.metrics.get("benchmark") or {}
+        if bench.get("profile"):
+            return bench["profile"]
+        # outputs/<YYYYmmdd-HHMMSS>-[bench-]<profile>[-N]/ (notebook.new_run_dir); a reference folder is the GPU.
+        parts = self.path.name.split("-")
+        if len(parts) >= 3 and parts[0].isdigit() and parts[1].isdigit():
+            rest = [part for part in parts[2:] if part != "bench"]
+            return "-".join(rest[:-1] if len(rest) > 1 and rest[-1].isdigit() else rest) or None
+        return None
+
+    @property
+    def status(self) -> str:
+        if self.manifest:
+            return str(self.manifest.get("status", "unknown"))
+        return "no manifest" if self.metrics else "empty"
+
+    def gpu_name(self) -> str:
+        hardware = (self.manifest or {}).get("hardware") or (self.metrics.get("benchmark") or {}).get("hardware") or {}
+        gpus = hardware.get("gpus") or []
+        if gpus:
+            return f"{len(gpus)} x {gpus[0].get('name', '?')}"
+        return "no GPU" if hardware else "?"
+
+    def date(self) -> str:
+        return str((self.manifest or {}).get("started_at") or self.path.name[:15])
+
+    def commit(self) -> str:
+        git = (self.manifest or {}).get("git") or {}
+        commit = git.get("commit")
+        return (commit[:10] + (" (dirty)" if git.get("dirty") else "")) if commit else "?"
+
+
+def _read_json(path: Path, problems: list[str]) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        problems.append(f"{path.name}: unreadable ({type(error).__name__}: {str(error)[:80]})")
+        return None
+    if not isinstance(value, dict):
+        problems.append(f"{path.name}: not a JSON object")
+        return None
+    return value
+
+
+def load_run(path: Path, reference: bool = False) -> Run:
+    run = Run(Path(path), reference)
+    manifest_path = run.path / "manifest.json"
+    if manifest_path.is_file():
+        run.manifest = _read_json(manifest_path, run.problems)
+        if run.manifest is not None and run.manifest.get("status") not in ("ok", None):
+            failed = [n["name"] for n in run.manifest.get("notebooks", []) if n.get("status") == "failed"]
+            run.problems.append(f"status {run.manifest.get('status')}" + (f": {', '.join(failed)} failed" if failed else ""))
+    for name, file_name in METRIC_FILES.items():
+        if (run.path / file_name).is_file():
+            value = _read_json(run.path / file_name, run.problems)
+            if value is not None:
+                run.metrics[name] = value
+    return run
+
+
+def load_runs(outputs_dir: Path = OUTPUTS_DIR, reference_dir: Path | None = None) -> list[Run]:
+    """Every run folder under ``outputs_dir`` (newest first) and under the reference folder
+    (default ``outputs_dir/reference``); folders holding neither a manifest nor a metric file are skipped."""
+    outputs_dir = Path(outputs_dir)
+    reference_dir = Path(reference_dir) if reference_dir is not None else outputs_dir / REFERENCE_FOLDER
+    runs = []
+    for root, is_reference in ((reference_dir, True), (outputs_dir, False)):
+        if not root.is_dir():
+            continue
+        for folder in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
+            if not is_reference and folder.resolve() == reference_dir.resolve():
+                continue
+            run = load_run(folder, is_reference)
+            if run.manifest is not None or run.metrics or run.problems:
+                runs.append(run)
+    return runs
+
+
+def run_rows(runs: list[Run]) -> list[dict]:
+    return [{"run": run.label, "profile": run.profile or "?", "GPU": run.gpu_name(), "date": run.date(),
+             "commit": run.commit(), "status": run.status, "metrics": ", ".join(run.metrics) or "none",
+             "problems": "; ".join(run.problems)} for run in runs]
+
+
+def throughput_series(runs: list[Run], strategy: str | None = None) -> list[dict]:
+    """Generation tokens/s vs batch per run and strategy (``strategy`` None: the best per batch)."""
+    series = []
+    for run in runs:
+        points = [p for p in (run.metrics.get("benchmark") or {}).get("generation", {}).get("points", [])
+                  if "output_tokens_per_second" in p and (strategy is None or p.get("strategy") == strategy)]
+        best: dict[int, float] = {}
+        for p in points:
+            best[p["batch_size"]] = max(best.get(p["batch_size"], 0.0), p["output_tokens_per_second"]["median"])
+        if best:
+            xs = sorted(best)
+            series.append({"label": f"{run.label} ({run.profile})", "x": xs, "y": [best[x] for x in xs]})
+    return series
+
+
+def memory_accuracy_series(runs: list[Run]) -> list[dict]:
+    """Measured peak / planner prediction vs batch, per run (generation points that measured one)."""
+    series = []
+    for run in runs:
+        points = [p for p in (run.metrics.get("benchmark") or {}).get("generation", {}).get("points", [])
+                  if p.get("peak_memory_bytes") and p.get("predicted_peak_bytes")]
+        if points:
+            points.sort(key=lambda p: p["batch_size"])
+            series.append({"label": f"{run.label} ({run.profile})", "x": [p["batch_size"] for p in points],
+                           "y": [p["peak_memory_bytes"] / p["predicted_peak_bytes"] for p in points]})
+    return series
+
+
+def mfu_rows(runs: list[Run]) -> list[dict]:
+    """MFU (or why there is none) and tokens/s of every training measurement of every run."""
+    rows = []
+    for run in runs:
+        for p in ((run.metrics.get("benchmark") or {}).get("training") or {}).get("points", []):
+            if "tokens_per_second" in p:
+                rows.append({"run": run.label, "source": "benchmark", "micro-batch": p.get("micro_batch_size"),
+                             "setting": f"ckpt {p.get('grad_checkpointing')}, compile {p.get('torch_compile')}, "
+                                        f"{p.get('padding')}",
+                             "tokens/s": f"{p['tokens_per_second'] or 0:,.0f}",
+                             "MFU": f"{p['mfu']:.1%}" if p.get("mfu") is not None else p.get("mfu_note", "n/a")})
+        throughput = (run.metrics.get("training") or {}).get("throughput")
+        if throughput:
+            rows.append({"run": run.label, "source": "notebook 03", "micro-batch": None, "setting": "",
+                         "tokens/s": f"{throughput.get('tokens_per_second') or 0:,.0f}",
+                         "MFU": f"{throughput['mfu']:.1%}" if throughput.get("mfu") is not None
+                         else throughput.get("mfu_note", "n/a")})
+    return rows

@@ -1,0 +1,171 @@
+"""The benchmark's counting (bytes, FLOPs, rooflines, cost), its NVML sampler without NVML, the seed
+claims table, and notebook 05's loading of run folders, broken ones included. Fast: no model runs."""
+
+import json
+
+import pytest
+from transformers import LlamaConfig
+
+from workbook import bench, review
+
+# A Llama small enough to count by hand: hidden 64, 2 layers, 4 heads of 16, 2 key/value heads,
+# MLP 128, vocabulary 100, embeddings untied.
+CONFIG = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=100, max_position_embeddings=256, tie_word_embeddings=False)
+# Per layer: q 64x64, k 64x32, v 64x32, o 64x64, gate/up 64x128 each, down 128x64, two norms of 64.
+LAYER_MATMUL = 64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128  # 32,768
+MATMUL = 2 * LAYER_MATMUL + 100 * 64  # + lm_head = 71,936
+PARAMETERS = MATMUL + 2 * 2 * 64 + 64 + 100 * 64  # + norms, final norm, input embedding = 78,656
+KV_PER_TOKEN_BF16 = 2 * 2 * 2 * 16 * 2  # key and value x layers x kv heads x head_dim x 2 bytes = 256
+
+
+def test_decode_step_bytes_and_flops_match_a_hand_count():
+    cost = bench.decode_step_cost(CONFIG, "bf16", batch_size=4, context_tokens=10)
+    # Weights read once per step, the untied input embedding excepted (only 4 rows are gathered).
+    assert cost.weights_bytes == (PARAMETERS - 100 * 64) * 2
+    assert cost.kv_cache_bytes == 4 * 10 * KV_PER_TOKEN_BF16
+    assert cost.bytes_read == cost.weights_bytes + cost.kv_cache_bytes
+    # 2 FLOPs per matmul weight per token, plus 4 x layers x heads x head_dim x context for attention.
+    assert cost.flops == 4 * (2 * MATMUL + 4 * 2 * 64 * 10)
+
+
+def test_roofline_and_fractions_of_peak():
+    cost = bench.StepCost(bytes_read=10**9, flops=10**12, weights_bytes=10**9, kv_cache_bytes=0)
+    # batch 8, 1000 GB/s: 1000 steps/s x 8 = 8000 tokens/s; 100 TFLOP/s: 100 steps/s x 8 = 800.
+    roof = bench.roofline_tokens_per_second(cost, 8, 1000.0, 100.0)
+    assert roof == {"bandwidth": 8000.0, "compute": 800.0, "roofline": 800.0}
+    fractions = bench.fractions_of_peak(400.0, cost, 8, 1000.0, 100.0)  # 50 steps/s
+    assert fractions["bandwidth"] == pytest.approx(0.05) and fractions["compute"] == pytest.approx(0.5)
+    # The cpu profile has no peaks: n/a, never a number.
+    assert bench.roofline_tokens_per_second(cost, 8, 0.0, 0.0)["roofline"] is None
+    assert bench.fractions_of_peak(400.0, cost, 8, 0.0, 0.0) == {"bandwidth": None, "compute": None}
+
+
+def test_cost_per_examples_and_tokens_and_none_without_a_price():
+    figures = bench.cost_figures(seconds=3600, examples=2000, output_tokens=4_000_000, usd_per_gpu_hour=3.5)
+    assert figures["usd_per_1000_examples"] == pytest.approx(1.75)
+    assert figures["usd_per_million_tokens"] == pytest.approx(0.875)
+    free = bench.cost_figures(seconds=10, examples=10, output_tokens=100, usd_per_gpu_hour=0.0)
+    assert free["usd_per_1000_examples"] is None and free["note"].startswith("n/a")
+
+
+def test_lists_in_params_are_parsed_with_errors_that_name_the_key():
+    assert bench.parse_int_list("1, 8,32", "bench_batch_sizes") == [1, 8, 32]
+    with pytest.raises(bench.BenchError, match="bench_batch_sizes"):
+        bench.parse_int_list("8,x", "bench_batch_sizes")
+    with pytest.raises(bench.BenchError, match="static-sorted"):
+        bench.parse_strategies("static,continuous")
+
+
+def test_static_compiled_and_training_compile_are_skipped_with_a_reason_on_cpu():
+    import torch
+    params = {"bench_batch_sizes": "8,32", "bench_strategies": ",".join(bench.STRATEGIES),
+              "bench_train_micro_batches": "4"}
+    points = bench._points(params, torch.device("cpu"))
+    assert [(p["strategy"], p["batch_size"]) for p in points][:2] == [("seed-before", 1), ("seed-after", 32)]
+    compiled = [p for p in points if p["strategy"] == "static-compiled"]
+    assert len(compiled) == 2 and all("skipped on CPU" in p["skipped"] for p in compiled)
+    training = bench.training_points(params, torch.device("cpu"))
+    assert [bool(p.get("skipped")) for p in training] == [False, False, True, False]
+
+
+class NoNvml:
+    @staticmethod
+    def nvmlInit():
+        raise OSError("NVML Shared Library Not Found")
+
+
+class FakeNvml:
+    NVML_CLOCK_SM = 1
+
+    def nvmlInit(self): pass
+    def nvmlDeviceGetCount(self): return 1
+    def nvmlDeviceGetHandleByIndex(self, index): return index
+    def nvmlDeviceGetUtilizationRates(self, handle): return type("U", (), {"gpu": 90})()
+    def nvmlDeviceGetMemoryInfo(self, handle): return type("M", (), {"used": 2**30})()
+    def nvmlDeviceGetPowerUsage(self, handle): return 300_000  # milliwatts
+    def nvmlDeviceGetClockInfo(self, handle, kind): return 1980
+
+
+def test_sampler_without_nvml_says_it_is_unavailable():
+    with bench.NvmlSampler(nvml=NoNvml()) as sampler:
+        pass
+    summary = sampler.summary()
+    assert summary["available"] is False and "NVML unavailable" in summary["reason"] and summary["samples"] == 0
+
+
+def test_sampler_records_kernel_time_memory_power_and_clock_labelled_for_what_they_are():
+    import time
+    with bench.NvmlSampler(nvml=FakeNvml(), interval_seconds=0.01) as sampler:
+        time.sleep(0.05)
+    summary = sampler.summary()
+    assert summary["available"] and summary["samples"] >= 1
+    assert summary["kernel_time_percent"]["mean"] == 90 and summary["power_watts"]["max"] == 300
+    assert summary["sm_clock_mhz"]["mean"] == 1980 and summary["memory_used_bytes"]["max"] == 2**30
+    assert "not efficiency" in summary["what"]
+
+
+def fake_point(strategy, batch, tokens_per_second, **extra):
+    return {"strategy": strategy, "batch_size": batch, "seconds": {"median": 1.0},
+            "output_tokens_per_second": {"median": tokens_per_second, "min": tokens_per_second, "max": tokens_per_second},
+            "examples": 10, "failed": 0, "examples_per_minute": 600.0, "peak_memory_bytes": None,
+            "predicted_peak_bytes": 10**6, "fraction_of_peak": {"bandwidth": None, "compute": None},
+            "nvml": {"available": False, "reason": "no NVML", "samples": 0}, "identical_to_one_at_a_time": 10,
+            **extra}
+
+
+def test_claims_table_lists_every_seed_claim_with_a_figure_or_why_not():
+    generation = {"model": "tiny", "model_name": "tiny", "examples": 10, "max_new_tokens": 16,
+                  "points": [fake_point("seed-before", 1, 50.0), fake_point("seed-after", 32, 500.0)]}
+    rows = bench.claims_table(generation, {"points": []}, None, on_gpu=False)
+    text = {row["claim"]: row["measured"] for row in rows}
+    assert len(rows) == 9 and all(row["measured"] for row in rows)
+    assert "20 of 20 outputs" in text["slice each output at its count of non-pad prompt tokens"]
+    assert text["~300-400 examples/minute, 8B model, batch 32, 2048 new tokens"].startswith("not measurable")
+    assert text["TF32 gives 8x faster matrix ops"].startswith("not measurable")
+    assert text["GPU utilization 85-95% (nvidia-smi)"].startswith("not measurable")
+    assert "336 MB" in text["KV cache ~500MB per example (8B, 2048 new tokens)"]  # 128 KiB/token x 2560 tokens
+    assert text["a failed batch counts all its examples as lost"].startswith("0 examples lost")
+
+
+def write_run(folder, manifest=None, **files):
+    folder.mkdir(parents=True)
+    if manifest is not None:
+        (folder / "manifest.json").write_text(manifest if isinstance(manifest, str) else json.dumps(manifest))
+    for name, value in files.items():
+        (folder / review.METRIC_FILES[name]).write_text(value if isinstance(value, str) else json.dumps(value))
+
+
+def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
+    benchmark = {"profile": "h200", "generation": {"points": [
+        fake_point("static-sorted", 8, 100.0, peak_memory_bytes=2 * 10**6),
+        fake_point("continuous", 8, 150.0), fake_point("static-sorted", 32, 300.0)]}, "training": {"points": [
+            {"micro_batch_size": 4, "grad_checkpointing": False, "torch_compile": False, "padding": "packing",
+             "tokens_per_second": 1000.0, "mfu": 0.4}]}}
+    write_run(tmp_path / "reference" / "h200", None, benchmark=benchmark)
+    write_run(tmp_path / "20261121-000000-cpu", {"profile": "cpu", "status": "ok", "started_at": "2026-11-21",
+                                                 "git": {"commit": "abcdef1234567", "dirty": True},
+                                                 "hardware": {"gpus": []}, "notebooks": []})
+    write_run(tmp_path / "20261121-000001-cpu", {"profile": "cpu", "status": "running", "notebooks": []})
+    write_run(tmp_path / "20261121-000002-cpu", '{"profile": "cpu", "stat', benchmark="[1, 2]")  # torn writes
+    (tmp_path / "models").mkdir()  # not a run: skipped
+    runs = review.load_runs(tmp_path)
+    labels = [run.label for run in runs]
+    assert labels == ["reference/h200", "20261121-000002-cpu", "20261121-000001-cpu", "20261121-000000-cpu"]
+    rows = {row["run"]: row for row in review.run_rows(runs)}
+    assert rows["reference/h200"]["profile"] == "h200" and rows["reference/h200"]["status"] == "no manifest"
+    assert rows["20261121-000000-cpu"]["commit"] == "abcdef1234 (dirty)" and rows["20261121-000000-cpu"]["GPU"] == "no GPU"
+    assert "status running" in rows["20261121-000001-cpu"]["problems"]
+    assert review.load_run(tmp_path / "20261121-000002-cpu").profile == "cpu"  # from the folder name
+    assert review.Run(tmp_path / "20261121-000003-bench-a100-80gb-1", False).profile == "a100-80gb"
+    assert "manifest.json: unreadable" in rows["20261121-000002-cpu"]["problems"]
+    assert "benchmark.json: not a JSON object" in rows["20261121-000002-cpu"]["problems"]
+    series = review.throughput_series(runs)
+    assert series == [{"label": "reference/h200 (h200)", "x": [8, 32], "y": [150.0, 300.0]}]
+    assert review.memory_accuracy_series(runs)[0]["y"] == [2.0]
+    assert review.mfu_rows(runs)[0]["MFU"] == "40.0%"
+
+
+def test_review_of_an_empty_outputs_folder_is_empty(tmp_path):
+    assert review.load_runs(tmp_path) == [] and review.load_runs(tmp_path / "missing") == []
+    assert review.throughput_series([]) == [] and review.mfu_rows([]) == []
