@@ -169,3 +169,13 @@ def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
 def test_review_of_an_empty_outputs_folder_is_empty(tmp_path):
     assert review.load_runs(tmp_path) == [] and review.load_runs(tmp_path / "missing") == []
     assert review.throughput_series([]) == [] and review.mfu_rows([]) == []
+
+
+def test_an_output_continuous_batching_ended_at_eos_is_compared_up_to_its_eos():
+    from workbook.generate import Completion
+    forced = Completion([5, 6, 7, 8], "length")  # one at a time, EOS masked until 4 tokens
+    assert bench.same_greedy_tokens(Completion([5, 6, 7, 8], "length"), forced)
+    assert bench.same_greedy_tokens(Completion([5, 6, 2], "eos"), forced)  # EOS where the forced run took 7
+    assert not bench.same_greedy_tokens(Completion([5, 9, 2], "eos"), forced)
+    assert not bench.same_greedy_tokens(Completion([5, 6, 7, 9], "length"), forced)
+    assert not bench.same_greedy_tokens(None, forced)

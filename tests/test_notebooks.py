@@ -170,6 +170,8 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
         if p["strategy"] != "continuous":  # static generate honours min_new_tokens: every output full length
             assert p["full_length_outputs"] == cpu.bench_examples
             assert p["output_tokens"] == cpu.bench_examples * cpu.bench_max_new_tokens
+        # Greedy on the tiny model in fp32: every strategy gives one-at-a-time generation's tokens.
+        assert p["identical_to_one_at_a_time"] == cpu.bench_examples, (p["strategy"], p["batch_size"])
         assert len(p["output_tokens_per_second"]["runs"]) == cpu.bench_repeats
         assert p["output_tokens_per_second"]["min"] <= p["output_tokens_per_second"]["median"] > 0
         # CPU: no peaks, no price, no peak memory: n/a and "not measured", never a made-up number.
