@@ -1,5 +1,6 @@
 """Profile files: every key validated, every key consumed, errors that name file, line and key."""
 
+import re
 import textwrap
 
 import papermill
@@ -129,3 +130,12 @@ def test_exponent_notation_without_a_dot_is_a_number():
     assert params.validate_value("learning_rate", "3E-5", "t") == 3e-5
     with pytest.raises(params.ParamsError, match="'learning_rate' is 'fast'"):
         params.validate_value("learning_rate", "fast", "t")
+
+
+def test_batch_size_lists_take_one_integer_and_refuse_anything_but_positive_integers():
+    # `--set bench_batch_sizes=8` and `bench_batch_sizes: 8` are read as an integer: one batch size.
+    assert params.parse_overrides(["bench_batch_sizes=8"])["bench_batch_sizes"] == "8"
+    assert params.parse_overrides(["bench_train_micro_batches=4,16"])["bench_train_micro_batches"] == "4,16"
+    for bad in ("8,x", "0,8", "8,,16", "-4"):
+        with pytest.raises(params.ParamsError, match=rf"bench_batch_sizes={re.escape(bad)}: .*comma-separated positive"):
+            params.parse_overrides([f"bench_batch_sizes={bad}"])

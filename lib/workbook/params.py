@@ -37,10 +37,13 @@ class Key:
     choices: tuple = ()
     maximum: float | None = None
     auto: bool = False  # the value may also be 'auto': the memory planner chooses it
+    int_list: bool = False  # a str of comma-separated positive integers, e.g. '8,32'
 
     def expected(self) -> str:
         if self.choices:
             return "one of " + ", ".join(repr(c) for c in self.choices)
+        if self.int_list:
+            return "comma-separated positive integers, e.g. '8,32'"
         text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.kind]
         if self.minimum is not None:
             text += f" >= {self.minimum:g}"
@@ -145,11 +148,12 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
         "synthetic sequences of seq_len tokens)"),
     Key("bench_strategies", str, "comma-separated generation strategies: seed-before, seed-after, static-sorted, "
         "static-compiled, continuous"),
-    Key("bench_batch_sizes", str, "comma-separated batch sizes of the per-batch strategies, e.g. '1,8,32'"),
+    Key("bench_batch_sizes", str, "comma-separated batch sizes of the per-batch strategies, e.g. '1,8,32'",
+        int_list=True),
     Key("bench_examples", int, "prompts every generation point runs", minimum=1),
     Key("bench_max_new_tokens", int, "new tokens per prompt, forced (every output runs to this length)", minimum=1),
     Key("bench_repeats", int, "timed runs per generation point (the median counts)", minimum=1),
-    Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16'"),
+    Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16'", int_list=True),
     Key("bench_train_steps", int, "optimizer steps per training point (the first 2 are warm-up); 0: no training "
         "sweep", minimum=0),
 )}
@@ -163,6 +167,9 @@ class Params(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+_INT_LIST = re.compile(r"[1-9][0-9]*(,[1-9][0-9]*)*")
 
 
 def validate_value(key: str, value: Any, where: str) -> Any:
@@ -183,10 +190,14 @@ def validate_value(key: str, value: Any, where: str) -> Any:
             value = float(value)
         except ValueError:
             pass
+    if spec.int_list and isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # YAML and --set read a single batch size, `8`, as an integer
     # bool is a subclass of int in Python; `batch_size: true` must not pass as 1.
     ok = isinstance(value, spec.kind) and not (spec.kind in (int, float) and isinstance(value, bool))
     if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
+    if ok and spec.int_list and not _INT_LIST.fullmatch(value.replace(" ", "")):
+        ok = False
     if ok and spec.choices and value not in spec.choices:
         ok = False
     if ok and spec.minimum is not None and value < spec.minimum:
