@@ -128,6 +128,34 @@ def test_claims_table_lists_every_seed_claim_with_a_figure_or_why_not():
     assert text["a failed batch counts all its examples as lost"].startswith("0 examples lost")
 
 
+def test_auto_batch_is_the_planners_point_and_named_as_such():
+    import torch
+    assert bench.parse_int_list("8,auto", "bench_batch_sizes", auto=64) == [8, 64]
+    with pytest.raises(bench.BenchError, match="bench_train_micro_batches"):
+        bench.parse_int_list("auto", "bench_train_micro_batches")  # no planner answer given: an error, not a guess
+    planned = {"planned": 1500, "batch_size": 32, "note": "the planner's largest batch on h200: 1500, capped at 32"}
+    params = {"bench_batch_sizes": "8,32,auto", "bench_strategies": "static-sorted"}
+    points = bench._points(params, torch.device("cpu"), planned)
+    assert [p["batch_size"] for p in points] == [8, 32]  # 'auto' = 32 is run once
+    assert points[1]["planner_batch"] == planned["note"] and "planner_batch" not in points[0]
+
+
+def test_goals_are_judged_at_the_planners_batch_and_say_by_how_much_they_miss():
+    at_planner = fake_point("static-sorted", 512, 9000.0, planner_batch="the planner's largest batch on h200: 512",
+                            speedup_over_seed_after=12.0)
+    at_planner["fraction_of_peak"] = {"bandwidth": 0.45, "compute": 0.2}
+    generation = {"points": [fake_point("seed-after", 32, 750.0, speedup_over_seed_after=1.0),
+                             fake_point("static-sorted", 8, 20000.0, speedup_over_seed_after=26.7), at_planner]}
+    rows = {row["goal"]: row for row in bench.goals_table(generation, {"points": [{"mfu": 0.5}, {"mfu": 0.3}]})}
+    bandwidth, speedup, mfu = (rows[goal] for goal in bench.GOALS)
+    assert bandwidth["measured"].startswith("45.0% (static-sorted, batch 512") and bandwidth["met"] == "no: 75% of the goal"
+    assert speedup["measured"].startswith("12.0x") and speedup["met"] == "yes"  # batch 8's 26.7x is not the planner's
+    assert mfu["measured"].startswith("50.0%") and mfu["met"] == "yes"
+    none = {row["goal"]: row for row in bench.goals_table({"points": [fake_point("seed-after", 32, 1.0)]}, None)}
+    assert none[bench.GOALS[0]]["measured"].startswith("not measured: bench_batch_sizes has no 'auto'")
+    assert none[bench.GOALS[2]]["met"] == "n/a"
+
+
 def write_run(folder, manifest=None, **files):
     folder.mkdir(parents=True)
     if manifest is not None:

@@ -7,7 +7,7 @@ import sys
 import nbformat
 import pytest
 
-from workbook import notebook, params, runner
+from workbook import bench, notebook, params, runner
 from workbook.paths import NOTEBOOKS_DIR, PARAMS_DIR, REPO_ROOT
 
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
@@ -180,6 +180,13 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
         assert p["predicted_peak_bytes"] > 0 and p["cost"]["usd_per_1000_examples"] is None
         assert p["nvml"]["available"] is False
     assert points[("seed-after", 32)]["speedup_over_seed_after"] == 1.0
+    # 'auto': the planner's batch (RAM on the cpu profile: thousands) capped at the sweep's prompts, and said so.
+    planner = data["generation"]["planner_batch"]
+    assert planner["planned"] > cpu.bench_examples == planner["batch_size"] and "capped" in planner["note"]
+    assert points[("static-sorted", cpu.bench_examples)]["planner_batch"] == planner["note"]
+    goals = {row["goal"]: row for row in data["goals"]}
+    assert goals[bench.GOALS[0]]["met"] == "n/a" and "no bandwidth peak" in goals[bench.GOALS[0]]["measured"]
+    assert goals[bench.GOALS[1]]["measured"].endswith(planner["note"] + ")")
     trained = [p for p in data["training"]["points"] if "tokens_per_second" in p]
     assert trained and all(p["tokens_per_second"] > 0 and p["mfu"] is None for p in trained)
     assert len(data["claims"]) >= 8 and all(row["measured"] for row in data["claims"])

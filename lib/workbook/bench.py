@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from workbook import generate, memory, planning, presets
+from workbook.params import AUTO
 
 SEED_BATCH_SIZE = 32  # the seeds' "after": static batches of 32 in file order
 STRATEGIES = ("seed-before", "seed-after", "static-sorted", "static-compiled", "continuous")
@@ -137,10 +138,11 @@ def cost_figures(seconds: float, examples: int, output_tokens: int, usd_per_gpu_
             "note": f"{gpus} GPU(s) x ${usd_per_gpu_hour:g}/GPU-hour"}
 
 
-def parse_int_list(text: str, key: str) -> list[int]:
-    """'1,8,32' -> [1, 8, 32]; an error names the key."""
+def parse_int_list(text: str, key: str, auto: int | None = None) -> list[int]:
+    """'1,8,32' -> [1, 8, 32]; 'auto' entries become ``auto`` where one is given; an error names the key."""
+    parts = [part for part in str(text).replace(" ", "").split(",") if part]
     try:
-        values = [int(part) for part in str(text).replace(" ", "").split(",") if part]
+        values = [auto if part == AUTO and auto is not None else int(part) for part in parts]
     except ValueError:
         raise BenchError(f"{key} is {text!r}; expected comma-separated positive integers, e.g. '1,8,32'") from None
     if not values or any(value < 1 for value in values):
@@ -304,9 +306,27 @@ def generation_setup(params, device: torch.device | None = None) -> GenerationSe
     return GenerationSetup(model, described, name, settings, prompts, device)
 
 
-def _points(params, device: torch.device) -> list[dict]:
-    """(strategy, batch size, sort, backend name) of every point, with a skip reason where one applies."""
-    batch_sizes = parse_int_list(params["bench_batch_sizes"], "bench_batch_sizes")
+def planner_batch(params, setup: GenerationSetup) -> dict:
+    """The planner's largest batch for the sweep's worst case (its longest prompt plus every new
+    token) on the profile, and the batch the sweep can form: no larger than its prompts."""
+    dtype = params["dtype"] if setup.device.type == "cuda" else "fp32"
+    largest = planning.plan(params, mode="generate", model=setup.model_name, batch_size=AUTO, dtype=dtype,
+                            prompt_len=max(len(p.token_ids) for p in setup.prompts),
+                            max_new_tokens=setup.settings.max_new_tokens).max_batch_size
+    if largest == 0:
+        raise BenchError(f"bench_batch_sizes has 'auto' but {setup.model_name} does not fit the {params['profile']} "
+                         "profile even at batch 1 (workbook plan says what to change); give batch sizes instead")
+    return {"planned": largest, "batch_size": min(largest, len(setup.prompts)),
+            "note": f"the planner's largest batch on {params['profile']}: {largest}"
+                    + (f", capped at the {len(setup.prompts)} prompts of the sweep (raise bench_examples to run it)"
+                       if largest > len(setup.prompts) else "")}
+
+
+def _points(params, device: torch.device, planned: dict | None = None) -> list[dict]:
+    """(strategy, batch size, sort, backend name) of every point, with a skip reason where one applies.
+    ``planned``: ``planner_batch``'s answer, which an 'auto' batch size stands for."""
+    auto = planned["batch_size"] if planned else None
+    batch_sizes = list(dict.fromkeys(parse_int_list(params["bench_batch_sizes"], "bench_batch_sizes", auto)))
     points = []
     for strategy in parse_strategies(params["bench_strategies"]):
         if strategy == "seed-before":
@@ -317,6 +337,8 @@ def _points(params, device: torch.device) -> list[dict]:
             backend = {"static-sorted": "static"}.get(strategy, strategy)
             for batch in batch_sizes:
                 point = {"strategy": strategy, "batch_size": batch, "backend": backend, "sort": True}
+                if batch == auto:
+                    point["planner_batch"] = planned["note"]
                 if strategy == "static-compiled" and device.type != "cuda":
                     point["skipped"] = ("skipped on CPU: torch.compile compiles again for every batch size "
                                         "(minutes) for seconds of decoding; measured on a GPU session")
@@ -422,7 +444,8 @@ def same_greedy_tokens(candidate: generate.Completion | None, reference: generat
 def generation_sweep(params, log: Callable[[str], None] = print, setup: GenerationSetup | None = None) -> dict:
     setup = setup or generation_setup(params)
     repeats = params["bench_repeats"]
-    points = [generation_point(setup, params, point, repeats, log) for point in _points(params, setup.device)]
+    planned = planner_batch(params, setup) if AUTO in str(params["bench_batch_sizes"]) else None
+    points = [generation_point(setup, params, point, repeats, log) for point in _points(params, setup.device, planned)]
     # Greedy decoding: every strategy must give the tokens one-at-a-time generation gives.
     reference = next((p["completions"] for p in points if p["strategy"] == "seed-before" and "completions" in p), None)
     baseline = next((p for p in points if p["strategy"] == BASELINE and "seconds" in p), None)
@@ -441,7 +464,7 @@ def generation_sweep(params, log: Callable[[str], None] = print, setup: Generati
             "max_new_tokens": setup.settings.max_new_tokens, "repeats": repeats,
             "forced_full_length": "min_new_tokens = max_new_tokens; each point's full_length_outputs says how many "
                                   "ran to it (continuous batching ignores min_new_tokens)",
-            "baseline": BASELINE, "points": points}
+            "baseline": BASELINE, "planner_batch": planned, "points": points}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -619,6 +642,36 @@ def claims_table(generation: dict | None, training: dict | None, matmul: dict | 
     return rows
 
 
+def goals_table(generation: dict | None, training: dict | None) -> list[dict]:
+    """The workbook's performance goals (issue 6) beside this run's figures: the best strategy at the
+    planner's batch against the bandwidth roofline and the seeds' baseline, and the best MFU."""
+    at_planner = [p for p in (generation or {}).get("points", []) if p.get("planner_batch") and "seconds" in p]
+    best = max(at_planner, key=lambda p: p["output_tokens_per_second"]["median"], default=None)
+    where = f" ({best['strategy']}, batch {best['batch_size']}; {best['planner_batch']})" if best else ""
+    bandwidth = best and best["fraction_of_peak"]["bandwidth"]
+    speedup = best and best.get("speedup_over_seed_after")
+    mfus = [p["mfu"] for p in (training or {}).get("points", []) if p.get("mfu") is not None]
+
+    def row(goal: str, value, target: float, text: str, missing: str) -> dict:
+        if value is None:
+            return {"goal": goal, "measured": missing, "met": NA}
+        return {"goal": goal, "measured": text,
+                "met": "yes" if value >= target else f"no: {value / target:.0%} of the goal"}
+
+    no_auto = "not measured: bench_batch_sizes has no 'auto' point"
+    return [row(GOALS[0], bandwidth, 0.60, f"{bandwidth or 0:.1%}{where}",
+                no_auto if not best else "n/a: the profile has no bandwidth peak"),
+            row(GOALS[1], speedup, 10.0, f"{speedup or 0:.1f}x{where}",
+                no_auto if not best else "not measured: needs seed-after"),
+            row(GOALS[2], max(mfus) if mfus else None, 0.45, f"{max(mfus or [0]):.1%} (best training point)",
+                "n/a: no MFU (no GPU peak or no training sweep)")]
+
+
+GOALS = ("best generation strategy at the planner's batch >= 60% of the bandwidth roofline",
+         "best generation strategy at the planner's batch >= 10x the seeds' static batch 32",
+         "training >= 45% MFU (the 1B full fine-tune on an H200)")
+
+
 # ----------------------------------------------------------------------------------------------
 # The whole benchmark.
 
@@ -652,6 +705,7 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print) ->
         "training": training,
         "matmul": matmul,
         "claims": claims_table(generation, training, matmul, device.type == "cuda"),
+        "goals": goals_table(generation, training),
         "seconds": time.perf_counter() - began,
     }
 
@@ -668,12 +722,13 @@ def generation_rows(report: dict) -> list[dict]:
     from workbook.units import format_bytes
     rows = []
     for p in report["generation"]["points"]:
+        batch = f"{p['batch_size']}" + (" (planner)" if p.get("planner_batch") else "")
         if p.get("skipped"):
-            rows.append({"strategy": p["strategy"], "batch": p["batch_size"], "output tok/s (median, min-max)": p["skipped"]})
+            rows.append({"strategy": p["strategy"], "batch": batch, "output tok/s (median, min-max)": p["skipped"]})
             continue
         tps = p["output_tokens_per_second"]
         rows.append({
-            "strategy": p["strategy"], "batch": p["batch_size"],
+            "strategy": p["strategy"], "batch": batch,
             "output tok/s (median, min-max)": f"{tps['median']:,.1f} ({tps['min']:,.1f}-{tps['max']:,.1f})",
             "examples/min": f"{p['examples_per_minute']:,.1f}",
             "first result s": _format(p["time_to_first_result_seconds"], "{:.3f}"),
@@ -752,7 +807,7 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
         figure.savefig(run_dir / name, dpi=120, bbox_inches="tight")
     text = "\n\n".join(f"## {title}\n\n{notebook.markdown_table(rows)}" for title, rows in (
         ("Generation", generation_rows(report)), ("Training", training_rows(report)),
-        ("Seed claims", report["claims"]), ("NVML (share of time a kernel ran, not efficiency)", nvml_rows(report))))
+        ("Seed claims", report["claims"]), ("Goals", report["goals"]), ("NVML (share of time a kernel ran, not efficiency)", nvml_rows(report))))
     (run_dir / "benchmark.md").write_text(f"`{report['command']}`\n\n{text}\n")
     print(text)
     print(f"wrote {run_dir / 'benchmark.json'}, {run_dir / 'benchmark.md'} and the PNGs")

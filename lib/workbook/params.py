@@ -43,7 +43,7 @@ class Key:
         if self.choices:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         if self.int_list:
-            return "comma-separated positive integers, e.g. '8,32'"
+            return "comma-separated positive integers, e.g. '8,32'" + (", or 'auto' among them" if self.auto else "")
         text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.kind]
         if self.minimum is not None:
             text += f" >= {self.minimum:g}"
@@ -148,8 +148,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
         "synthetic sequences of seq_len tokens)"),
     Key("bench_strategies", str, "comma-separated generation strategies: seed-before, seed-after, static-sorted, "
         "static-compiled, continuous"),
-    Key("bench_batch_sizes", str, "comma-separated batch sizes of the per-batch strategies, e.g. '1,8,32'",
-        int_list=True),
+    Key("bench_batch_sizes", str, "comma-separated batch sizes of the per-batch strategies, e.g. '8,32,auto' "
+        "('auto': the planner's largest batch for the benchmark's longest prompt)", int_list=True, auto=True),
     Key("bench_examples", int, "prompts every generation point runs", minimum=1),
     Key("bench_max_new_tokens", int, "new tokens per prompt, forced (every output runs to this length)", minimum=1),
     Key("bench_repeats", int, "timed runs per generation point (the median counts)", minimum=1),
@@ -170,6 +170,7 @@ class Params(dict):
 
 
 _INT_LIST = re.compile(r"[1-9][0-9]*(,[1-9][0-9]*)*")
+_INT_OR_AUTO_LIST = re.compile(r"([1-9][0-9]*|auto)(,([1-9][0-9]*|auto))*")
 
 
 def validate_value(key: str, value: Any, where: str) -> Any:
@@ -196,7 +197,7 @@ def validate_value(key: str, value: Any, where: str) -> Any:
     ok = isinstance(value, spec.kind) and not (spec.kind in (int, float) and isinstance(value, bool))
     if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
-    if ok and spec.int_list and not _INT_LIST.fullmatch(value.replace(" ", "")):
+    if ok and spec.int_list and not (_INT_OR_AUTO_LIST if spec.auto else _INT_LIST).fullmatch(value.replace(" ", "")):
         ok = False
     if ok and spec.choices and value not in spec.choices:
         ok = False
