@@ -240,6 +240,21 @@ def test_loss_falls_when_overfitting_a_few_examples(tmp_path):
     assert (final / "config.json").is_file() and (final / "tokenizer.json").is_file()
 
 
+def test_lora_trains_adapters_of_the_size_the_planner_counts_and_saves_only_them(tmp_path, tiny_model_path):
+    path = arithmetic_pairs(tmp_path)
+    result = train.train(make_config(tmp_path, path, lora_rank=4, learning_rate=1e-2, max_steps=3))
+    assert result["status"] == "finished" and "LoRA rank 4" in result["model_description"]
+    final = tmp_path / "out" / "final"
+    assert (final / "adapter_config.json").is_file() and (final / "tokenizer.json").is_file()
+    assert not (final / "model.safetensors").exists()  # the frozen base is not saved again
+    adapters = load_file(final / "adapter_model.safetensors")
+    tiny = AutoModelForCausalLM.from_pretrained(tiny_model_path).config
+    assert sum(t.numel() for t in adapters.values()) == memory.lora_parameter_count(tiny, 4)
+    # B starts at zero (the adapted model starts as the base): non-zero B means the adapters trained.
+    trained_b = [name for name, t in adapters.items() if "lora_B" in name and t.abs().sum() > 0]
+    assert len(trained_b) == len(adapters) // 2
+
+
 def arithmetic_pairs(tmp_path, count=24):
     records = [{"input": f"What is {i} + {2 * i}?", "output": str(3 * i)} for i in range(count)]
     return write_jsonl(tmp_path / "pairs.jsonl", records)

@@ -58,7 +58,7 @@ PARAMS_USED = ("profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "pe
                "memory_bandwidth_gbs", "usd_per_gpu_hour", "dtype", "prompt_len", "seq_len", "safety_margin",
                "cuda_overhead_gib", "bench_generate_model", "bench_train_model", "bench_batch_sizes",
                "bench_strategies", "bench_examples", "bench_max_new_tokens", "bench_repeats",
-               "bench_train_micro_batches", "bench_train_steps")
+               "bench_train_micro_batches", "bench_train_steps", "lora_rank")
 
 
 class BenchError(ValueError):
@@ -503,7 +503,7 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         micro_batch_size=point["micro_batch_size"], max_steps=steps, warmup_steps=0,
         dtype=params["dtype"] if device.type == "cuda" else "fp32", tf32=device.type == "cuda",
         grad_checkpointing=point["grad_checkpointing"], torch_compile=point["torch_compile"],
-        profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
+        lora_rank=params["lora_rank"], profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
         plan_settings={key: params[key] for key in ("gpu_count", "gpu_memory_gib", "cuda_overhead_gib",
                                                    "safety_margin")},
@@ -538,7 +538,8 @@ def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print) -
     from workbook import train
     device = bench_device()
     points = [training_point(params, point, work_dir, log) for point in training_points(params, device)]
-    return {"model": params["bench_train_model"], "device": str(device), "steps_per_point": params["bench_train_steps"],
+    return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
+            "steps_per_point": params["bench_train_steps"],
             "repeats": 1, "what": f"tokens/s over the steps after the first {train.TIMING_WARMUP_STEPS} (warm-up) "
             "of each point, one run per point", "points": points}
 

@@ -675,7 +675,7 @@ def _load_model(config: TrainConfig, device: torch.device):
         try:
             import peft
         except ImportError:
-            raise TrainError("lora_rank > 0 needs the optional package peft (pip install peft==<pinned version>); "
+            raise TrainError("lora_rank > 0 needs peft (pinned in requirements.txt: pip install peft==0.21.2); "
                              "or set lora_rank: 0 for a full fine-tune") from None
         from workbook.memory import DEFAULT_LORA_TARGET_MODULES
         lora_config = peft.LoraConfig(r=config.lora_rank, lora_alpha=2 * config.lora_rank, lora_dropout=0.0,
