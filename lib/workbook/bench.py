@@ -248,6 +248,11 @@ def bench_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def run_dtype(params, device: torch.device) -> str:
+    """The profile's dtype on a GPU; fp32 on CPU (bf16 matmuls there are emulated and slow)."""
+    return params["dtype"] if device.type == "cuda" else "fp32"
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -284,13 +289,14 @@ class GenerationSetup:
     settings: generate.DecodingSettings
     prompts: list[generate.Prompt]
     device: torch.device
+    dtype: str
 
 
 def generation_setup(params, device: torch.device | None = None) -> GenerationSetup:
     from workbook import finder, generate_bench
     device = device or bench_device()
     name = params["bench_generate_model"]
-    dtype = params["dtype"] if device.type == "cuda" else "fp32"
+    dtype = run_dtype(params, device)
     model, described = finder.load_probe_model(name, dtype, device)
     eos_ids = generate.eos_token_ids(model, None)
     pad = generate.pad_token_id(model, None, eos_ids)
@@ -303,14 +309,13 @@ def generation_setup(params, device: torch.device | None = None) -> GenerationSe
                          f"{context} tokens; lower one of them")
     prompts = generate_bench.mixed_prompts(model.config.vocab_size, params["bench_examples"],
                                            (max(1, longest // 4), longest), new_tokens)
-    return GenerationSetup(model, described, name, settings, prompts, device)
+    return GenerationSetup(model, described, name, settings, prompts, device, dtype)
 
 
 def planner_batch(params, setup: GenerationSetup) -> dict:
     """The planner's largest batch for the sweep's worst case (its longest prompt plus every new
     token) on the profile, and the batch the sweep can form: no larger than its prompts."""
-    dtype = params["dtype"] if setup.device.type == "cuda" else "fp32"
-    largest = planning.plan(params, mode="generate", model=setup.model_name, batch_size=AUTO, dtype=dtype,
+    largest = planning.plan(params, mode="generate", model=setup.model_name, batch_size=AUTO, dtype=setup.dtype,
                             prompt_len=max(len(p.token_ids) for p in setup.prompts),
                             max_new_tokens=setup.settings.max_new_tokens).max_batch_size
     if largest == 0:
@@ -375,7 +380,7 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
     if point.get("skipped"):
         return result
     batch = point["batch_size"]
-    dtype = params["dtype"] if setup.device.type == "cuda" else "fp32"
+    dtype = setup.dtype
     backend = generate.make_backend(point["backend"], setup.model, setup.settings, batch)
     reset_peak_memory(setup.device)
     ordered = generate.sort_longest_first(setup.prompts) if point["sort"] else setup.prompts
@@ -459,7 +464,7 @@ def generation_sweep(params, log: Callable[[str], None] = print, setup: Generati
                                                 / baseline["output_tokens_per_second"]["median"])
     lengths = [len(p.token_ids) for p in setup.prompts]
     return {"model": setup.description, "model_name": setup.model_name, "device": str(setup.device),
-            "dtype": params["dtype"] if setup.device.type == "cuda" else "fp32",
+            "dtype": setup.dtype,
             "examples": len(setup.prompts), "prompt_tokens_min_max": [min(lengths), max(lengths)],
             "max_new_tokens": setup.settings.max_new_tokens, "repeats": repeats,
             "forced_full_length": "min_new_tokens = max_new_tokens; each point's full_length_outputs says how many "
@@ -501,7 +506,7 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         output_dir=str(output_dir), use_chat_template=not preset,
         max_seq_length=params["seq_len"] if preset else "auto", padding=point["padding"], validation_fraction=0.0,
         micro_batch_size=point["micro_batch_size"], max_steps=steps, warmup_steps=0,
-        dtype=params["dtype"] if device.type == "cuda" else "fp32", tf32=device.type == "cuda",
+        dtype=run_dtype(params, device), tf32=device.type == "cuda",
         grad_checkpointing=point["grad_checkpointing"], torch_compile=point["torch_compile"],
         lora_rank=params["lora_rank"], profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
@@ -690,7 +695,7 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print) ->
     reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
     training = training_sweep(params, Path(work_dir), log) if params["bench_train_steps"] else None
     matmul = tf32_matmul_speedup(device)
-    dtype = params["dtype"] if device.type == "cuda" else "fp32"
+    dtype = run_dtype(params, device)
     return {
         "what": "generation and training sweeps against the profile's bandwidth and compute peaks",
         "profile": params["profile"],
