@@ -6,7 +6,8 @@ import json
 import pytest
 from transformers import LlamaConfig
 
-from workbook import bench, review
+from workbook import bench
+from workbook.bench import review
 
 # A Llama small enough to count by hand: hidden 64, 2 layers, 4 heads of 16, 2 key/value heads,
 # MLP 128, vocabulary 100, embeddings untied.
@@ -61,7 +62,7 @@ def test_static_compiled_and_training_compile_are_skipped_with_a_reason_on_cpu()
     import torch
     params = {"bench_batch_sizes": "8,32", "bench_strategies": ",".join(bench.STRATEGIES),
               "bench_train_micro_batches": "4"}
-    points = bench._points(params, torch.device("cpu"))
+    points = bench.sweep_points(params, torch.device("cpu"))
     assert [(p["strategy"], p["batch_size"]) for p in points][:2] == [("seed-before", 1), ("seed-after", 32)]
     compiled = [p for p in points if p["strategy"] == "static-compiled"]
     assert len(compiled) == 2 and all("skipped on CPU" in p["skipped"] for p in compiled)
@@ -135,7 +136,7 @@ def test_auto_batch_is_the_planners_point_and_named_as_such():
         bench.parse_int_list("auto", "bench_train_micro_batches")  # no planner answer given: an error, not a guess
     planned = {"planned": 1500, "batch_size": 32, "note": "the planner's largest batch on h200: 1500, capped at 32"}
     params = {"bench_batch_sizes": "8,32,auto", "bench_strategies": "static-sorted"}
-    points = bench._points(params, torch.device("cpu"), planned)
+    points = bench.sweep_points(params, torch.device("cpu"), planned)
     assert [p["batch_size"] for p in points] == [8, 32]  # 'auto' = 32 is run once
     assert points[1]["planner_batch"] == planned["note"] and "planner_batch" not in points[0]
 
@@ -200,7 +201,7 @@ def test_review_of_an_empty_outputs_folder_is_empty(tmp_path):
 
 
 def test_an_output_continuous_batching_ended_at_eos_is_compared_up_to_its_eos():
-    from workbook.generate import Completion
+    from workbook.generation import Completion
     forced = Completion([5, 6, 7, 8], "length")  # one at a time, EOS masked until 4 tokens
     assert bench.same_greedy_tokens(Completion([5, 6, 7, 8], "length"), forced)
     assert bench.same_greedy_tokens(Completion([5, 6, 2], "eos"), forced)  # EOS where the forced run took 7

@@ -1,6 +1,6 @@
 """The planner's calibration: exact CPU checks, a well-formed GPU grid, the CLI on CPU.
 
-The GPU grid itself is a benchmark run by `python -m workbook.calibration` on a GPU; here only
+The GPU grid itself is a benchmark run by `python -m workbook.planner.calibration` on a GPU; here only
 its shape, its planner predictions and its summary arithmetic are checked.
 """
 
@@ -11,21 +11,23 @@ import sys
 import pytest
 import torch
 
-from workbook import calibration, memory
-from workbook.calibration import (
+from workbook import planner
+from workbook.paths import REPO_ROOT
+from workbook.planner import calibration, exact_checks
+from workbook.planner.calibration import (
     CalibrationCase,
     calibration_grid,
     compare,
-    cpu_exact_checks,
     measure_case,
     plan_for_case,
     skip_reason,
     summarize,
 )
-from workbook.finder import ProbeMeasurement
-from workbook.paths import REPO_ROOT
+from workbook.planner.exact_checks import cpu_exact_checks
+from workbook.planner.finder import ProbeMeasurement
+from workbook.units import GiB, MiB
 
-H200_BYTES = int(140.4 * memory.GiB)  # params/h200.yaml: gpu_memory_gib
+H200_BYTES = int(140.4 * GiB)  # params/h200.yaml: gpu_memory_gib
 EXPECTED_CHECKS = {"parameters", "weights_fp32", "weights_bf16", "kv_cache_after_generate",
                    "activations_per_layer"}
 
@@ -48,7 +50,7 @@ def test_cpu_exact_checks_are_exact(cpu_checks):
         assert check["predicted"] == check["measured"] and check["exact"], check
     assert checks["weights_fp32"]["measured"] == 4 * checks["parameters"]["measured"]
     assert checks["weights_bf16"]["measured"] == 2 * checks["parameters"]["measured"]
-    assert checks["kv_cache_after_generate"]["generated_tokens"] == calibration.KV_CHECK_NEW_TOKENS
+    assert checks["kv_cache_after_generate"]["generated_tokens"] == exact_checks.KV_CHECK_NEW_TOKENS
     assert json.loads(json.dumps(cpu_checks)) == cpu_checks
 
 
@@ -64,7 +66,7 @@ def test_grid_is_well_formed_and_planned_without_a_gpu():
     kinds = {(case.mode, case.grad_checkpointing, case.lora_rank > 0) for case in grid}
     assert kinds == {("generate", False, False), ("train", False, False),
                      ("train", True, False), ("train", False, True)}
-    budget = memory.budget_bytes(H200_BYTES, memory.DEFAULT_SAFETY_MARGIN)
+    budget = planner.budget_bytes(H200_BYTES, planner.DEFAULT_SAFETY_MARGIN)
     for case in grid:
         assert case.batch_size >= 1
         if case.mode == "generate":
@@ -81,8 +83,8 @@ def test_grid_is_well_formed_and_planned_without_a_gpu():
 def test_plan_for_case_takes_the_measured_overhead():
     case = calibration_grid("h200")[0]
     default = plan_for_case(case, gpu_memory_bytes=H200_BYTES)
-    measured = plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=600 * memory.MiB)
-    assert measured.total_bytes - default.total_bytes == 88 * memory.MiB
+    measured = plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=600 * MiB)
+    assert measured.total_bytes - default.total_bytes == 88 * MiB
 
 
 def test_smaller_gpus_get_a_shorter_grid_and_cpu_has_none():
@@ -130,11 +132,11 @@ def gpu_like_measurement(reserved, allocated, non_pytorch) -> ProbeMeasurement:
 
 def test_compare_reports_signed_errors_of_the_peak_and_of_the_tensors():
     case = next(case for case in calibration_grid("h200") if case.model == "llama-3.1-8b")
-    plan = plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=500 * memory.MiB)
+    plan = plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=500 * MiB)
     tensors = plan.total_bytes - sum(term.bytes for term in plan.terms
                                      if term.name in ("cuda_context", "allocator_fragmentation"))
-    measured = gpu_like_measurement(reserved=plan.total_bytes - 500 * memory.MiB - 1000,
-                                    allocated=tensors, non_pytorch=500 * memory.MiB)
+    measured = gpu_like_measurement(reserved=plan.total_bytes - 500 * MiB - 1000,
+                                    allocated=tensors, non_pytorch=500 * MiB)
     record = compare(plan, measured)
     assert record["measured_bytes"] == plan.total_bytes - 1000
     assert record["relative_error"] == pytest.approx(1000 / (plan.total_bytes - 1000))
@@ -183,12 +185,12 @@ def test_cli_on_cpu_writes_the_exact_checks_and_says_the_gpu_part_is_pending(tmp
     pytest.importorskip("workbook.tiny_model")
     out = tmp_path / "reference" / "h200"
     completed = subprocess.run(
-        [sys.executable, "-m", "workbook.calibration", "--out", str(out), "--profile", "h200"],
+        [sys.executable, "-m", "workbook.planner.calibration", "--out", str(out), "--profile", "h200"],
         capture_output=True, text=True, cwd=REPO_ROOT, timeout=300,
     )
     assert completed.returncode == 0, completed.stderr
     assert "GPU calibration pending" in completed.stdout
-    written = json.loads((out / calibration.CPU_CHECKS_FILE).read_text())
+    written = json.loads((out / exact_checks.CPU_CHECKS_FILE).read_text())
     assert written["all_exact"]
     assert written["gpu_calibration"]["status"] == "pending"
     assert "--profile h200" in written["command"]

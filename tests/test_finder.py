@@ -10,14 +10,8 @@ import torch
 from accelerate.utils.memory import should_reduce_batch_size
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workbook.finder import (
-    NoBatchFitsError,
-    ProbeMeasurement,
-    find_batch_size,
-    generation_probe,
-    smaller_batch,
-    training_probe,
-)
+from workbook.planner.finder import NoBatchFitsError, ProbeMeasurement, find_batch_size, smaller_batch
+from workbook.planner.probes import generation_probe, training_probe
 
 
 def cpu_out_of_memory():

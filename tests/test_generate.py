@@ -12,14 +12,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workbook import arithmetic, cli, data, generate, params
+from workbook import arithmetic, cli, generation, jsonl, models, params
 from workbook.paths import PARAMS_DIR, REPO_ROOT
 
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_path):
     """(model, tokenizer) of the tiny model in float32 on CPU, loaded once for this module."""
-    return generate.load_model(str(tiny_model_path), "fp32", "cpu")
+    return generation.load_model(str(tiny_model_path), "fp32", "cpu")
 
 
 def write_prompts(path, records):
@@ -72,15 +72,15 @@ def engine_results(backend, prompts):
         assert not outcome.failed
         collected.update({prompt.index: completion.token_ids for prompt, completion in outcome.completed})
 
-    generate.run_batches(backend, prompts, write=write)
+    generation.run_batches(backend, prompts, write=write)
     return collected
 
 
 def make_prompts(tiny, texts, max_new_tokens=8):
     model, tokenizer = tiny
-    ids = generate.tokenize_prompts(tokenizer, texts, use_chat_template=True)
-    settings = generate.DecodingSettings(max_new_tokens, generate.eos_token_ids(model, tokenizer), 0)
-    return [generate.Prompt(i, row, max_new_tokens) for i, row in enumerate(ids)], settings
+    ids = generation.tokenize_prompts(tokenizer, texts, use_chat_template=True)
+    settings = generation.DecodingSettings(max_new_tokens, models.eos_token_ids(model, tokenizer), 0)
+    return [generation.Prompt(i, row, max_new_tokens) for i, row in enumerate(ids)], settings
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ EQUALITY_CASES = [
 
 
 def test_every_backend_the_params_offer_is_proven():
-    assert sorted(case[0] for case in EQUALITY_CASES) == sorted(generate.BACKENDS)
+    assert sorted(case[0] for case in EQUALITY_CASES) == sorted(generation.BACKENDS)
 
 
 @pytest.mark.parametrize("backend, prompt_count, batch_sizes", EQUALITY_CASES)
@@ -113,7 +113,7 @@ def test_batched_greedy_equals_one_at_a_time(tiny, varied, backend, prompt_count
     prompts, settings, reference = varied
     prompts = prompts[:prompt_count]
     for batch_size in batch_sizes:
-        results = engine_results(generate.make_backend(backend, tiny[0], settings, batch_size), prompts)
+        results = engine_results(generation.make_backend(backend, tiny[0], settings, batch_size), prompts)
         assert results == {p.index: reference[p.index] for p in prompts}, \
             f"{backend} at batch {batch_size} differs from one-at-a-time generation"
 
@@ -122,7 +122,7 @@ def test_output_is_sliced_at_the_padded_prompt_length_not_at_the_unpadded_count(
     # Seed 000's slice (at the count of non-pad tokens) would start a short prompt's output inside
     # its own prompt; the long prompt forces 30+ pad tokens on the short one.
     prompts, settings = make_prompts(tiny, ["What is 2 + 2?", "Please tell me right now: what is 40 + 2?"])
-    results = engine_results(generate.make_backend("static", tiny[0], settings, 2), prompts)
+    results = engine_results(generation.make_backend("static", tiny[0], settings, 2), prompts)
     text = tiny[1].decode(results[0], skip_special_tokens=True)
     assert "?" not in text and "What" not in text and results == greedy_one_at_a_time(tiny[0], prompts, settings)
 
@@ -132,7 +132,7 @@ def test_a_job_writes_seed_format_records_counts_and_a_summary(tmp_path, tiny):
     records[3] = {"input": records[3]["input"], "output": records[3]["output"]}  # no id: the line number
     prompts = write_prompts(tmp_path / "in.jsonl", records)
     lines = []
-    summary = generate.run_job(job_params(prompts, tmp_path / "out.jsonl", batch_size=6, log_every_batches=2),
+    summary = generation.run_job(job_params(prompts, tmp_path / "out.jsonl", batch_size=6, log_every_batches=2),
                                tmp_path / "out.jsonl", model=tiny[0], tokenizer=tiny[1], log=lines.append,
                                show_progress=False)
     written = read_records(tmp_path / "out.jsonl")
@@ -152,20 +152,20 @@ def test_a_job_writes_seed_format_records_counts_and_a_summary(tmp_path, tiny):
     assert 0 <= summary["padding_waste"] < 1 and summary["failures_path"] is None
     assert json.loads((tmp_path / "out.summary.json").read_text())["in_output"] == 20
     assert any(line.startswith("batch 2/4: 12/20 (60.0%) - generated 12, failed 0") for line in lines)
-    assert generate.task_accuracy(written)["scored"] == 19  # the line without a domain is not scored
+    assert generation.task_accuracy(written)["scored"] == 19  # the line without a domain is not scored
 
 
 def test_a_rerun_skips_what_is_written_and_regenerates_only_a_torn_last_line(tmp_path, tiny):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
     output = tmp_path / "out.jsonl"
     run = dict(model=tiny[0], tokenizer=tiny[1], log=lambda line: None, show_progress=False)
-    generate.run_job(job_params(prompts, output), output, **run)
+    generation.run_job(job_params(prompts, output), output, **run)
     complete = output.read_bytes()
-    assert generate.run_job(job_params(prompts, output), output, **run)["generated"] == 0
+    assert generation.run_job(job_params(prompts, output), output, **run)["generated"] == 0
     assert output.read_bytes() == complete
     lines = complete.decode().splitlines(keepends=True)
     output.write_text("".join(lines[:-1]) + lines[-1][:25])  # a kill in the middle of the last write
-    again = generate.run_job(job_params(prompts, output), output, **run)
+    again = generation.run_job(job_params(prompts, output), output, **run)
     assert again["generated"] == 1 and output.read_bytes() == complete
 
 
@@ -191,10 +191,10 @@ def test_out_of_memory_splits_the_batch_and_loses_nothing(tmp_path, tiny):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
     run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
     expected_output = tmp_path / "expected.jsonl"
-    generate.run_job(job_params(prompts, expected_output, batch_size=8), expected_output, model=tiny[0], **run)
+    generation.run_job(job_params(prompts, expected_output, batch_size=8), expected_output, model=tiny[0], **run)
     wrapped = OutOfMemoryAbove(tiny[0], limit=3)
     output = tmp_path / "out.jsonl"
-    summary = generate.run_job(job_params(prompts, output, batch_size=8), output, model=wrapped, **run)
+    summary = generation.run_job(job_params(prompts, output, batch_size=8), output, model=wrapped, **run)
     assert wrapped.batch_sizes[:4] == [8, 4, 2, 2]
     assert summary["in_output"] == 12 and summary["failed"] == 0 and summary["oom_or_error_splits"] > 0
     assert outputs_by_id(output) == outputs_by_id(expected_output)
@@ -204,13 +204,13 @@ def test_an_example_that_runs_out_of_memory_alone_is_recorded_and_retried_on_rer
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:6])
     output = tmp_path / "out.jsonl"
     run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
-    summary = generate.run_job(job_params(prompts, output, batch_size=4), output,
+    summary = generation.run_job(job_params(prompts, output, batch_size=4), output,
                                model=OutOfMemoryAbove(tiny[0], limit=0), **run)
     failures = read_records(tmp_path / "out.failures.jsonl")
     assert summary["failed"] == 6 and summary["in_output"] == 0 and summary["unaccounted"] == 0
     assert sorted(f["line"] for f in failures) == [1, 2, 3, 4, 5, 6]
     assert all(f["stage"] == "generation" and "CUDA out of memory" in f["error"] for f in failures)
-    rerun = generate.run_job(job_params(prompts, output, batch_size=4), output, model=tiny[0], **run)
+    rerun = generation.run_job(job_params(prompts, output, batch_size=4), output, model=tiny[0], **run)
     assert rerun["in_output"] == 6 and rerun["in_failures"] == 0
     assert not (tmp_path / "out.failures.jsonl").exists()
 
@@ -237,13 +237,13 @@ def test_an_error_is_isolated_to_its_example_and_a_systematic_one_stops_the_run(
     bad_ids = tiny[1](records[4]["input"])["input_ids"]
     output = tmp_path / "out.jsonl"
     run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
-    summary = generate.run_job(job_params(prompts, output, batch_size=8, use_chat_template=False), output,
+    summary = generation.run_job(job_params(prompts, output, batch_size=8, use_chat_template=False), output,
                                model=FailsOn(tiny[0], bad_ids), **run)
     assert summary["in_output"] == 9 and summary["failed"] == 1
     failure, = read_records(tmp_path / "out.failures.jsonl")
     assert failure["example_id"] == records[4]["id"] and failure["error"] == "ValueError: index out of range in self"
-    with pytest.raises(generate.GenerationError, match="3 examples in a row failed alone.*broken setup"):
-        generate.run_job(job_params(prompts, tmp_path / "other.jsonl", batch_size=8), tmp_path / "other.jsonl",
+    with pytest.raises(generation.GenerationError, match="3 examples in a row failed alone.*broken setup"):
+        generation.run_job(job_params(prompts, tmp_path / "other.jsonl", batch_size=8), tmp_path / "other.jsonl",
                          model=FailsOn(tiny[0]), **run)
 
 
@@ -258,13 +258,13 @@ def test_bad_lines_and_long_prompts_follow_their_policies(tmp_path, tiny):
     prompts.write_text("\n".join(lines) + "\n")
     output = tmp_path / "out.jsonl"
     run = dict(model=tiny[0], tokenizer=tiny[1], log=lambda line: None, show_progress=False)
-    with pytest.raises(data.DataError, match=r"in.jsonl:2: not valid JSON.*on_bad_line: skip"):
-        generate.run_job(job_params(prompts, output), output, **run)
-    with pytest.raises(data.DataError, match=r"in.jsonl:5: prompt of 301 tokens leaves no room.*256.*"
+    with pytest.raises(jsonl.DataError, match=r"in.jsonl:2: not valid JSON.*on_bad_line: skip"):
+        generation.run_job(job_params(prompts, output), output, **run)
+    with pytest.raises(jsonl.DataError, match=r"in.jsonl:5: prompt of 301 tokens leaves no room.*256.*"
                                              r"on_long_prompt: skip"):
-        generate.run_job(job_params(prompts, output, on_bad_line="skip"), output, **run)
+        generation.run_job(job_params(prompts, output, on_bad_line="skip"), output, **run)
     assert not output.exists() or output.read_text() == ""  # both stopped before generating
-    summary = generate.run_job(job_params(prompts, output, on_bad_line="skip", on_long_prompt="skip"), output, **run)
+    summary = generation.run_job(job_params(prompts, output, on_bad_line="skip", on_long_prompt="skip"), output, **run)
     failures = {f["line"]: f for f in read_records(tmp_path / "out.failures.jsonl")}
     assert sorted(failures) == [2, 4, 5]
     assert failures[2]["stage"] == "input" and "not valid JSON" in failures[2]["error"]
@@ -280,13 +280,13 @@ def test_sampling_is_recorded_and_repeats_with_the_same_seed(tmp_path, tiny):
     run = dict(model=tiny[0], tokenizer=tiny[1], log=lambda line: None, show_progress=False)
     sampled = dict(do_sample=True, temperature=1.5, top_p=0.95, seed=7, max_new_tokens=6)
     for name in ("a.jsonl", "b.jsonl"):
-        generate.run_job(job_params(prompts, tmp_path / name, **sampled), tmp_path / name, **run)
+        generation.run_job(job_params(prompts, tmp_path / name, **sampled), tmp_path / name, **run)
     first = read_records(tmp_path / "a.jsonl")
     assert first[0]["metadata"]["generation_params"] == {"temperature": 1.5, "top_p": 0.95, "max_new_tokens": 6,
                                                          "do_sample": True, "seed": 7}
     assert outputs_by_id(tmp_path / "a.jsonl") == outputs_by_id(tmp_path / "b.jsonl")
-    with pytest.raises(generate.GenerationError, match="sampling needs temperature > 0"):
-        generate.run_job(job_params(prompts, tmp_path / "c.jsonl", do_sample=True, temperature=0.0),
+    with pytest.raises(generation.GenerationError, match="sampling needs temperature > 0"):
+        generation.run_job(job_params(prompts, tmp_path / "c.jsonl", do_sample=True, temperature=0.0),
                          tmp_path / "c.jsonl", **run)
 
 
@@ -309,10 +309,10 @@ class ContinuousBatchingThatRunsOutOfMemory:
 
 
 def test_continuous_backend_keeps_finished_requests_and_retries_failed_ones_in_smaller_calls():
-    settings = generate.DecodingSettings(4, (2,), 0)
-    prompts = [generate.Prompt(i, [5] * (i + 1), 4) for i in range(8)]
+    settings = generation.DecodingSettings(4, (2,), 0)
+    prompts = [generation.Prompt(i, [5] * (i + 1), 4) for i in range(8)]
     model = ContinuousBatchingThatRunsOutOfMemory(limit=2)
-    outcome = generate.generate_with_split(generate.make_backend("continuous", model, settings, 8), prompts,
+    outcome = generation.generate_with_split(generation.make_backend("continuous", model, settings, 8), prompts,
                                            log=lambda line: None)
     assert model.calls == [8, 2, 2] and not outcome.failed and outcome.splits == 1
     assert sorted((p.index, c.token_ids, c.finish_reason) for p, c in outcome.completed) == [
@@ -323,9 +323,9 @@ def test_continuous_backend_says_clearly_when_transformers_lacks_it(tiny):
     class WithoutContinuousBatching:
         device = torch.device("cpu")
 
-    with pytest.raises(generate.GenerationError, match=r"backend 'continuous' needs transformers' continuous "
+    with pytest.raises(generation.GenerationError, match=r"backend 'continuous' needs transformers' continuous "
                                                        r"batching \(model.generate_batch\).*backend: static"):
-        generate.make_backend("continuous", WithoutContinuousBatching(), None, 4)
+        generation.make_backend("continuous", WithoutContinuousBatching(), None, 4)
 
 
 def test_cli_generates_and_reports_errors_with_exit_codes(tmp_path, capsys):
@@ -343,7 +343,7 @@ def test_cli_generates_and_reports_errors_with_exit_codes(tmp_path, capsys):
 
 
 def run_cli(*settings, **kwargs):
-    command = [sys.executable, "-m", "workbook.generate", "--params", "cpu", "--set", "log_every_batches=0",
+    command = [sys.executable, "-m", "workbook.generation", "--params", "cpu", "--set", "log_every_batches=0",
                "interactive=false", *settings]
     return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **kwargs)
@@ -397,7 +397,7 @@ def test_two_processes_share_the_job_and_merge_into_the_one_process_output(tmp_p
     records = arithmetic.sample_records()[:24]
     prompts = write_prompts(tmp_path / "in.jsonl", records)
     single = tmp_path / "single.jsonl"
-    generate.run_job(job_params(prompts, single, batch_size=4), single, model=tiny[0], tokenizer=tiny[1],
+    generation.run_job(job_params(prompts, single, batch_size=4), single, model=tiny[0], tokenizer=tiny[1],
                      log=lambda line: None, show_progress=False)
     output = tmp_path / "two.jsonl"
     process = run_cli(f"prompts_path={prompts}", f"output_path={output}", "batch_size=4", "data_parallel_processes=2")

@@ -6,9 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from workbook import memory
-from workbook.memory import (
-    GiB,
+from workbook import planner
+from workbook.planner import (
     DoesNotFitError,
     kv_cache_bytes,
     kv_cache_bytes_per_token,
@@ -19,6 +18,7 @@ from workbook.memory import (
     weights_bytes,
 )
 from workbook.presets import load_config
+from workbook.units import GiB
 
 H200_BYTES = int(140.4 * GiB)  # params/h200.yaml: gpu_memory_gib as the driver reports it
 A100_80GB_BYTES = 80 * GiB
@@ -305,7 +305,7 @@ def test_lora_counts_the_adapter_a_real_model_would_get():
     model = LlamaForCausalLM(config)
     rank, expected = 8, 0
     for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in memory.DEFAULT_LORA_TARGET_MODULES:
+        if name.rsplit(".", 1)[-1] in planner.DEFAULT_LORA_TARGET_MODULES:
             expected += torch.nn.Linear(module.in_features, rank, bias=False).weight.numel()
             expected += torch.nn.Linear(rank, module.out_features, bias=False).weight.numel()
     assert lora_parameter_count(config, rank) == expected
@@ -465,4 +465,4 @@ def test_train_validation_names_the_argument(overrides, named):
 
 def test_dtype_aliases():
     assert weights_bytes(small_llama(), "bfloat16") == weights_bytes(small_llama(), "bf16")
-    assert memory.canonical_dtype("Float32") == "fp32"
+    assert planner.canonical_dtype("Float32") == "fp32"

@@ -1,5 +1,6 @@
 """Profile files: every key validated, every key consumed, errors that name file, line and key."""
 
+import ast
 import re
 import textwrap
 
@@ -53,6 +54,19 @@ def write_profile(tmp_path, name="cpu", **changes):
     path = tmp_path / f"{name}.yaml"
     path.write_text(text)
     return path
+
+
+def test_every_notebook_default_is_the_cpu_profiles_value():
+    # A notebook opened in JupyterLab runs on its parameters cell alone: its defaults must be the
+    # cpu profile's, values and types, or an interactive run and `make run` would differ silently.
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    differing = []
+    for path in sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb")):
+        for name, declared in papermill.inspect_notebook(str(path)).items():
+            default = ast.literal_eval(declared["default"])
+            if name != RUN_DIR_PARAMETER and (default, type(default)) != (cpu[name], type(cpu[name])):
+                differing.append(f"{path.name}: {name} = {declared['default']}, params/cpu.yaml: {cpu[name]!r}")
+    assert not differing, "\n".join(differing)
 
 
 def test_unknown_key_names_file_line_and_suggests_the_right_one(tmp_path):

@@ -5,36 +5,37 @@ from types import SimpleNamespace
 
 import pytest
 
-from workbook import cli, memory, params, planning
+from workbook import cli, params, planner
+from workbook.planner import profile
 from workbook.paths import PARAMS_DIR
 
 
-def profile(name, **changes):
+def load_profile(name, **changes):
     return {**params.load(PARAMS_DIR / f"{name}.yaml"), **changes}
 
 
 def test_auto_batch_is_the_largest_that_fits():
-    h200 = profile("h200", model="llama-3.1-8b")
-    chosen = planning.resolve_batch_size(h200, "generate")
-    assert chosen == planning.plan(h200, mode="generate").batch_size > 32
-    assert planning.plan(h200, mode="generate", batch_size=chosen).fits
-    assert not planning.plan(h200, mode="generate", batch_size=chosen + 1).fits
-    assert planning.resolve_batch_size(profile("h200", batch_size=48), "generate") == 48
+    h200 = load_profile("h200", model="llama-3.1-8b")
+    chosen = profile.resolve_batch_size(h200, "generate")
+    assert chosen == profile.plan(h200, mode="generate").batch_size > 32
+    assert profile.plan(h200, mode="generate", batch_size=chosen).fits
+    assert not profile.plan(h200, mode="generate", batch_size=chosen + 1).fits
+    assert profile.resolve_batch_size(load_profile("h200", batch_size=48), "generate") == 48
 
 
 def test_auto_batch_refuses_a_model_that_does_not_fit_and_says_what_to_change():
-    with pytest.raises(memory.DoesNotFitError, match=r"does not fit even at batch 1.*Try: .*LoRA"):
-        planning.resolve_batch_size(profile("a100-40gb", model="llama-3.1-70b"), "train")
+    with pytest.raises(planner.DoesNotFitError, match=r"does not fit even at batch 1.*Try: .*LoRA"):
+        profile.resolve_batch_size(load_profile("a100-40gb", model="llama-3.1-70b"), "train")
 
 
 def test_cpu_profile_plans_against_this_machines_ram():
     import psutil
-    assert planning.capacity_bytes(profile("cpu")) == psutil.virtual_memory().total
+    assert profile.capacity_bytes(load_profile("cpu")) == psutil.virtual_memory().total
 
 
 def test_max_batch_table_grows_with_gpu_memory():
     profiles = {name: params.load(PARAMS_DIR / f"{name}.yaml") for name in ("a100-40gb", "h100", "h200", "cpu")}
-    rows = planning.max_batch_table(profiles, ["llama-3.1-8b", "qwen2.5-7b"], "generate")
+    rows = profile.max_batch_table(profiles, ["llama-3.1-8b", "qwen2.5-7b"], "generate")
     assert [row["model"] for row in rows] == ["llama-3.1-8b", "qwen2.5-7b"]
     for row in rows:
         assert "cpu" not in row and 0 < row["a100-40gb"] < row["h100"] < row["h200"]

@@ -8,11 +8,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workbook import cli, data, memory, notebook, params, sft_data, train
+from workbook import cli, jsonl, notebook, params, planner, training
+from workbook.training import batches, checkpoints, examples, run_plan
 from workbook.paths import NOTEBOOKS_DIR
 from workbook.tiny_model import BOS_ID, EOS_ID, PAD_ID
 
-IGNORE = sft_data.IGNORE_INDEX
+IGNORE = examples.IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -30,11 +31,11 @@ def write_jsonl(path, records):
     return str(path)
 
 
-def make_config(tmp_path, data_path="", **changes) -> train.TrainConfig:
+def make_config(tmp_path, data_path="", **changes) -> training.TrainConfig:
     settings = dict(model="tiny", data_path=data_path, data_description="test data", output_dir=str(tmp_path / "out"),
                     validation_fraction=0.0, micro_batch_size=2, learning_rate=1e-3, max_steps=2, warmup_steps=0)
     settings.update(changes)
-    return train.TrainConfig(**settings)
+    return training.TrainConfig(**settings)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -44,14 +45,14 @@ def make_config(tmp_path, data_path="", **changes) -> train.TrainConfig:
 @pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat_template"])
 def test_only_response_tokens_carry_loss_token_by_token(tokenizer, chat):
     records = [{"input": "What is 23 + 45?", "output": "68"}, {"input": "What is 1 + 2?", "output": " 3"}]
-    (first, second), _ = sft_data.tokenize_pairs(records, tokenizer, use_chat_template=chat)
+    (first, second), _ = examples.tokenize_pairs(records, tokenizer, use_chat_template=chat)
     prompt = [BOS_ID] + ids_of(tokenizer, "What is 23 + 45?")
     response = ids_of(tokenizer, " 68") + [EOS_ID]  # one space joins them; the model writes " 68</s>"
     assert first.input_ids == prompt + response
     assert first.labels == [IGNORE] * len(prompt) + response
     assert tokenizer.decode(second.input_ids) == "<s>What is 1 + 2? 3</s>"  # " 3" is not given a second space
 
-    batch = sft_data.Collator("packing", 64, PAD_ID)([[first, second]])
+    batch = batches.Collator("packing", 64, PAD_ID)([[first, second]])
     # Position t predicts token t + 1 of the same example, and only where that token is a response token.
     expected = [IGNORE] * (len(prompt) - 1) + response + [IGNORE]
     expected += [IGNORE] * (len(second.input_ids) - 4) + ids_of(tokenizer, " 3") + [EOS_ID] + [IGNORE]
@@ -65,7 +66,7 @@ def test_only_response_tokens_carry_loss_token_by_token(tokenizer, chat):
 
 def test_records_without_a_usable_pair_are_listed_not_silently_dropped(tokenizer):
     records = [{"input": "What is 1 + 1?", "output": "2"}, {"input": "What is 2 + 2?"}, {"question": "x", "output": "y"}]
-    examples, report = sft_data.tokenize_pairs(records, tokenizer, use_chat_template=False,
+    examples, report = examples.tokenize_pairs(records, tokenizer, use_chat_template=False,
                                                sources=["f.jsonl:1", "f.jsonl:2", "f.jsonl:3"])
     assert len(examples) == 1
     assert report.skipped == ["f.jsonl:2: field 'output' is missing", "f.jsonl:3: field 'input' is missing"]
@@ -76,18 +77,18 @@ def test_a_packed_row_gives_the_logits_and_loss_of_its_examples_run_alone(tiny_m
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention).eval()
     records = [{"input": "What is 23 + 45?", "output": "68"}, {"input": "What is 7 - 3?", "output": "4"},
                {"input": "What is 99 + 99?", "output": "198"}]
-    examples, _ = sft_data.tokenize_pairs(records, tokenizer, use_chat_template=False)
-    packed = sft_data.Collator("packing", 64, PAD_ID)([examples])
+    examples, _ = examples.tokenize_pairs(records, tokenizer, use_chat_template=False)
+    packed = batches.Collator("packing", 64, PAD_ID)([examples])
     with torch.no_grad():
         packed_logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
         start, alone_loss = 0, 0.0
         for example in examples:
-            alone = sft_data.Collator("length_grouped", 64, PAD_ID)([[example]])
+            alone = batches.Collator("length_grouped", 64, PAD_ID)([[example]])
             logits = model(input_ids=alone["input_ids"], position_ids=alone["position_ids"], use_cache=False).logits
             torch.testing.assert_close(packed_logits[0, start:start + example.length], logits[0], atol=2e-5, rtol=1e-5)
-            alone_loss += float(train._loss_sum(model, alone, torch.device("cpu")))
+            alone_loss += float(batches.loss_sum(model, alone, torch.device("cpu")))
             start += example.length
-        packed_loss = float(train._loss_sum(model, packed, torch.device("cpu")))
+        packed_loss = float(batches.loss_sum(model, packed, torch.device("cpu")))
     assert packed_loss == pytest.approx(alone_loss, rel=1e-5)
 
 
@@ -95,56 +96,56 @@ def test_packing_reaches_every_attention_kernel_as_separate_sequences(tiny_model
     from transformers.modeling_flash_attention_utils import _is_packed_sequence
     from transformers.masking_utils import find_packed_sequence_indices
     records = [{"input": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(6)]
-    examples, _ = sft_data.tokenize_pairs(records, tokenizer, use_chat_template=False)
+    examples, _ = examples.tokenize_pairs(records, tokenizer, use_chat_template=False)
     rows = [examples[:3], examples[3:]]
-    batch = sft_data.Collator("packing", 64, PAD_ID)(rows)
+    batch = batches.Collator("packing", 64, PAD_ID)(rows)
     # sdpa/eager: the mask builder sees the restarts in every row (only without attention mask and cache).
     assert find_packed_sequence_indices(batch["position_ids"])[0, -1] >= 3
     # flash-attention-2 only unpacks a batch of one row: two rows would silently attend across examples...
     assert not _is_packed_sequence(batch["position_ids"], batch_size=2)
-    flat = sft_data.Collator("packing", 64, PAD_ID, flatten=True)(rows)
+    flat = batches.Collator("packing", 64, PAD_ID, flatten=True)(rows)
     assert flat["input_ids"].shape == (1, 128) and _is_packed_sequence(flat["position_ids"], batch_size=1)
     # ...and the flattened row means the same as the two rows (checked with sdpa, which runs on CPU).
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     with torch.no_grad():
-        two_rows = float(train._loss_sum(model, batch, torch.device("cpu")))
-        one_row = float(train._loss_sum(model, flat, torch.device("cpu")))
+        two_rows = float(batches.loss_sum(model, batch, torch.device("cpu")))
+        one_row = float(batches.loss_sum(model, flat, torch.device("cpu")))
     assert one_row == pytest.approx(two_rows, rel=1e-5)
 
 
 def test_auto_max_seq_length_covers_the_data_and_truncation_is_reported(tmp_path, tokenizer):
-    assert sft_data.auto_max_seq_length([10, 50, 64, 65, 130, 200]) == 256
-    assert sft_data.auto_max_seq_length([10, 50, 64, 65, 130, 200], percentile=50) == 64
+    assert examples.auto_max_seq_length([10, 50, 64, 65, 130, 200]) == 256
+    assert examples.auto_max_seq_length([10, 50, 64, 65, 130, 200], percentile=50) == 64
     records = [{"input": f"Question {i}?", "output": "x" * (3 * i + 1)} for i in range(60)]
     path = write_jsonl(tmp_path / "pairs.jsonl", records)
-    prepared = train.prepare_data(make_config(tmp_path, path, use_chat_template=False, validation_fraction=0.1))
+    prepared = training.prepare_data(make_config(tmp_path, path, use_chat_template=False, validation_fraction=0.1))
     longest = prepared.length_stats["max"]
     assert prepared.max_seq_length % 64 == 0 and longest <= prepared.max_seq_length < longest + 64
     assert prepared.truncation["truncated"] == 0
     assert all(e.length <= prepared.max_seq_length for e in prepared.train + prepared.validation)
     assert (len(prepared.train), len(prepared.validation)) == (54, 6)
 
-    half = train.prepare_data(make_config(tmp_path, path, length_percentile=50.0))
+    half = training.prepare_data(make_config(tmp_path, path, length_percentile=50.0))
     too_long = sum(length > half.max_seq_length for length in half.lengths)
     assert too_long > 0 and half.truncation["truncated"] == too_long  # counted, never hidden
-    assert half.max_seq_length == sft_data.auto_max_seq_length(half.lengths, 50)
+    assert half.max_seq_length == examples.auto_max_seq_length(half.lengths, 50)
 
 
 def test_packing_and_length_grouping_use_every_example_once_and_report_their_padding():
     lengths = [5 + (i * 37) % 58 for i in range(200)]
-    rows = sft_data.plan_rows(lengths, "packing", 64)
+    rows = batches.plan_rows(lengths, "packing", 64)
     assert sorted(i for row in rows for i in row) == list(range(200))
     assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
-    batches = sft_data.epoch_micro_batches(rows, lengths, "packing", micro_batch_size=8, seed=0, epoch=1)
+    batches = batches.epoch_micro_batches(rows, lengths, "packing", micro_batch_size=8, seed=0, epoch=1)
     assert sorted(row for batch in batches for row in batch) == sorted(rows)
-    assert sft_data.padding_fraction(batches, lengths, "packing", 64) == pytest.approx(1 - sum(lengths) / (len(rows) * 64))
+    assert batches.padding_fraction(batches, lengths, "packing", 64) == pytest.approx(1 - sum(lengths) / (len(rows) * 64))
 
-    single = sft_data.plan_rows(lengths, "length_grouped", 64)
-    grouped = sft_data.epoch_micro_batches(single, lengths, "length_grouped", micro_batch_size=8, seed=0, epoch=0)
+    single = batches.plan_rows(lengths, "length_grouped", 64)
+    grouped = batches.epoch_micro_batches(single, lengths, "length_grouped", micro_batch_size=8, seed=0, epoch=0)
     assert sorted(i for batch in grouped for row in batch for i in row) == list(range(200))
     widths = [max(lengths[i] for row in batch for i in row) for batch in grouped]
     assert widths[0] == max(lengths)  # the longest batch first: an out-of-memory shows at step 1
-    comparison = sft_data.padding_comparison(lengths, 64, 8, seed=0)
+    comparison = batches.padding_comparison(lengths, 64, 8, seed=0)
     assert comparison["length_grouped"] < comparison["pad_to_max_seq_length"]
     assert comparison["packing"] < comparison["pad_to_max_seq_length"]
 
@@ -152,8 +153,8 @@ def test_packing_and_length_grouping_use_every_example_once_and_report_their_pad
 def test_a_bad_line_in_the_training_file_names_the_file_and_line(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": \n')
-    with pytest.raises(data.DataError, match=r"pairs.jsonl:2: not valid JSON"):
-        train.prepare_data(make_config(tmp_path, str(path)))
+    with pytest.raises(jsonl.DataError, match=r"pairs.jsonl:2: not valid JSON"):
+        training.prepare_data(make_config(tmp_path, str(path)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,23 +162,23 @@ def test_a_bad_line_in_the_training_file_names_the_file_and_line(tmp_path):
 
 
 def test_learning_rate_scaling_heuristics_apply_only_when_the_effective_batch_changes():
-    assert train.scaled_learning_rate(3e-4, 128, 512, "linear") == pytest.approx(1.2e-3)
-    assert train.scaled_learning_rate(3e-4, 128, 512, "sqrt") == pytest.approx(6e-4)  # not seed 004's 5e-4
-    assert train.scaled_learning_rate(3e-4, 128, 512, "none") == 3e-4
-    assert train.scaled_learning_rate(3e-4, 0, 512, "sqrt") == 3e-4  # base 0: tuned at this run's batch
-    assert train.scaled_learning_rate(3e-4, 512, 512, "linear") == 3e-4
-    with pytest.raises(train.TrainError, match="lr_scaling 'cube'"):
-        train.scaled_learning_rate(3e-4, 128, 512, "cube")
+    assert run_plan.scaled_learning_rate(3e-4, 128, 512, "linear") == pytest.approx(1.2e-3)
+    assert run_plan.scaled_learning_rate(3e-4, 128, 512, "sqrt") == pytest.approx(6e-4)  # not seed 004's 5e-4
+    assert run_plan.scaled_learning_rate(3e-4, 128, 512, "none") == 3e-4
+    assert run_plan.scaled_learning_rate(3e-4, 0, 512, "sqrt") == 3e-4  # base 0: tuned at this run's batch
+    assert run_plan.scaled_learning_rate(3e-4, 512, 512, "linear") == 3e-4
+    with pytest.raises(training.TrainError, match="lr_scaling 'cube'"):
+        run_plan.scaled_learning_rate(3e-4, 128, 512, "cube")
 
 
 def test_model_flops_follow_torchtitan_with_the_tied_output_projection_counted():
     from workbook import presets
     tiny = presets.load_config("tiny")
-    per_token, per_square = train.model_flops_coefficients(tiny, lora=False)
+    per_token, per_square = run_plan.model_flops_coefficients(tiny, lora=False)
     assert per_token == 6 * presets.count_parameters(tiny)  # tied: the one matrix is the lm_head's matmul
     assert per_square == 12 * 4 * 4 * 32  # layers x heads x head_dim
     llama_8b = presets.load_config("llama-3.1-8b")  # untied: the input embedding table costs no FLOPs
-    per_token, per_square = train.model_flops_coefficients(llama_8b, lora=True)
+    per_token, per_square = run_plan.model_flops_coefficients(llama_8b, lora=True)
     assert per_token == 4 * (presets.count_parameters(llama_8b) - 128256 * 4096)
     assert per_square == 12 * 32 * 32 * 128
 
@@ -185,22 +186,22 @@ def test_model_flops_follow_torchtitan_with_the_tied_output_projection_counted()
 def test_every_profile_gives_a_training_config_and_notebook_03_declares_every_key(tmp_path):
     import papermill
     declared = set(papermill.inspect_notebook(str(NOTEBOOKS_DIR / "03_training.ipynb")))
-    assert set(train.PARAMS_USED) <= declared
+    assert set(training.PARAMS_USED) <= declared
     for name, profile in params.load_all().items():
-        config = train.config_from_params(profile, tmp_path)
+        config = training.config_from_params(profile, tmp_path)
         assert config.output_dir == str(tmp_path / "training")
         assert config.processes == (8 if name == "h100x8" else 1), name
     # The schema's choices are the ones the code implements.
-    assert params.SCHEMA["optimizer"].choices == memory.OPTIMIZERS
-    assert params.SCHEMA["attn_implementation"].choices == memory.ATTENTION_IMPLEMENTATIONS
-    assert params.SCHEMA["padding"].choices == sft_data.PADDINGS
-    assert params.SCHEMA["lr_scaling"].choices == train.LR_SCALING_RULES
+    assert params.SCHEMA["optimizer"].choices == planner.OPTIMIZERS
+    assert params.SCHEMA["attn_implementation"].choices == planner.ATTENTION_IMPLEMENTATIONS
+    assert params.SCHEMA["padding"].choices == batches.PADDINGS
+    assert params.SCHEMA["lr_scaling"].choices == run_plan.LR_SCALING_RULES
 
 
 def test_a_preset_trains_on_synthetic_sequences_of_exactly_max_seq_length(tmp_path):
-    with pytest.raises(train.TrainError, match="set max_seq_length"):
-        train.prepare_data(make_config(tmp_path, model="llama-3.2-1b", max_seq_length="auto"))
-    prepared = train.prepare_data(make_config(tmp_path, model="llama-3.2-1b", max_seq_length=128,
+    with pytest.raises(training.TrainError, match="set max_seq_length"):
+        training.prepare_data(make_config(tmp_path, model="llama-3.2-1b", max_seq_length="auto"))
+    prepared = training.prepare_data(make_config(tmp_path, model="llama-3.2-1b", max_seq_length=128,
                                               synthetic_examples=16, validation_fraction=0.25))
     assert (len(prepared.train), len(prepared.validation)) == (12, 4)
     assert {e.length for e in prepared.train} == {128} and max(max(e.input_ids) for e in prepared.train) < 128256
@@ -214,7 +215,7 @@ def test_a_preset_architecture_trains_with_random_weights_for_benchmarks(tmp_pat
              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16, "vocab_size": 512}
     monkeypatch.setitem(presets.PRESETS, "Small-Llama", small)
-    result = train.train(make_config(tmp_path, model="small-llama", max_seq_length=64, synthetic_examples=8,
+    result = training.train(make_config(tmp_path, model="small-llama", max_seq_length=64, synthetic_examples=8,
                                      validation_fraction=0.25))
     assert result["status"] == "finished" and result["model_description"].startswith("small-llama: preset architecture")
     assert all(r["tokens"] == 2 * 64 for r in result["history"])  # full rows: nothing to pad
@@ -230,7 +231,7 @@ def test_loss_falls_when_overfitting_a_few_examples(tmp_path):
     words = ["zebra", "quartz", "violin", "meadow", "copper", "lantern", "orbit", "thimble"]
     path = write_jsonl(tmp_path / "few.jsonl", [{"input": f"Word {i}:", "output": w} for i, w in enumerate(words)])
     config = make_config(tmp_path, path, micro_batch_size=4, learning_rate=3e-3, max_steps=0, epochs=15)
-    result = train.train(config)
+    result = training.train(config)
     epochs = result["loss"]["epoch_means"]  # one step per epoch: all 8 examples in 2 packed rows
     assert len(epochs) == 15 and result["steps"]["reached"] == 15
     assert epochs[-1] < 0.5 * epochs[0] and epochs[-1] == min(epochs), epochs  # measured: 6.6 -> 2.2 nats
@@ -242,14 +243,14 @@ def test_loss_falls_when_overfitting_a_few_examples(tmp_path):
 
 def test_lora_trains_adapters_of_the_size_the_planner_counts_and_saves_only_them(tmp_path, tiny_model_path):
     path = arithmetic_pairs(tmp_path)
-    result = train.train(make_config(tmp_path, path, lora_rank=4, learning_rate=1e-2, max_steps=3))
+    result = training.train(make_config(tmp_path, path, lora_rank=4, learning_rate=1e-2, max_steps=3))
     assert result["status"] == "finished" and "LoRA rank 4" in result["model_description"]
     final = tmp_path / "out" / "final"
     assert (final / "adapter_config.json").is_file() and (final / "tokenizer.json").is_file()
     assert not (final / "model.safetensors").exists()  # the frozen base is not saved again
     adapters = load_file(final / "adapter_model.safetensors")
     tiny = AutoModelForCausalLM.from_pretrained(tiny_model_path).config
-    assert sum(t.numel() for t in adapters.values()) == memory.lora_parameter_count(tiny, 4)
+    assert sum(t.numel() for t in adapters.values()) == planner.lora_parameter_count(tiny, 4)
     # B starts at zero (the adapted model starts as the base): non-zero B means the adapters trained.
     trained_b = [name for name, t in adapters.items() if "lora_B" in name and t.abs().sum() > 0]
     assert len(trained_b) == len(adapters) // 2
@@ -263,15 +264,15 @@ def arithmetic_pairs(tmp_path, count=24):
 def test_resume_continues_from_the_saved_step_with_the_same_optimizer_state(tmp_path):
     path = arithmetic_pairs(tmp_path)
     settings = dict(max_steps=4, save_every_steps=2, micro_batch_size=2)
-    interrupted = train.train(make_config(tmp_path / "a", path, stop_after_steps=2, **settings))
+    interrupted = training.train(make_config(tmp_path / "a", path, stop_after_steps=2, **settings))
     assert interrupted["status"].startswith("stopped at step 2")
-    checkpoint = train.latest_checkpoint(tmp_path / "a" / "out")
+    checkpoint = checkpoints.latest_checkpoint(tmp_path / "a" / "out")
     assert checkpoint.name == "step-00000002"
     saved_optimizer = torch.load(checkpoint / "optimizer.bin", weights_only=True)
     assert {float(state["step"]) for state in saved_optimizer["state"].values()} == {2.0}
 
-    resumed = train.train(make_config(tmp_path / "a", path, **settings))
-    straight = train.train(make_config(tmp_path / "c", path, **settings))
+    resumed = training.train(make_config(tmp_path / "a", path, **settings))
+    straight = training.train(make_config(tmp_path / "c", path, **settings))
     assert resumed["steps"] == {"total": 4, "resumed_from": 2, "reached": 4}
     resumed_losses = [r["loss"] for r in resumed["history"]]
     assert resumed_losses == pytest.approx([r["loss"] for r in straight["history"]], rel=1e-6, abs=1e-7)
@@ -280,8 +281,8 @@ def test_resume_continues_from_the_saved_step_with_the_same_optimizer_state(tmp_
     for name, tensor in straight_weights.items():  # wrong moments or data position would move these
         torch.testing.assert_close(resumed_weights[name], tensor, atol=1e-6, rtol=1e-5)
 
-    with pytest.raises(train.TrainError, match=r"other settings or data: learning_rate 0.001 \(now 0.0005\)"):
-        train.train(make_config(tmp_path / "a", path, **{**settings, "learning_rate": 5e-4}))
+    with pytest.raises(training.TrainError, match=r"other settings or data: learning_rate 0.001 \(now 0.0005\)"):
+        training.train(make_config(tmp_path / "a", path, **{**settings, "learning_rate": 5e-4}))
 
 
 def test_workbook_train_cli_trains_into_a_run_folder(tmp_path, monkeypatch, capsys):
@@ -299,8 +300,8 @@ def test_workbook_train_cli_trains_into_a_run_folder(tmp_path, monkeypatch, caps
 @pytest.mark.multiprocess
 def test_two_processes_on_cpu_give_the_losses_of_one_process_with_the_same_effective_batch(tmp_path):
     path = arithmetic_pairs(tmp_path, count=40)
-    one = train.launch(make_config(tmp_path / "one", path, max_steps=3, gradient_accumulation_steps=2))
-    two = train.launch(make_config(tmp_path / "two", path, max_steps=3, processes=2))
+    one = training.launch(make_config(tmp_path / "one", path, max_steps=3, gradient_accumulation_steps=2))
+    two = training.launch(make_config(tmp_path / "two", path, max_steps=3, processes=2))
     assert two["settings"]["processes"] == 2 and two["settings"]["distributed_type"] == "MULTI_CPU"
     assert two["plan"]["effective_batch_rows"] == one["plan"]["effective_batch_rows"] == 4
     # The same examples per step, the loss normalised over the whole effective batch: equal up to

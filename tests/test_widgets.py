@@ -5,7 +5,8 @@ import pytest
 
 matplotlib.use("Agg")
 
-from workbook import params, planning, presets, widgets  # noqa: E402
+from workbook import params, presets, widgets  # noqa: E402
+from workbook.planner import profile  # noqa: E402
 
 
 @pytest.fixture
@@ -48,16 +49,16 @@ def test_model_profile_and_mode_changes_update_the_max_batch(tuner):
 
 def test_a_callback_error_is_shown_not_swallowed(tuner, monkeypatch):
     assert tuner.error.layout.display == "none"
-    working = planning.plan
+    working = profile.plan
 
     def broken(*args, **kwargs):
         raise ValueError("planner exploded")
-    monkeypatch.setattr(planning, "plan", broken)
+    monkeypatch.setattr(profile, "plan", broken)
     tuner.batch_size.value = 3
     assert "ValueError: planner exploded" in tuner.error.value and tuner.error.layout.display != "none"
     # The verdict no longer claims the previous settings' answer.
     assert "NOT UPDATED" in tuner.verdict.value and "FITS" not in tuner.verdict.value
-    monkeypatch.setattr(planning, "plan", working)
+    monkeypatch.setattr(profile, "plan", working)
     tuner.batch_size.value = 4
     assert tuner.error.value == "" and tuner.error.layout.display == "none" and "FITS" in tuner.verdict.value
 

@@ -12,29 +12,19 @@ from workbook.runner import RunError
 
 
 def _cmd_gpu(args) -> int:
-    from workbook import gpu
+    from workbook import gpu, notebook
     detection = gpu.detect()
     choice = gpu.select_profile(detection["gpus"], params_module.load_all())
     detection["profile"] = {"name": choice.profile, "exact": choice.exact, "reason": choice.reason}
     if args.json:
         print(json.dumps(detection, indent=2, default=str))
         return 0
-    versions = detection["versions"]
-    print(f"host {detection['hostname']}: python {versions['python']}, torch {versions['torch']} "
-          f"(CUDA {versions['torch_cuda']}), transformers {versions['transformers']}, "
-          f"accelerate {versions['accelerate']}")
-    cpu = detection["cpu"]
-    ram = f"{cpu['ram_bytes'] / 2**30:.1f} GiB" if cpu["ram_bytes"] else "unknown"
-    print(f"cpu: {cpu['model']}, {cpu['usable_cores']} usable cores, {ram} RAM")
+    print(f"host {detection['hostname']}, {detection['platform']}")
+    for title, rows in gpu.machine_tables(detection):
+        print(f"\n{title}\n{notebook.markdown_table(rows)}")
     if not detection["gpus"]:
-        print("gpu: none detected" + (f" ({'; '.join(detection['notes'])})" if detection["notes"] else ""))
-    else:
-        print(f"driver {detection['driver_version']}, CUDA driver {detection['cuda_driver_version']}")
-    for g in detection["gpus"]:
-        print(f"gpu {g['index']}: {g['name']}, {g['memory_total_bytes'] / 2**30:.1f} GiB total, "
-              f"{g['memory_free_bytes'] / 2**30:.1f} GiB free, compute capability {g['compute_capability']}, "
-              f"bf16 {'yes' if g['supports_bf16'] else 'no'}, TF32 {'yes' if g['supports_tf32'] else 'no'}")
-    print(("profile: " if choice.exact else "WARNING: ") + choice.reason)
+        print("\nNo GPU detected." + (f" ({'; '.join(detection['notes'])})" if detection["notes"] else ""))
+    print("\n" + ("profile: " if choice.exact else "WARNING: ") + choice.reason)
     return 0
 
 
@@ -45,7 +35,8 @@ def _cmd_run(args) -> int:
 
 
 def _cmd_plan(args) -> int:
-    from workbook import planning, runner
+    from workbook import runner
+    from workbook.planner import profile as planner_profile
     profile = runner.resolve_params(args.profile, [], log=lambda line: print(line, file=sys.stderr))[0]
     overrides = {key: value for key, value in {
         "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
@@ -58,7 +49,7 @@ def _cmd_plan(args) -> int:
         if key in params_module.SCHEMA and not (key == "dtype" and value in ("int8", "int4")):
             params_module.validate_value(key, value, f"--{key.replace('_', '-')}")
     try:
-        result = planning.plan(profile, mode=args.mode, batch_size=args.batch_size, **overrides)
+        result = planner_profile.plan(profile, mode=args.mode, batch_size=args.batch_size, **overrides)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -66,46 +57,40 @@ def _cmd_plan(args) -> int:
         print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice()},
                          indent=2, default=str))
     else:
-        print(_plan_text(result, profile["profile"]))
+        print(planner_profile.plan_text(result, profile["profile"]))
     if result.max_batch_size == 0:
         print(f"error: {result.advice()}", file=sys.stderr)
         return 3
     return 0 if result.fits else 1
 
 
-def _plan_text(result, profile_name: str) -> str:
-    from workbook.units import format_bytes
-    lengths = ", ".join(f"{key} {value}" for key, value in result.lengths.items())
-    lines = [f"{result.model} ({result.params:,} parameters), {result.mode}, {result.dtype}, "
-             f"batch {result.batch_size}, {lengths}; profile {profile_name}: "
-             f"{format_bytes(result.capacity_bytes)} per GPU x {result.gpu_count}",
-             f"{'term':<28}{'bytes':>16}  {'':>10}  how it was computed"]
-    for term in result.terms:
-        lines.append(f"{term.name:<28}{term.bytes:>16,}  {format_bytes(term.bytes):>10}  {term.explanation}")
-    lines.append(f"{'total (predicted peak)':<28}{result.total_bytes:>16,}  {format_bytes(result.total_bytes):>10}")
-    verdict = "FITS" if result.fits else "DOES NOT FIT"
-    lines.append(f"{verdict}: budget {format_bytes(result.budget_bytes)} per GPU "
-                 f"({result.safety_margin:.0%} of {format_bytes(result.capacity_bytes)} kept free); "
-                 f"largest batch that fits: {result.max_batch_size}")
-    if result.kv_cache_bytes_per_token:
-        lines.append(f"KV cache: {result.kv_cache_bytes_per_token:,} bytes per token")
-    lines += [f"note: {note}" for note in result.notes]
-    if not result.fits:
-        lines.append(result.advice())
-    return "\n".join(lines)
-
-
 def _cmd_calibrate(args) -> int:
-    from workbook import calibration
+    from workbook.planner import calibration
     return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile])
 
 
-def _job(module_name: str):
-    """Handler for a job subcommand whose logic lives in `workbook.<module_name>.cli_main`."""
-    def handler(args) -> int:
-        import importlib
-        return importlib.import_module(f"workbook.{module_name}").cli_main(args.params, args.set)
-    return handler
+def _cmd_generate(args) -> int:
+    from workbook.generation.cli import cli_main
+    return cli_main(args.params, args.set)
+
+
+def _cmd_train(args) -> int:
+    from workbook.training.cli import cli_main
+    return cli_main(args.params, args.set)
+
+
+def _cmd_bench(args) -> int:
+    from workbook.bench.report import cli_main
+    return cli_main(args.params, args.set)
+
+
+# The jobs that take a params profile: name -> (handler, help). Each handler imports its job only
+# when called, so `workbook gpu` or `workbook plan` never pays for the training stack.
+JOBS = {
+    "generate": (_cmd_generate, "batched generation of teacher outputs (JSONL in, JSONL out), resumable"),
+    "train": (_cmd_train, "supervised fine-tuning on input/output JSONL"),
+    "bench": (_cmd_bench, "generation and training sweeps against the hardware's limits"),
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,14 +141,11 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_parser.add_argument("--out", help="output folder (default outputs/reference/<profile>)")
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
 
-    for name, module_name, what in (
-            ("generate", "generate", "batched generation of teacher outputs (JSONL in, JSONL out), resumable"),
-            ("train", "train", "supervised fine-tuning on input/output JSONL"),
-            ("bench", "bench", "generation and training sweeps against the hardware's limits")):
+    for name, (handler, what) in JOBS.items():
         job = commands.add_parser(name, help=what)
         job.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
         job.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a parameter")
-        job.set_defaults(handler=_job(module_name))
+        job.set_defaults(handler=handler)
     return parser
 
 

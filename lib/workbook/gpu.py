@@ -16,6 +16,8 @@ import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
 
+from workbook.units import GiB
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -199,6 +201,45 @@ def detect(nvml=None, cuda=None) -> dict:
     }
 
 
+def machine_tables(detection: dict) -> list[tuple[str, list[dict]]]:
+    """(title, rows) of what ``detect`` read: software, CPU and GPUs (notebook 00 and ``workbook gpu``)."""
+    cpu = detection["cpu"]
+    tables = [
+        ("Software (read from the installed packages)",
+         [{"package": name, "version": version} for name, version in detection["versions"].items()]),
+        ("CPU (os / /proc/cpuinfo)",
+         [{"CPU": cpu["model"], "usable cores": cpu["usable_cores"],
+           "RAM (GiB)": f"{cpu['ram_bytes'] / GiB:.1f}" if cpu["ram_bytes"] else "unknown"}]),
+    ]
+    if detection["gpus"]:
+        tables.append((
+            f"GPUs (driver {detection['driver_version']}, CUDA driver {detection['cuda_driver_version']})",
+            [{"#": g["index"], "name": g["name"], "total GiB": f"{g['memory_total_bytes'] / GiB:.1f}",
+              "free GiB": f"{g['memory_free_bytes'] / GiB:.1f}", "compute capability": g["compute_capability"],
+              "bf16": g["supports_bf16"], "TF32": g["supports_tf32"], "read by": g["read_by"]}
+             for g in detection["gpus"]]))
+    return tables
+
+
+def spec_rows(detection: dict) -> list[dict]:
+    """The GPU spec table, the detected GPU marked."""
+    detected = {g["spec"]["name"] for g in detection["gpus"] if g["spec"]}
+    return [{"GPU": s.name + (" ← detected" if s.name in detected else ""), "memory GiB": s.memory_gib,
+             "dense bf16 TFLOP/s": s.peak_bf16_tflops or "none", "dense fp16 TFLOP/s": s.peak_fp16_tflops,
+             "bandwidth GB/s": s.memory_bandwidth_gbs, "source": s.source} for s in GPU_SPECS]
+
+
+def memory_devices(detection: dict) -> tuple[list[dict], str]:
+    """(devices, where the readings came from) for the memory overview: every GPU, or the CPU's RAM."""
+    if detection["gpus"]:
+        return ([{"label": f"GPU {g['index']}: {g['name']}", "total_bytes": g["memory_total_bytes"],
+                  "free_bytes": g["memory_free_bytes"]} for g in detection["gpus"]], "NVML/torch readings")
+    import psutil  # a dependency of accelerate
+    ram = psutil.virtual_memory()
+    devices = [{"label": "CPU RAM", "total_bytes": ram.total, "free_bytes": ram.available}]
+    return devices, "psutil readings of system RAM"
+
+
 @dataclass(frozen=True)
 class ProfileChoice:
     profile: str
@@ -216,7 +257,7 @@ def select_profile(gpus: list[dict], profiles: dict) -> ProfileChoice:
     if not gpus:
         return ProfileChoice("cpu", True, "no GPU detected")
     name, count = gpus[0]["name"], len(gpus)
-    memory_gib = gpus[0]["memory_total_bytes"] / 2**30
+    memory_gib = gpus[0]["memory_total_bytes"] / GiB
     candidates = [p for p in profiles.values() if p["gpu_count"] > 0]
 
     def name_matches(p) -> bool:
@@ -256,7 +297,7 @@ def profile_mismatches(params, gpus: list[dict]) -> list[str]:
     if params["gpu_count"] != len(gpus):
         problems.append(f"profile expects {params['gpu_count']} GPU(s), detected {len(gpus)}")
     gpu = gpus[0]
-    memory_gib = gpu["memory_total_bytes"] / 2**30
+    memory_gib = gpu["memory_total_bytes"] / GiB
     if abs(params["gpu_memory_gib"] - memory_gib) > 0.1 * max(params["gpu_memory_gib"], 1e-9):
         problems.append(f"profile says {params['gpu_memory_gib']:g} GiB per GPU, detected {memory_gib:.1f} GiB")
     spec = gpu["spec"]

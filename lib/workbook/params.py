@@ -104,7 +104,7 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("data_parallel_processes", int, "processes sharing the job, one per GPU, each holding the whole model",
         minimum=1),
     # Training (notebook 03, `workbook train`); model, dtype, micro_batch_size, grad_checkpointing,
-    # lora_rank and use_chat_template above. Choices mirror workbook.memory (checked by tests/test_train.py).
+    # lora_rank and use_chat_template above. Choices mirror workbook.planner (checked by tests/test_train.py).
     Key("train_data_path", str, "JSONL of input/output pairs; '' = notebook 02's output (output_path, or "
         "generations.jsonl in the run folder), else the shipped arithmetic sample"),
     Key("input_field", str, "the field of each training record holding the prompt"),

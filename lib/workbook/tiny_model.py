@@ -245,36 +245,9 @@ def _learning_rate_factor(step: int) -> float:
 
 def greedy_answers(model, tokenizer, records: list[dict]) -> list[str]:
     """The model's greedy continuation of each record's ``input``, special tokens removed."""
-    answers = []
-    for start in range(0, len(records), EVAL_BATCH_SIZE):
-        prompts = [record["input"] for record in records[start : start + EVAL_BATCH_SIZE]]
-        input_ids, attention_mask = _left_padded(tokenizer(prompts)["input_ids"], PAD_ID)
-        with torch.no_grad():
-            output_ids = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                max_new_tokens=MAX_NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=PAD_ID,
-            )
-        new_ids = output_ids[:, input_ids.shape[1] :]
-        answers += tokenizer.batch_decode(new_ids, skip_special_tokens=True)
-    return answers
-
-
-def _left_padded(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token ids padded on the left, so every prompt ends where generation starts, and the mask.
-
-    Padded here rather than with ``tokenizer(..., padding_side="left")``, which leaves the padding
-    side set inside the tokenizer; a later ``save_pretrained`` would then write it to disk.
-    """
-    width = max(len(sequence) for sequence in sequences)
-    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
-    for row, sequence in enumerate(sequences):
-        input_ids[row, width - len(sequence) :] = torch.tensor(sequence)
-        attention_mask[row, width - len(sequence) :] = 1
-    return input_ids, attention_mask
+    from workbook import models  # local: models reads this module's names lazily too
+    prompts = [list(ids) for ids in tokenizer([record["input"] for record in records])["input_ids"]]
+    return models.greedy_completions(model, tokenizer, prompts, MAX_NEW_TOKENS, batch_size=EVAL_BATCH_SIZE)
 
 
 def ensure_tiny_model(cache_root: str | Path | None = None) -> Path:

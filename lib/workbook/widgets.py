@@ -21,8 +21,9 @@ import ipywidgets as widgets
 import matplotlib.pyplot as plt
 from IPython.display import clear_output, display
 
-from workbook import planning, plots
-from workbook.units import format_bytes
+from workbook import plots
+from workbook.planner import profile
+from workbook.units import GiB, format_bytes
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 LORA_RANKS = (0, 4, 8, 16, 32, 64, 128)
@@ -63,7 +64,7 @@ def _canonical_model(model: str, models: list[str]) -> str:
 
 
 class PlannerTuner:
-    """ipywidgets controls around `planning.plan`; `widget` is what the notebook displays.
+    """ipywidgets controls around `planner.profile.plan`; `widget` is what the notebook displays.
 
     Tests drive it by setting control values (`tuner.batch_size.value = 64`) and reading
     `tuner.plan`, `tuner.verdict.value` and `tuner.figure`.
@@ -78,7 +79,7 @@ class PlannerTuner:
         mode = params["plan_mode"]
         # A batch per mode, as in the params (batch_size, micro_batch_size): a generation batch of
         # hundreds means nothing for a training step. 'auto' starts at the planner's answer.
-        self._batch_by_mode = {m: planning.plan(params, mode=m).batch_size for m in ("generate", "train")}
+        self._batch_by_mode = {m: profile.plan(params, mode=m).batch_size for m in ("generate", "train")}
         self._quiet = False  # True while the tuner itself moves a control: one update, not two
         batch = self._batch_by_mode[mode]
         self.model = _labelled(widgets.Dropdown(options=models, value=model), "model",
@@ -142,8 +143,8 @@ class PlannerTuner:
 
     def settings(self) -> dict:
         """The planner settings the controls describe (profile facts + control values)."""
-        profile = self.profiles[self.profile.value]
-        return {**profile, "model": self.model.value, "dtype": self.dtype.value,
+        facts = self.profiles[self.profile.value]
+        return {**facts, "model": self.model.value, "dtype": self.dtype.value,
                 "prompt_len": self.prompt_len.value, "max_new_tokens": self.new_tokens.value,
                 "seq_len": self.seq_len.value, "grad_checkpointing": self.grad_checkpointing.value,
                 "lora_rank": self.lora_rank.value}
@@ -167,7 +168,7 @@ class PlannerTuner:
         try:
             settings = self.settings()
             mode = self.mode.value
-            self.plan = planning.plan(settings, mode=mode, batch_size=self.batch_size.value)
+            self.plan = profile.plan(settings, mode=mode, batch_size=self.batch_size.value)
             self._show_verdict()
             self._redraw(settings, mode)
             self.error.value = ""
@@ -206,7 +207,7 @@ class PlannerTuner:
         plan = self.plan
         top = max(plan.max_batch_size, plan.batch_size, 1) * 2
         batches = sorted({max(1, round(top * i / CURVE_POINTS)) for i in range(CURVE_POINTS + 1)})
-        totals = [planning.plan(settings, mode=mode, batch_size=b).total_bytes for b in batches]
+        totals = [profile.plan(settings, mode=mode, batch_size=b).total_bytes for b in batches]
         figure, (bar_axis, curve_axis) = plt.subplots(1, 2, figsize=FIGURE_INCHES, width_ratios=(1, 1.15),
                                                       layout="constrained")
         plots.plan_breakdown(plan, axis=bar_axis)
@@ -219,7 +220,7 @@ class PlannerTuner:
         plots.memory_vs_batch({f"{settings['model']}, {plan.dtype}": (batches, totals)}, plan.capacity_bytes,
                               plan.budget_bytes, f"predicted peak vs batch (red dot: batch {plan.batch_size}, "
                                                  f"max {plan.max_batch_size})", axis=curve_axis)
-        curve_axis.plot([plan.batch_size], [plan.total_bytes / 2**30], "o", color="red", markersize=8)
+        curve_axis.plot([plan.batch_size], [plan.total_bytes / GiB], "o", color="red", markersize=8)
         with self.output:
             clear_output(wait=True)
             display(figure)

@@ -1,15 +1,15 @@
 """Benchmark of the generation engine (not a test): what it costs over a bare ``generate`` loop, and
 what sorting prompts by length gains. Writes ``generate_bench.json`` and ``generate_bench.md``.
 
-    python -m workbook.generate_bench                    # CPU, tiny model, ~1-2 minutes
-    python -m workbook.generate_bench --model llama-3.1-8b --device cuda --dtype bf16 --profile h200 \\
+    python -m workbook.bench.engine_overhead                    # CPU, tiny model, ~1-2 minutes
+    python -m workbook.bench.engine_overhead --model llama-3.1-8b --device cuda --dtype bf16 --profile h200 \\
         --examples 512 --batch-size 64 --max-new-tokens 256 --prompt-tokens 32 1024
 
 Arms, on the same prompts and batch size, each timed with the device synchronized, after one warm-up
 batch, repeated and interleaved (the median counts):
 
 - ``bare``: seed 000's loop with its slice fixed: file order, left padding, ``generate``, slice.
-- ``engine``: ``generate.run_batches`` in file order: adds failure isolation, statistics, and
+- ``engine``: ``generation.run_batches`` in file order: adds failure isolation, statistics, and
   records appended and fsynced per batch. ``engine / bare - 1`` is the engine's overhead.
 - ``sorted``: the same with prompts sorted longest first, as the job runs. ``engine / sorted`` is
   the gain of length sorting.
@@ -18,14 +18,13 @@ Datasets: ``sample``, the shipped arithmetic prompts (short, similar lengths, en
 them; tiny model only), and ``mixed``, random token ids of lengths uniform in ``--prompt-tokens``
 with every output forced to ``max_new_tokens`` (``min_new_tokens``), so that padding comes from the
 prompt lengths alone. A preset name (``llama-3.1-8b``) builds that architecture with random weights
-on the device (``finder.load_probe_model``): timing does not depend on the values.
+on the device (``models.load_model``): timing does not depend on the values.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -33,22 +32,24 @@ from pathlib import Path
 
 import torch
 
-from workbook import data, generate
+from workbook import arithmetic, generation, jsonl, models, notebook, params, runtime, tiny_model
+from workbook.bench.generation_sweep import mixed_prompts
+from workbook.planner import weights_bytes
 
 ARMS = ("bare", "engine", "sorted")
 
 
-def bare_loop(model, prompts: list[generate.Prompt], settings: generate.DecodingSettings, batch_size: int) -> int:
+def bare_loop(model, prompts: list[generation.Prompt], settings: generation.DecodingSettings, batch_size: int) -> int:
     """The seed's loop, slice fixed: file order, one ``generate`` per batch. Returns output tokens."""
     output_tokens = 0
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
         rows = [p.token_ids for p in batch]
-        input_ids, attention_mask = generate.left_pad(rows, settings.pad_token_id, model.device)
+        input_ids, attention_mask = models.left_pad(rows, settings.pad_token_id, model.device)
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                 generation_config=settings.generation_config(settings.max_new_tokens))
         generated = output[:, input_ids.shape[1]:].tolist()
-        output_tokens += sum(len(generate.finish(row, settings.max_new_tokens, settings.eos_token_ids).token_ids)
+        output_tokens += sum(len(generation.finish(row, settings.max_new_tokens, settings.eos_token_ids).token_ids)
                              for row in generated)
     return output_tokens
 
@@ -56,44 +57,33 @@ def bare_loop(model, prompts: list[generate.Prompt], settings: generate.Decoding
 def engine_run(model, prompts, settings, batch_size: int, sort_by_length: bool, folder: Path) -> dict:
     """``run_batches`` with records appended and fsynced per batch, as the job writes them."""
     path = folder / f"engine-{time.perf_counter_ns()}.jsonl"
-    with data.LineAppender(path) as appender:
-        def write(outcome: generate.Outcome) -> None:
+    with jsonl.LineAppender(path) as appender:
+        def write(outcome: generation.Outcome) -> None:
             appender.write({"index": prompt.index, "output_tokens": len(completion.token_ids),
                             "finish_reason": completion.finish_reason} for prompt, completion in outcome.completed)
-        batches = generate.run_batches(generate.StaticBackend(model, settings, batch_size), prompts, write=write,
+        batches = generation.run_batches(generation.StaticBackend(model, settings, batch_size), prompts, write=write,
                                        sort_by_length=sort_by_length, log=lambda line: None)
     path.unlink()
-    return generate.summarize(batches, seconds=sum(b.seconds for b in batches))
+    return generation.summarize(batches, seconds=sum(b.seconds for b in batches))
 
 
 def timed(device: torch.device, run) -> tuple[float, object]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    runtime.synchronize(device)
     started = time.perf_counter()
     result = run()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    runtime.synchronize(device)
     return time.perf_counter() - started, result
 
 
-def sample_prompts(tokenizer, count: int, max_new_tokens: int) -> list[generate.Prompt]:
-    from workbook import arithmetic
+def sample_prompts(tokenizer, count: int, max_new_tokens: int) -> list[generation.Prompt]:
     texts = [record["input"] for record in arithmetic.sample_records()[:count]]
-    ids = generate.tokenize_prompts(tokenizer, texts, use_chat_template=True)
-    return [generate.Prompt(i, row, max_new_tokens) for i, row in enumerate(ids)]
-
-
-def mixed_prompts(vocab_size: int, count: int, lengths: tuple[int, int], max_new_tokens: int,
-                  seed: int = 0) -> list[generate.Prompt]:
-    """Random token ids (ids 4 and up: past the usual special tokens) of uniformly random lengths."""
-    rng = random.Random(seed)
-    return [generate.Prompt(i, [rng.randrange(4, vocab_size) for _ in range(rng.randint(*lengths))], max_new_tokens)
-            for i in range(count)]
+    ids = generation.tokenize_prompts(tokenizer, texts, use_chat_template=True)
+    return [generation.Prompt(i, row, max_new_tokens) for i, row in enumerate(ids)]
 
 
 def run_dataset(name, model, prompts, settings, batch_size: int, repeats: int, folder: Path, log) -> dict:
     device = model.device
-    generate.StaticBackend(model, settings, batch_size).generate(prompts[:batch_size])  # warm-up
+    generation.StaticBackend(model, settings, batch_size).generate(prompts[:batch_size])  # warm-up
     seconds: dict[str, list[float]] = {arm: [] for arm in ARMS}
     details: dict[str, dict] = {}
     for repeat in range(repeats):
@@ -132,10 +122,9 @@ def run_dataset(name, model, prompts, settings, batch_size: int, repeats: int, f
 def weights_read_bound(model_name: str, dtype: str, batch_size: int, bandwidth_gbs: float) -> float | None:
     """Output tokens/s if each decode step only had to read the weights once at peak bandwidth (the
     memory-bandwidth roofline of batched decoding, KV-cache reads left out)."""
-    from workbook import memory, presets
     if not bandwidth_gbs:
         return None
-    weights = memory.weights_bytes(presets.load_config(model_name), dtype)
+    weights = weights_bytes(model_name, dtype)
     return batch_size * bandwidth_gbs * 1e9 / weights
 
 
@@ -154,7 +143,8 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workbook.generate_bench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m workbook.bench.engine_overhead",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="'tiny', a local model dir, or a preset (random weights)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
@@ -173,28 +163,26 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     import sys
 
-    from transformers import AutoTokenizer
-
-    from workbook import finder, notebook, params, tiny_model
     args = parse_arguments(argv)
     out = Path(args.out) if args.out else notebook.new_run_dir(f"generate-bench-{args.device.split(':')[0]}")
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, described = finder.load_probe_model(args.model, args.dtype, device)
+    loaded = models.load_model(args.model, args.dtype, device)
+    model, described = loaded.model, loaded.description
     is_tiny = args.model == tiny_model.TINY_MODEL_NAME
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model.resolve_model_path(args.model)) if is_tiny else None
-    eos_ids = generate.eos_token_ids(model, tokenizer)
-    pad = generate.pad_token_id(model, tokenizer, eos_ids)
+    tokenizer = models.load_tokenizer(args.model) if is_tiny else None
+    eos_ids = models.eos_token_ids(model, tokenizer)
+    pad = models.pad_token_id(model, tokenizer)
     results = []
     with tempfile.TemporaryDirectory(dir=out) as folder:
         if is_tiny:  # the arithmetic prompts mean something to the tiny model only
-            settings = generate.DecodingSettings(8, eos_ids, pad)
+            settings = generation.DecodingSettings(8, eos_ids, pad)
             prompts = sample_prompts(tokenizer, min(args.examples * 2, 300), settings.max_new_tokens)
             results.append(run_dataset("sample", model, prompts, settings, args.batch_size, args.repeats,
                                        Path(folder), print))
-        settings = generate.DecodingSettings(args.max_new_tokens, eos_ids, pad, min_new_tokens=args.max_new_tokens)
+        settings = generation.DecodingSettings(args.max_new_tokens, eos_ids, pad, min_new_tokens=args.max_new_tokens)
         prompts = mixed_prompts(model.config.vocab_size, args.examples, tuple(args.prompt_tokens),
                                 args.max_new_tokens)
         results.append(run_dataset("mixed", model, prompts, settings, args.batch_size, args.repeats,
@@ -206,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": described, "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "profile": args.profile,
         "weights_read_bound_output_tokens_per_second": round(bound, 1) if bound else None,
-        "command": "python -m workbook.generate_bench " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "python -m workbook.bench.engine_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
         "results": results,
     }
     (out / "generate_bench.json").write_text(json.dumps(report, indent=2) + "\n")

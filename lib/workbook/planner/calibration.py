@@ -2,16 +2,16 @@
 
 Run it once per GPU profile and keep the JSON beside the profile's reference outputs::
 
-    python -m workbook.calibration --out outputs/reference/h200 --profile h200
+    python -m workbook.planner.calibration --out outputs/reference/h200 --profile h200
 
 On a CUDA machine it runs ``calibration_grid(profile)``: every case builds a preset model from its
 config with RANDOM bf16 weights directly on the GPU (nothing is downloaded; memory depends on
 shapes, not on weight values), measures the worst-case peak with the finder's probes
-(``workbook.finder``) and compares it with ``memory.plan_generate`` / ``plan_train`` for the same
+(``workbook.planner.probes``) and compares it with ``plan_generate`` / ``plan_train`` for the same
 settings; ``memory_accuracy.json`` holds every case and the summary against the goal (median
 absolute relative error <= 1.5%, max <= 4%). The grid takes a few minutes on an H200.
 
-Without a GPU it runs ``cpu_exact_checks()`` only (what CPU can check exactly: parameter counts,
+Without a GPU it runs ``exact_checks.cpu_exact_checks()`` only (what CPU can check exactly: parameter counts,
 weight bytes, the KV cache of a real generate(), saved activations) and says the GPU part is
 pending. Results are data only; plotting belongs to ``workbook.plots``.
 """
@@ -30,7 +30,13 @@ from pathlib import Path
 import torch
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from workbook import finder, gpu, memory, params, presets
+from workbook import gpu, models, params, presets
+from workbook.planner import exact_checks, probes
+from workbook.planner.finder import ProbeMeasurement, error_summary
+from workbook.planner.generation import plan_generate
+from workbook.planner.plans import DEFAULT_OVERHEAD_BYTES, DEFAULT_SAFETY_MARGIN, Plan, budget_bytes
+from workbook.planner.training import plan_train
+from workbook.units import GiB
 
 GOAL_MEDIAN_ABS_RELATIVE_ERROR = 0.015  # the planner's target: median |predicted/measured - 1|
 GOAL_MAX_ABS_RELATIVE_ERROR = 0.04  # ... and the worst case
@@ -38,7 +44,7 @@ GOAL_MAX_ABS_RELATIVE_ERROR = 0.04  # ... and the worst case
 # measures nothing: a case runs only if its plan uses at most this share of the profile's budget.
 GRID_BUDGET_FRACTION = 0.8
 DTYPE = "bf16"  # weights, activations and KV cache: the model is built in bf16, no autocast
-ATTN_IMPLEMENTATION = "sdpa"  # transformers' default; the planner's default too
+ATTN_IMPLEMENTATION = models.DEFAULT_ATTENTION  # transformers' default; the planner's default too
 LORA_RANK = 16
 RESULT_FILE = "memory_accuracy.json"
 CPU_CHECKS_FILE = "cpu_exact_checks.json"
@@ -120,7 +126,7 @@ def calibration_grid(profile: str | dict) -> list[CalibrationCase]:
             batch_size=batch, seq_len=seq_len, grad_checkpointing=checkpointing, lora_rank=rank,
             counts_toward_goal=model != presets.TINY_PRESET,
         ))
-    budget = memory.budget_bytes(gpu_memory_bytes, memory.DEFAULT_SAFETY_MARGIN)
+    budget = budget_bytes(gpu_memory_bytes, DEFAULT_SAFETY_MARGIN)
     return [
         case for case in cases
         if plan_for_case(case, gpu_memory_bytes=gpu_memory_bytes).total_bytes
@@ -132,21 +138,21 @@ def plan_for_case(
     case: CalibrationCase,
     *,
     gpu_memory_bytes: int,
-    overhead_bytes: int = memory.DEFAULT_OVERHEAD_BYTES,
-) -> memory.Plan:
+    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+) -> Plan:
     """The planner's prediction for ``case``, with the settings measure_case runs it under.
 
     Training is pure bf16 (``mixed_precision=False``: the weights are bf16, no autocast) with
     AdamW; LoRA adapters are fp32, as PEFT makes them.
     """
     if case.mode == "generate":
-        return memory.plan_generate(
+        return plan_generate(
             case.model, batch_size=case.batch_size, prompt_len=case.prompt_len,
             new_tokens=case.new_tokens, gpu_memory_bytes=gpu_memory_bytes, dtype=DTYPE,
             attn_implementation=ATTN_IMPLEMENTATION, overhead_bytes=overhead_bytes,
         )
     if case.mode == "train":
-        return memory.plan_train(
+        return plan_train(
             case.model, micro_batch_size=case.batch_size, seq_len=case.seq_len,
             gpu_memory_bytes=gpu_memory_bytes, dtype=DTYPE, mixed_precision=False,
             grad_checkpointing=case.grad_checkpointing, lora_rank=case.lora_rank,
@@ -170,7 +176,7 @@ def _profile_gpu_memory_bytes(profile: str | dict) -> int:
             f"profile {loaded.get('profile', '?')!r} has no GPU (gpu_memory_gib is {gib}); the "
             "calibration grid is sized by a GPU's memory: pass a GPU profile such as 'h200'"
         )
-    return int(gib * memory.GiB)
+    return int(gib * GiB)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,7 +214,7 @@ def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda") 
         if not should_reduce_batch_size(error):
             raise
         measurement = None
-        oom_error = finder.error_summary(error)
+        oom_error = error_summary(error)
     finally:
         clear_device_cache(garbage_collection=True)  # the model went with run_case_probe's frame
     seconds = time.perf_counter() - started
@@ -223,7 +229,7 @@ def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda") 
             "plan": plan.to_dict()}
 
 
-def compare(plan: memory.Plan, measurement: finder.ProbeMeasurement) -> dict:
+def compare(plan: Plan, measurement: ProbeMeasurement) -> dict:
     """Predicted against measured bytes: the whole peak, and the tensors alone.
 
     ``relative_error`` is (predicted - measured) / measured of the device peak (reserved peak +
@@ -251,45 +257,24 @@ def compare(plan: memory.Plan, measurement: finder.ProbeMeasurement) -> dict:
     }
 
 
-def run_case_probe(case: CalibrationCase, device: torch.device) -> finder.ProbeMeasurement:
+def run_case_probe(case: CalibrationCase, device: torch.device) -> ProbeMeasurement:
     """Build the model with random bf16 weights on ``device`` and run the case's probe once.
 
     The model lives only in this frame, so returning (or raising) releases it. Runs on CPU too
     (the tests use that for the tiny model), where the measurement has no peaks.
     """
-    from transformers import AutoModelForCausalLM  # local: only the GPU path builds models
-
-    config = presets.load_config(case.model)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.bfloat16, attn_implementation=ATTN_IMPLEMENTATION
-        )
+    model = models.build_random(case.model, DTYPE, device, attn_implementation=ATTN_IMPLEMENTATION).model
     if case.mode == "generate":
-        model.eval()
         # Random ids: memory depends on the lengths only; min_new_tokens forces the full length.
         generator = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, config.vocab_size, (case.prompt_len,), generator=generator)
-        probe = finder.generation_probe(model, None, prompt.tolist(), case.new_tokens)
+        prompt = torch.randint(0, model.config.vocab_size, (case.prompt_len,), generator=generator)
+        probe = probes.generation_probe(model, None, prompt.tolist(), case.new_tokens)
         return probe(case.batch_size)
     if case.grad_checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-            model, "gradient_checkpointing_enable")  # renamed in transformers 5.x
-        enable()
+        models.enable_gradient_checkpointing(model)
     if case.lora_rank > 0:
-        model = _with_lora(model, case.lora_rank)
-    return finder.training_probe(model, case.seq_len)(case.batch_size)
-
-
-def _with_lora(model, rank: int):
-    import peft  # optional: skip_reason() says so when it is missing
-
-    lora_config = peft.LoraConfig(
-        r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
-        target_modules=list(memory.DEFAULT_LORA_TARGET_MODULES),
-    )
-    # PEFT keeps the adapters in fp32 on a bf16 base (autocast_adapter_dtype=True, its default),
-    # which is what memory.plan_train assumes.
-    return peft.get_peft_model(model, lora_config)
+        model = models.with_lora(model, case.lora_rank)  # skip_reason() says so when peft is missing
+    return probes.training_probe(model, case.seq_len)(case.batch_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,136 +350,17 @@ def summarize(records: list[dict]) -> dict:
 
 def command_line(out_dir: str | Path, profile_name: str) -> str:
     """The command that reproduces a calibration."""
-    return f"python -m workbook.calibration --out {out_dir} --profile {profile_name}"
+    return f"python -m workbook.planner.calibration --out {out_dir} --profile {profile_name}"
 
 
 def _case_line(record: dict) -> str:
     if record["status"] == "measured":
-        return (f"predicted {record['predicted_bytes'] / memory.GiB:.2f} GiB, measured "
-                f"{record['measured_bytes'] / memory.GiB:.2f} GiB "
+        return (f"predicted {record['predicted_bytes'] / GiB:.2f} GiB, measured "
+                f"{record['measured_bytes'] / GiB:.2f} GiB "
                 f"({record['relative_error']:+.1%})")
     return record["status"] + (f": {record['reason']}" if "reason" in record else "")
 
 
-# ----------------------------------------------------------------------------------------------
-# What CPU can check exactly.
-
-
-def cpu_exact_checks() -> dict:
-    """The planner's formulas against real tensors of the tiny model, on CPU: each must be exact.
-
-    - parameter count and weight bytes (fp32 and bf16) against the trained tiny model as loaded;
-    - KV cache bytes against the cache a real generate() builds (full length forced: it holds
-      prompt + new - 1 tokens, the last token is never fed back);
-    - activation bytes one decoder layer saves for backward (pure fp32, sdpa), against autograd's
-      saved tensors (the difference between a 2-layer and a 1-layer model).
-    The same checks tests/test_memory.py makes on stand-in models, here as a JSON-ready dict
-    that a notebook can show.
-    """
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # local: pulls in the tokenizer
-
-    from workbook.tiny_model import ensure_tiny_model, tiny_config
-
-    model_dir = ensure_tiny_model()
-    config = tiny_config()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    checks = [
-        _check("parameters", "parameters of the tiny model (tied embeddings counted once)",
-               presets.count_parameters(config), sum(p.numel() for p in model.parameters()),
-               "parameters"),
-        _check("weights_fp32", "weight bytes of the tiny model loaded in fp32",
-               memory.weights_bytes(config, "fp32"), _parameter_bytes(model), "bytes"),
-        _kv_cache_check(model, tokenizer, config),
-        _activation_check(config),
-        _check("weights_bf16", "weight bytes of the tiny model cast to bf16",
-               memory.weights_bytes(config, "bf16"), _parameter_bytes(model.to(torch.bfloat16)),
-               "bytes"),
-    ]
-    return {
-        "checks": checks,
-        "all_exact": all(check["exact"] for check in checks),
-        "model_dir": str(model_dir),
-        "versions": gpu.software_versions(),
-    }
-
-
-KV_CHECK_PROMPT = "What is 23 + 45?"
-KV_CHECK_BATCH = 3
-KV_CHECK_NEW_TOKENS = 8  # more than the tiny model's answer: min_new_tokens must force it
-ACTIVATION_CHECK_BATCH, ACTIVATION_CHECK_SEQ_LEN = 3, 50  # 150 tokens: no parameter dimension
-
-
-def _check(name: str, what: str, predicted: int, measured: int, unit: str) -> dict:
-    return {"name": name, "what": what, "unit": unit, "predicted": int(predicted),
-            "measured": int(measured), "exact": int(predicted) == int(measured)}
-
-
-def _parameter_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _kv_cache_check(model, tokenizer, config) -> dict:
-    prompt_ids = tokenizer(KV_CHECK_PROMPT, return_tensors="pt")["input_ids"]
-    input_ids = prompt_ids.repeat(KV_CHECK_BATCH, 1)
-    with torch.no_grad():
-        output = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=KV_CHECK_NEW_TOKENS, min_new_tokens=KV_CHECK_NEW_TOKENS,
-            do_sample=False, pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True,
-        )
-    generated = output.sequences.shape[1] - input_ids.shape[1]
-    # Distinct storages: what the allocator holds, views counted once (DynamicCache, 5.17+).
-    tensors = [t for layer in output.past_key_values.layers for t in (layer.keys, layer.values)]
-    measured = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                    for t in tensors}.values())
-    tokens = input_ids.shape[1] + generated - 1
-    predicted = memory.kv_cache_bytes(config, "fp32", batch_size=KV_CHECK_BATCH, tokens=tokens)
-    check = _check("kv_cache_after_generate",
-                   f"KV cache of generate(): {KV_CHECK_BATCH} x ({input_ids.shape[1]} prompt + "
-                   f"{generated} new - 1) tokens, fp32", predicted, measured, "bytes")
-    check["exact"] = check["exact"] and generated == KV_CHECK_NEW_TOKENS
-    check["generated_tokens"] = generated
-    return check
-
-
-def _activation_check(config) -> dict:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from workbook.tiny_model import ARCHITECTURE
-
-    saved = {}
-    for layers in (1, 2):
-        layer_config = LlamaConfig(**{**ARCHITECTURE, "num_hidden_layers": layers},
-                                   attn_implementation=ATTN_IMPLEMENTATION)
-        torch.manual_seed(0)
-        saved[layers] = _saved_activation_bytes(LlamaForCausalLM(layer_config).train())
-    predicted = memory.training_activation_bytes_per_layer(
-        config, batch_size=ACTIVATION_CHECK_BATCH, seq_len=ACTIVATION_CHECK_SEQ_LEN,
-        dtype="fp32", mixed_precision=False, attn_implementation=ATTN_IMPLEMENTATION,
-    )
-    return _check("activations_per_layer",
-                  f"bytes one decoder layer saves for backward ({ACTIVATION_CHECK_BATCH} x "
-                  f"{ACTIVATION_CHECK_SEQ_LEN} tokens, fp32, {ATTN_IMPLEMENTATION}), tiny "
-                  "architecture, random weights", predicted, saved[2] - saved[1], "bytes")
-
-
-def _saved_activation_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the distinct storages autograd saves in one training forward (not parameters)."""
-    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameter_storages:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    ids = torch.randint(0, model.config.vocab_size,
-                        (ACTIVATION_CHECK_BATCH, ACTIVATION_CHECK_SEQ_LEN))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        model(input_ids=ids, labels=ids, use_cache=False)
-    return sum(saved.values())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -502,9 +368,9 @@ def _saved_activation_bytes(model: torch.nn.Module) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workbook.calibration --out DIR --profile NAME``: CPU checks, then the grid."""
+    """``python -m workbook.planner.calibration --out DIR --profile NAME``: CPU checks, then the grid."""
     parser = argparse.ArgumentParser(
-        prog="python -m workbook.calibration",
+        prog="python -m workbook.planner.calibration",
         description="Compare the memory planner with measured GPU peaks (memory_accuracy.json); "
                     "without a GPU, run only the exact CPU checks (cpu_exact_checks.json).",
     )
@@ -515,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     command = command_line(args.out, args.profile)
 
-    cpu_checks = cpu_exact_checks()
+    cpu_checks = exact_checks.cpu_exact_checks()
     has_gpu = torch.cuda.is_available()
     cpu_checks["command"] = command
     if args.profile == "cpu":  # the exact checks are all a CPU can give; the grid needs a GPU profile
@@ -526,10 +392,10 @@ def main(argv: list[str] | None = None) -> int:
          "reason": "the GPU calibration needs a CUDA GPU; none was found on this machine",
          "to_run": f"{command}  (on the GPU the profile describes)"}
     )
-    (out_dir / CPU_CHECKS_FILE).write_text(json.dumps(cpu_checks, indent=2) + "\n")
+    (out_dir / exact_checks.CPU_CHECKS_FILE).write_text(json.dumps(cpu_checks, indent=2) + "\n")
     exact = sum(check["exact"] for check in cpu_checks["checks"])
     print(f"CPU exact checks: {exact}/{len(cpu_checks['checks'])} exact -> "
-          f"{out_dir / CPU_CHECKS_FILE}")
+          f"{out_dir / exact_checks.CPU_CHECKS_FILE}")
     if not has_gpu:
         print(f"GPU calibration pending: it needs a CUDA GPU and none was found. Run `{command}` "
               f"on that GPU to write outputs/reference/<profile>/{RESULT_FILE}.")

@@ -1,0 +1,60 @@
+"""Benchmarks against the hardware's limits: the logic behind notebook 04 and ``workbook bench``.
+
+    workbook bench --params cpu       # tiny model on this CPU, about a minute
+    workbook bench --params h200      # 8B-shaped random bf16 model (generation), 1B-shaped (training)
+
+Generation sweep, every strategy on the same prompts (random token ids, lengths uniform in
+[prompt_len / 4, prompt_len], every output forced to ``bench_max_new_tokens`` so padding comes from
+the prompts and the batch's longest output alone):
+
+- ``seed-before``: one prompt at a time (seeds 000/002 before their change);
+- ``seed-after``: static batches of 32 in file order, eager (the seeds' "after"; the baseline that
+  speedups are quoted against);
+- ``static-sorted``: static batches sorted longest first (the job's default), per batch size;
+- ``static-compiled``: static KV cache + torch.compile, per batch size (skipped on CPU: it compiles
+  again for every batch size, minutes of compiling for seconds of decoding);
+- ``continuous``: transformers' continuous batching, per batch size.
+
+Each point: one warm-up batch, then ``bench_repeats`` timed runs with the device synchronized; the
+median counts and the spread (min, max) is kept. Reported per point: output tokens/s, examples/min,
+time to first result, padding waste, peak memory beside the planner's prediction (CPU: "not
+measured", never invented), and the fraction of the memory-bandwidth roofline and of the compute
+peak reached. Bytes and FLOPs per decode step are counted from the model config (``decode_step_cost``);
+the peaks come from the profile (0 on the cpu profile: "n/a").
+
+Training sweep (``train.train`` on each point): micro-batch x gradient checkpointing x compile x
+packing, one factor at a time around each micro-batch; tokens/s, MFU, peak memory vs prediction.
+
+An NVML sampler (a thread) records GPU utilization, memory used, power and SM clock during each point.
+NVML's utilization is the share of time some kernel ran, not how much of the chip it used: it is
+reported under that name, and efficiency is judged by the roofline fractions instead.
+
+Where each part lives: ``counting`` (bytes and FLOPs per step, rooflines, peaks, cost), ``sampler``
+(NVML), ``generation_sweep``, ``training_sweep``, ``claims`` (the seeds' claims and the goals),
+``report`` (the whole benchmark, its tables, ``workbook bench``), ``engine_overhead`` (the engine
+against a bare ``generate`` loop) and ``review`` (every run side by side, notebook 05).
+"""
+
+from workbook.bench.claims import GOALS, claims_table, goals_table
+from workbook.bench.counting import (
+    BASELINE, NA, NOT_MEASURED, STRATEGIES, BenchError, StepCost, cost_figures, decode_step_cost, fractions_of_peak,
+    parse_int_list, parse_strategies, peak_tflops, roofline_tokens_per_second, run_dtype,
+)
+from workbook.bench.generation_sweep import (
+    GenerationSetup, generation_point, generation_setup, generation_sweep, mixed_prompts, planner_batch,
+    same_greedy_tokens, sweep_points,
+)
+from workbook.bench.report import (
+    PARAMS_USED, cli_main, generation_rows, gpu_capacity_bytes, nvml_rows, run_benchmark, training_rows,
+)
+from workbook.bench.sampler import NvmlSampler
+from workbook.bench.training_sweep import training_point, training_points, training_sweep
+
+__all__ = [
+    "BASELINE", "GOALS", "NA", "NOT_MEASURED", "PARAMS_USED", "STRATEGIES", "BenchError", "GenerationSetup",
+    "NvmlSampler", "StepCost", "claims_table", "cli_main", "cost_figures", "decode_step_cost", "fractions_of_peak",
+    "generation_point", "generation_rows", "generation_setup", "generation_sweep", "goals_table",
+    "gpu_capacity_bytes", "mixed_prompts", "nvml_rows", "parse_int_list", "parse_strategies", "peak_tflops",
+    "planner_batch", "roofline_tokens_per_second", "run_benchmark", "run_dtype", "same_greedy_tokens", "sweep_points",
+    "training_point", "training_points", "training_rows", "training_sweep",
+]

@@ -1,0 +1,136 @@
+"""The seeds' claims (``../shared/seeds/README.md``) and the workbook's performance goals, each beside
+this run's figure or the reason there is none."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from workbook.bench.counting import BASELINE, NA
+from workbook.planner import kv_cache_bytes
+
+
+def tf32_matmul_speedup(device: torch.device, size: int = 8192, repeats: int = 10) -> dict | None:
+    """fp32 matmul TFLOP/s with TF32 off and on, and bf16, on a GPU; None on CPU (no TF32)."""
+    if device.type != "cuda":
+        return None
+    a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    figures = {}
+    try:
+        for label, dtype, tf32 in (("fp32", torch.float32, False), ("tf32", torch.float32, True),
+                                   ("bf16", torch.bfloat16, False)):
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            x, y = a.to(dtype), b.to(dtype)
+            torch.matmul(x, y)
+            torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            for _ in range(repeats):
+                torch.matmul(x, y)
+            torch.cuda.synchronize(device)
+            figures[label] = 2 * size ** 3 * repeats / (time.perf_counter() - began) / 1e12
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+    return {"tflops": figures, "tf32_over_fp32": figures["tf32"] / figures["fp32"],
+            "bf16_over_tf32": figures["bf16"] / figures["tf32"]}
+
+
+def _point(points: list[dict], strategy: str, batch: int | None = None) -> dict | None:
+    for point in points:
+        if point["strategy"] == strategy and "seconds" in point and (batch is None or point["batch_size"] == batch):
+            return point
+    return None
+
+
+def claims_table(generation: dict | None, training: dict | None, matmul: dict | None, on_gpu: bool) -> list[dict]:
+    """Each claim of ../shared/seeds/README.md beside this run's figure, or why there is none."""
+    points = generation["points"] if generation else []
+    after = _point(points, BASELINE)
+    timed = [p for p in points if "seconds" in p]
+    big_model = bool(generation) and "8B" in generation["model_name"].upper()
+    rows = []
+
+    equal = [p for p in timed if "identical_to_one_at_a_time" in p]
+    rows.append({"seed": "000", "claim": "slice each output at its count of non-pad prompt tokens",
+                 "measured": (f"engine slices at the padded prompt length; {sum(p['identical_to_one_at_a_time'] for p in equal)}"
+                              f" of {sum(p['examples'] for p in equal)} outputs over {len(equal)} points identical to "
+                              "one-at-a-time generation (an output continuous batching ended at EOS is compared up to "
+                              "it: that backend ignores min_new_tokens)") if equal else "not measured in this run (needs seed-before)"})
+
+    if after:
+        figure = (f"{after['examples_per_minute']:.0f} examples/min at batch 32, "
+                  f"{generation['max_new_tokens']} new tokens each ({generation['model']})")
+        rows.append({"seed": "000", "claim": "~300-400 examples/minute, 8B model, batch 32, 2048 new tokens",
+                     "measured": figure if (on_gpu and big_model) else
+                     f"not measurable on this hardware (no GPU / not an 8B model); here: {figure}"})
+    else:
+        rows.append({"seed": "000", "claim": "~300-400 examples/minute, 8B model, batch 32, 2048 new tokens",
+                     "measured": "not measured in this run (needs seed-after)"})
+
+    rows.append({"seed": "003", "claim": "TF32 gives 8x faster matrix ops",
+                 "measured": (f"fp32 matmul: TF32 {matmul['tf32_over_fp32']:.1f}x over plain fp32; bf16 a further "
+                              f"{matmul['bf16_over_tf32']:.1f}x (TF32 changes fp32 matmuls only)") if matmul else
+                 "not measurable on this hardware (no TF32 on CPU); bf16 autocast matmuls do not use TF32"})
+    rows.append({"seed": "003", "claim": "2-3x speedup from library upgrades",
+                 "measured": "not measurable in one run (one software version; compare runs across versions in notebook 05)"})
+
+    kernel = [p["nvml"]["kernel_time_percent"]["mean"] for p in timed
+              if p.get("nvml", {}).get("available") and p["nvml"].get("kernel_time_percent")]
+    fractions = [p["fraction_of_peak"]["bandwidth"] for p in timed if p["fraction_of_peak"]["bandwidth"] is not None]
+    rows.append({"seed": "000/002", "claim": "GPU utilization 85-95% (nvidia-smi)",
+                 "measured": (f"NVML kernel time {min(kernel):.0f}-{max(kernel):.0f}% of the time while the points reached "
+                              f"{min(fractions):.0%}-{max(fractions):.0%} of the bandwidth roofline")
+                 if kernel and fractions else "not measurable on this hardware (no NVML / no bandwidth peak)"})
+
+    measured_memory = [p for p in timed if p.get("peak_memory_bytes") and p.get("predicted_peak_bytes")]
+    kv_8b = kv_cache_bytes("Llama-3.1-8B", "bf16", batch_size=1, tokens=512 + 2048)
+    rows.append({"seed": "000", "claim": "KV cache ~500MB per example (8B, 2048 new tokens)",
+                 "measured": (f"counted from the Llama-3.1-8B config: {kv_8b / 1e6:.0f} MB per example at 512 prompt + "
+                              "2048 new tokens (bf16): arithmetic, not hardware")})
+    rows.append({"seed": "004/001", "claim": "memory figures per batch size; ~20GB per GPU with TP=4",
+                 "measured": ("measured peak / planner: " + ", ".join(
+                     f"{p['strategy']} b{p['batch_size']} {p['peak_memory_bytes'] / p['predicted_peak_bytes']:.2f}"
+                     for p in measured_memory)) if measured_memory else
+                 "not measurable on this hardware (CPU: no peak memory); planner predictions are in the points"})
+    failed = sum(p["failed"] for p in timed)
+    lost = sum(generation["examples"] - p["examples"] - p["failed"] for p in timed) if generation else 0
+    rows.append({"seed": "000", "claim": "a failed batch counts all its examples as lost",
+                 "measured": f"{lost} examples lost, {failed} failed alone, over {len(timed)} points" if timed
+                 else "not measured in this run"})
+    if training:
+        mfus = [p["mfu"] for p in training["points"] if p.get("mfu") is not None]
+        rows.append({"seed": "004", "claim": "bf16 + compile + flash attention make a 1B fine-tune fast",
+                     "measured": f"MFU {min(mfus):.1%}-{max(mfus):.1%} over the training points" if mfus else
+                     "not measurable on this hardware (no GPU peak: MFU n/a)"})
+    return rows
+
+
+def goals_table(generation: dict | None, training: dict | None) -> list[dict]:
+    """The workbook's performance goals (issue 6) beside this run's figures: the best strategy at the
+    planner's batch against the bandwidth roofline and the seeds' baseline, and the best MFU."""
+    at_planner = [p for p in (generation or {}).get("points", []) if p.get("planner_batch") and "seconds" in p]
+    best = max(at_planner, key=lambda p: p["output_tokens_per_second"]["median"], default=None)
+    where = f" ({best['strategy']}, batch {best['batch_size']}; {best['planner_batch']})" if best else ""
+    bandwidth = best and best["fraction_of_peak"]["bandwidth"]
+    speedup = best and best.get("speedup_over_seed_after")
+    mfus = [p["mfu"] for p in (training or {}).get("points", []) if p.get("mfu") is not None]
+
+    def row(goal: str, value, target: float, text: str, missing: str) -> dict:
+        if value is None:
+            return {"goal": goal, "measured": missing, "met": NA}
+        return {"goal": goal, "measured": text,
+                "met": "yes" if value >= target else f"no: {value / target:.0%} of the goal"}
+
+    no_auto = "not measured: bench_batch_sizes has no 'auto' point"
+    return [row(GOALS[0], bandwidth, 0.60, f"{bandwidth or 0:.1%}{where}",
+                no_auto if not best else "n/a: the profile has no bandwidth peak"),
+            row(GOALS[1], speedup, 10.0, f"{speedup or 0:.1f}x{where}",
+                no_auto if not best else "not measured: needs seed-after"),
+            row(GOALS[2], max(mfus) if mfus else None, 0.45, f"{max(mfus or [0]):.1%} (best training point)",
+                "n/a: no MFU (no GPU peak or no training sweep)")]
+
+
+GOALS = ("best generation strategy at the planner's batch >= 60% of the bandwidth roofline",
+         "best generation strategy at the planner's batch >= 10x the seeds' static batch 32",
+         "training >= 45% MFU (the 1B full fine-tune on an H200)")

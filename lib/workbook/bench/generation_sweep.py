@@ -1,0 +1,233 @@
+"""The generation sweep: every strategy on the same prompts, each point warmed up, synchronized and
+repeated, against the bandwidth roofline and the compute peak, with peak memory beside the planner.
+
+Prompts are random token ids, lengths uniform in [prompt_len / 4, prompt_len], every output forced to
+``bench_max_new_tokens`` so padding comes from the prompts and the batch's longest output alone:
+
+- ``seed-before``: one prompt at a time (seeds 000/002 before their change);
+- ``seed-after``: static batches of 32 in file order, eager (the seeds' "after"; the baseline that
+  speedups are quoted against);
+- ``static-sorted``: static batches sorted longest first (the job's default), per batch size;
+- ``static-compiled``: static KV cache + torch.compile, per batch size (skipped on CPU: it compiles
+  again for every batch size, minutes of compiling for seconds of decoding);
+- ``continuous``: transformers' continuous batching, per batch size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from workbook import generation, models, runtime
+from workbook.bench.counting import (
+    BASELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, decode_step_cost, fractions_of_peak,
+    parse_int_list, parse_strategies, peak_tflops, roofline_tokens_per_second, run_dtype, spread,
+)
+from workbook.bench.sampler import NvmlSampler
+from workbook.params import AUTO
+from workbook.planner import profile
+
+
+@dataclasses.dataclass
+class GenerationSetup:
+    model: object
+    description: str
+    model_name: str
+    settings: generation.DecodingSettings
+    prompts: list[generation.Prompt]
+    device: torch.device
+    dtype: str
+
+
+def generation_setup(params, device: torch.device | None = None) -> GenerationSetup:
+    device = device or runtime.default_device()
+    name = params["bench_generate_model"]
+    dtype = run_dtype(params, device)
+    loaded = models.load_model(name, dtype, device)
+    model, described = loaded.model, loaded.description
+    new_tokens = params["bench_max_new_tokens"]
+    settings = generation.DecodingSettings(new_tokens, models.eos_token_ids(model, None),
+                                           models.pad_token_id(model, None), min_new_tokens=new_tokens)
+    longest = params["prompt_len"]
+    context = models.context_length(model)
+    if context and longest + new_tokens > context:
+        raise BenchError(f"prompt_len {longest} + bench_max_new_tokens {new_tokens} exceed {name}'s context of "
+                         f"{context} tokens; lower one of them")
+    prompts = mixed_prompts(model.config.vocab_size, params["bench_examples"], (max(1, longest // 4), longest),
+                            new_tokens)
+    return GenerationSetup(model, described, name, settings, prompts, device, dtype)
+
+
+def mixed_prompts(vocab_size: int, count: int, lengths: tuple[int, int], max_new_tokens: int,
+                  seed: int = 0) -> list[generation.Prompt]:
+    """Random token ids (ids 4 and up: past the usual special tokens) of uniformly random lengths."""
+    rng = random.Random(seed)
+    return [generation.Prompt(i, [rng.randrange(4, vocab_size) for _ in range(rng.randint(*lengths))], max_new_tokens)
+            for i in range(count)]
+
+
+def planner_batch(params, setup: GenerationSetup) -> dict:
+    """The planner's largest batch for the sweep's worst case (its longest prompt plus every new
+    token) on the profile, and the batch the sweep can form: no larger than its prompts."""
+    largest = profile.plan(params, mode="generate", model=setup.model_name, batch_size=AUTO, dtype=setup.dtype,
+                           prompt_len=max(len(p.token_ids) for p in setup.prompts),
+                           max_new_tokens=setup.settings.max_new_tokens).max_batch_size
+    if largest == 0:
+        raise BenchError(f"bench_batch_sizes has 'auto' but {setup.model_name} does not fit the {params['profile']} "
+                         "profile even at batch 1 (workbook plan says what to change); give batch sizes instead")
+    return {"planned": largest, "batch_size": min(largest, len(setup.prompts)),
+            "note": f"the planner's largest batch on {params['profile']}: {largest}"
+                    + (f", capped at the {len(setup.prompts)} prompts of the sweep (raise bench_examples to run it)"
+                       if largest > len(setup.prompts) else "")}
+
+
+def sweep_points(params, device: torch.device, planned: dict | None = None) -> list[dict]:
+    """(strategy, batch size, sort, backend name) of every point, with a skip reason where one applies.
+    ``planned``: ``planner_batch``'s answer, which an 'auto' batch size stands for."""
+    auto = planned["batch_size"] if planned else None
+    batch_sizes = list(dict.fromkeys(parse_int_list(params["bench_batch_sizes"], "bench_batch_sizes", auto)))
+    points = []
+    for strategy in parse_strategies(params["bench_strategies"]):
+        if strategy == "seed-before":
+            points.append({"strategy": strategy, "batch_size": 1, "backend": "static", "sort": False})
+        elif strategy == "seed-after":
+            points.append({"strategy": strategy, "batch_size": SEED_BATCH_SIZE, "backend": "static", "sort": False})
+        else:
+            backend = {"static-sorted": "static"}.get(strategy, strategy)
+            for batch in batch_sizes:
+                point = {"strategy": strategy, "batch_size": batch, "backend": backend, "sort": True}
+                if batch == auto:
+                    point["planner_batch"] = planned["note"]
+                if strategy == "static-compiled" and device.type != "cuda":
+                    point["skipped"] = ("skipped on CPU: torch.compile compiles again for every batch size "
+                                        "(minutes) for seconds of decoding; measured on a GPU session")
+                points.append(point)
+    return points
+
+
+def _run_strategy(setup: GenerationSetup, backend, sort: bool) -> dict:
+    """One pass over every prompt; completions kept (for the equality check) and the first result's time."""
+    completions: dict[int, list[int]] = {}
+    began = time.perf_counter()
+    first: list[float] = []
+
+    def write(outcome: generation.Outcome) -> None:
+        if not first and outcome.completed:
+            runtime.synchronize(setup.device)
+            first.append(time.perf_counter() - began)
+        for prompt, completion in outcome.completed:
+            completions[prompt.index] = completion
+
+    batches = generation.run_batches(backend, setup.prompts, write=write, sort_by_length=sort, log=lambda line: None)
+    runtime.synchronize(setup.device)
+    seconds = time.perf_counter() - began
+    summary = generation.summarize(batches, seconds)
+    summary["time_to_first_result_seconds"] = first[0] if first else None
+    summary["completions"] = completions
+    return summary
+
+
+def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
+                     log: Callable[[str], None] = print) -> dict:
+    """Warm up, then time ``repeats`` passes of one strategy at one batch size."""
+    result = dict(point)
+    if point.get("skipped"):
+        return result
+    batch = point["batch_size"]
+    dtype = setup.dtype
+    backend = generation.make_backend(point["backend"], setup.model, setup.settings, batch)
+    runtime.reset_peak_memory(setup.device)
+    ordered = generation.sort_longest_first(setup.prompts) if point["sort"] else setup.prompts
+    generation.generate_with_split(backend, ordered[:backend.prompts_per_call], log=lambda line: None)  # warm-up
+    runs = []
+    with NvmlSampler() as sampler:
+        for repeat in range(repeats):
+            runs.append(_run_strategy(setup, backend, point["sort"]))
+            log(f"{point['strategy']} batch {batch}: run {repeat + 1}/{repeats}: {runs[-1]['seconds']:.2f} s, "
+                f"{runs[-1]['output_tokens_per_second']} output tokens/s")
+    seconds = [run["seconds"] for run in runs]
+    median_run = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
+    tokens = median_run["output_tokens"]
+    tokens_per_second = [run["output_tokens"] / run["seconds"] for run in runs]
+    mean_context = statistics.fmean(len(p.token_ids) for p in setup.prompts) + setup.settings.max_new_tokens / 2
+    cost = decode_step_cost(setup.model.config, dtype, batch, round(mean_context))
+    peak = peak_tflops(params, dtype)
+    bandwidth = params["memory_bandwidth_gbs"]
+    achieved = statistics.median(tokens_per_second)
+    longest_prompt = max(len(p.token_ids) for p in setup.prompts)
+    try:
+        predicted = profile.plan(params, mode="generate", model=setup.model_name, batch_size=batch,
+                                 prompt_len=longest_prompt, max_new_tokens=setup.settings.max_new_tokens,
+                                 dtype=dtype).total_bytes
+    except ValueError as error:
+        predicted = None
+        result["prediction_error"] = str(error)
+    measured = runtime.peak_memory(setup.device)
+    peak_bytes = measured.total_bytes if measured else None
+    result.update(
+        examples=median_run["generated"], failed=median_run["failed"], output_tokens=tokens,
+        seconds=spread(seconds),
+        output_tokens_per_second=spread(tokens_per_second),
+        examples_per_minute=60 * median_run["generated"] / median_run["seconds"],
+        time_to_first_result_seconds=median_run["time_to_first_result_seconds"],
+        padding_waste=median_run["padding_waste"],
+        peak_memory_bytes=peak_bytes, peak_memory_note=NOT_MEASURED + " (CPU: no resettable high-water mark)"
+        if peak_bytes is None else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
+        predicted_peak_bytes=predicted,
+        decode_step={"bytes_read": cost.bytes_read, "flops": cost.flops, "context_tokens": round(mean_context)},
+        roofline_tokens_per_second=roofline_tokens_per_second(cost, batch, bandwidth, peak),
+        fraction_of_peak=fractions_of_peak(achieved, cost, batch, bandwidth, peak),
+        cost=cost_figures(median_run["seconds"], median_run["generated"], tokens, params["usd_per_gpu_hour"]),
+        nvml=sampler.summary(),
+        # transformers' continuous batching ignores min_new_tokens (measured): its rows may end at
+        # end of sequence, so it is counted rather than assumed.
+        full_length_outputs=sum(len(completion.token_ids) == setup.settings.max_new_tokens
+                                for completion in median_run["completions"].values()),
+        ended_at_eos=sum(completion.finish_reason == "eos" for completion in median_run["completions"].values()),
+        completions=median_run["completions"],
+    )
+    return result
+
+
+def same_greedy_tokens(candidate: generation.Completion | None, reference: generation.Completion) -> bool:
+    """Whether ``candidate`` is the reference's greedy output. The reference ran under min_new_tokens
+    (EOS masked until the full length); continuous batching ignores it, so a candidate that ended at
+    EOS is compared up to its EOS: before that step both took the same argmax."""
+    if candidate is None:
+        return False
+    if candidate.finish_reason == "eos" and reference.finish_reason != "eos":
+        body = candidate.token_ids[:-1]
+        return reference.token_ids[:len(body)] == body
+    return candidate.token_ids == reference.token_ids
+
+
+def generation_sweep(params, log: Callable[[str], None] = print, setup: GenerationSetup | None = None) -> dict:
+    setup = setup or generation_setup(params)
+    repeats = params["bench_repeats"]
+    planned = planner_batch(params, setup) if AUTO in str(params["bench_batch_sizes"]) else None
+    points = [generation_point(setup, params, point, repeats, log)
+              for point in sweep_points(params, setup.device, planned)]
+    # Greedy decoding: every strategy must give the tokens one-at-a-time generation gives.
+    reference = next((p["completions"] for p in points if p["strategy"] == "seed-before" and "completions" in p), None)
+    baseline = next((p for p in points if p["strategy"] == BASELINE and "seconds" in p), None)
+    for point in points:
+        completions = point.pop("completions", None)
+        if completions is not None and reference is not None:
+            point["identical_to_one_at_a_time"] = sum(
+                same_greedy_tokens(completions.get(i), completion) for i, completion in reference.items())
+        if baseline is not None and "output_tokens_per_second" in point:
+            point["speedup_over_seed_after"] = (point["output_tokens_per_second"]["median"]
+                                                / baseline["output_tokens_per_second"]["median"])
+    lengths = [len(p.token_ids) for p in setup.prompts]
+    return {"model": setup.description, "model_name": setup.model_name, "device": str(setup.device),
+            "dtype": setup.dtype,
+            "examples": len(setup.prompts), "prompt_tokens_min_max": [min(lengths), max(lengths)],
+            "max_new_tokens": setup.settings.max_new_tokens, "repeats": repeats,
+            "forced_full_length": "min_new_tokens = max_new_tokens; each point's full_length_outputs says how many "
+                                  "ran to it (continuous batching ignores min_new_tokens)",
+            "baseline": BASELINE, "planner_batch": planned, "points": points}

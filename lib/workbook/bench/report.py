@@ -1,0 +1,168 @@
+"""The whole benchmark (notebook 04, ``workbook bench``): both sweeps, the claims and the goals, with
+the params, versions and hardware, as one JSON-ready report; its tables for the notebook and the CLI.
+
+    workbook bench --params cpu       # tiny model on this CPU, about a minute
+    workbook bench --params h200      # 8B-shaped random bf16 model (generation), 1B-shaped (training)
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from workbook import gpu, notebook, params as params_module, runner, runtime
+from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
+from workbook.bench.counting import NA, NOT_MEASURED, BenchError, peak_tflops, run_dtype
+from workbook.bench.generation_sweep import generation_sweep
+from workbook.bench.training_sweep import training_sweep
+from workbook.generation import GenerationError
+from workbook.planner import DoesNotFitError
+from workbook.planner.profile import Budget
+from workbook.units import GiB, format_bytes
+
+# The params keys the benchmark reads; notebook 04 declares them all in its parameters cell.
+PARAMS_USED = ("profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops",
+               "memory_bandwidth_gbs", "usd_per_gpu_hour", "dtype", "prompt_len", "seq_len", "safety_margin",
+               "cuda_overhead_gib", "bench_generate_model", "bench_train_model", "bench_batch_sizes",
+               "bench_strategies", "bench_examples", "bench_max_new_tokens", "bench_repeats",
+               "bench_train_micro_batches", "bench_train_steps", "lora_rank")
+
+
+def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print) -> dict:
+    """Both sweeps, the claims and the context (params, versions, hardware), as one JSON-ready dict."""
+    missing = [key for key in PARAMS_USED if key not in params]
+    if missing:
+        raise BenchError(f"the benchmark needs parameter(s) {', '.join(missing)}; declare them in notebook 04's "
+                         "parameters cell or add them to the params file")
+    device = runtime.default_device()
+    began = time.perf_counter()
+    generation = generation_sweep(params, log)
+    runtime.reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
+    training = training_sweep(params, Path(work_dir), log) if params["bench_train_steps"] else None
+    matmul = tf32_matmul_speedup(device)
+    dtype = run_dtype(params, device)
+    return {
+        "what": "generation and training sweeps against the profile's bandwidth and compute peaks",
+        "profile": params["profile"],
+        "params": {key: params[key] for key in params},
+        "peaks": {"memory_bandwidth_gbs": params["memory_bandwidth_gbs"], "dense_tflops": peak_tflops(params, dtype),
+                  "dtype": dtype, "usd_per_gpu_hour": params["usd_per_gpu_hour"],
+                  "note": "from the profile; 0 means none to measure against (n/a)"},
+        "versions": gpu.software_versions(),
+        "hardware": gpu.detect(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "generation": generation,
+        "training": training,
+        "matmul": matmul,
+        "claims": claims_table(generation, training, matmul, device.type == "cuda"),
+        "goals": goals_table(generation, training),
+        "seconds": time.perf_counter() - began,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables for the notebook and the CLI.
+
+
+def _format(value, pattern: str = "{:,.1f}", missing: str = NA) -> str:
+    return missing if value is None else pattern.format(value)
+
+
+def generation_rows(report: dict) -> list[dict]:
+    rows = []
+    for p in report["generation"]["points"]:
+        batch = f"{p['batch_size']}" + (" (planner)" if p.get("planner_batch") else "")
+        if p.get("skipped"):
+            rows.append({"strategy": p["strategy"], "batch": batch, "output tok/s (median, min-max)": p["skipped"]})
+            continue
+        tps = p["output_tokens_per_second"]
+        rows.append({
+            "strategy": p["strategy"], "batch": batch,
+            "output tok/s (median, min-max)": f"{tps['median']:,.1f} ({tps['min']:,.1f}-{tps['max']:,.1f})",
+            "examples/min": f"{p['examples_per_minute']:,.1f}",
+            "first result s": _format(p["time_to_first_result_seconds"], "{:.3f}"),
+            "padding waste": _format(p["padding_waste"], "{:.1%}"),
+            "peak memory": format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else NOT_MEASURED,
+            "planner": format_bytes(p["predicted_peak_bytes"]) if p["predicted_peak_bytes"] else NA,
+            "of bandwidth roofline": _format(p["fraction_of_peak"]["bandwidth"], "{:.1%}"),
+            "of compute peak": _format(p["fraction_of_peak"]["compute"], "{:.2%}"),
+            "speedup vs seed-after": _format(p.get("speedup_over_seed_after"), "{:.2f}x"),
+            "$ / 1k examples": _format(p["cost"]["usd_per_1000_examples"], "${:.4f}"),
+        })
+    return rows
+
+
+def training_rows(report: dict) -> list[dict]:
+    rows = []
+    for p in (report["training"] or {}).get("points", []):
+        row = {"micro-batch": p["micro_batch_size"], "checkpointing": p["grad_checkpointing"],
+               "compile": p["torch_compile"], "padding": p["padding"]}
+        if p.get("skipped"):
+            rows.append({**row, "tokens/s": p["skipped"]})
+            continue
+        rows.append({**row, "tokens/s": _format(p["tokens_per_second"], "{:,.0f}"),
+                     "MFU": _format(p["mfu"], "{:.1%}", missing=p["mfu_note"]),
+                     "peak memory": format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else NOT_MEASURED,
+                     "planner": format_bytes(p["predicted_peak_bytes"]) if p["predicted_peak_bytes"] else NA,
+                     "$ / M tokens": _format(p["cost"]["usd_per_million_tokens"], "${:.3f}")})
+    return rows
+
+
+def nvml_rows(report: dict) -> list[dict]:
+    rows = []
+    for p in report["generation"]["points"] + (report["training"] or {}).get("points", []):
+        if "nvml" not in p:
+            continue
+        nvml = p["nvml"]
+        label = p.get("strategy", "train") + f" b{p.get('batch_size', p.get('micro_batch_size'))}"
+        if not nvml["available"]:
+            rows.append({"point": label, "kernel running (% of time)": nvml["reason"]})
+            continue
+        rows.append({"point": label,
+                     "kernel running (% of time)": _format(nvml["kernel_time_percent"]["mean"], "{:.0f}"),
+                     "memory used": _format(nvml["memory_used_bytes"]["max"] / GiB, "{:.1f} GiB"),
+                     "power W": _format(nvml["power_watts"]["mean"], "{:.0f}"),
+                     "SM clock MHz": _format(nvml["sm_clock_mhz"]["mean"], "{:.0f}")})
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line: `workbook bench --params FILE [--set key=value ...]`.
+
+
+def gpu_capacity_bytes(params) -> int | None:
+    """The profile's memory per GPU, the capacity line of the memory figure; None on the cpu profile."""
+    return Budget.from_params(params).capacity_bytes if params["gpu_count"] else None
+
+
+def cli_main(params_arg: str, overrides: list[str]) -> int:
+    """Run the benchmark into a new run folder: benchmark.json, the PNGs and benchmark.md."""
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        params = runner.resolve_params(params_arg, overrides, log=say)[0]
+        run_dir = notebook.new_run_dir(f"bench-{params['profile']}")
+        report = run_benchmark(params, run_dir, log=say)
+    except (params_module.ParamsError, BenchError, GenerationError, DoesNotFitError) as error:
+        say(f"error: {error}")
+        return 2
+    report["command"] = "workbook bench --params " + params_arg + (" --set " + " ".join(overrides) if overrides else "")
+    (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    from workbook import plots  # matplotlib only for the figures
+    for name, figure in plots.benchmark_figures(report, gpu_capacity_bytes(params)).items():
+        figure.savefig(run_dir / name, dpi=120, bbox_inches="tight")
+    text = "\n\n".join(f"## {title}\n\n{notebook.markdown_table(rows)}" for title, rows in (
+        ("Generation", generation_rows(report)), ("Training", training_rows(report)),
+        ("Seed claims", report["claims"]), ("Goals", report["goals"]),
+        ("NVML (share of time a kernel ran, not efficiency)", nvml_rows(report))))
+    (run_dir / "benchmark.md").write_text(f"`{report['command']}`\n\n{text}\n")
+    print(text)
+    print(f"wrote {run_dir / 'benchmark.json'}, {run_dir / 'benchmark.md'} and the PNGs")
+    return 0

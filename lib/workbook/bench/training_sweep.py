@@ -1,0 +1,87 @@
+"""The training sweep: ``training.train`` on each point, one factor at a time around each micro-batch
+(checkpointing, compile, length grouping instead of packing); tokens/s, MFU, peak memory vs prediction."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from workbook import models, runtime, training
+from workbook.bench.counting import cost_figures, parse_int_list, run_dtype
+from workbook.bench.sampler import NvmlSampler
+from workbook.planner.profile import Budget
+from workbook.training.config import TIMING_WARMUP_STEPS
+
+
+def training_points(params, device: torch.device) -> list[dict]:
+    """One factor at a time around each micro-batch: the plain point, then checkpointing, compile and
+    length grouping instead of packing (a full grid would cost 8 runs per micro-batch)."""
+    points = []
+    for micro in parse_int_list(params["bench_train_micro_batches"], "bench_train_micro_batches"):
+        base = {"micro_batch_size": micro, "grad_checkpointing": False, "torch_compile": False, "padding": "packing"}
+        for change in ({}, {"grad_checkpointing": True}, {"torch_compile": True}, {"padding": "length_grouped"}):
+            point = {**base, **change}
+            if point["torch_compile"] and device.type != "cuda":
+                point["skipped"] = ("skipped on CPU: compiling takes longer than the whole CPU sweep; "
+                                    "measured on a GPU session")
+            points.append(point)
+    return points
+
+
+def training_point(params, point: dict, work_dir: Path, log: Callable[[str], None] = print) -> dict:
+    result = dict(point)
+    if point.get("skipped"):
+        return result
+    device = runtime.default_device()
+    model = params["bench_train_model"]
+    preset = models.is_preset(model)
+    steps = params["bench_train_steps"]
+    output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="train-"))
+    config = training.TrainConfig(
+        model=model, data_path="", data_description="the shipped arithmetic sample" if not preset else "synthetic",
+        output_dir=str(output_dir), use_chat_template=not preset,
+        max_seq_length=params["seq_len"] if preset else "auto", padding=point["padding"], validation_fraction=0.0,
+        micro_batch_size=point["micro_batch_size"], max_steps=steps, warmup_steps=0,
+        dtype=run_dtype(params, device), tf32=device.type == "cuda",
+        grad_checkpointing=point["grad_checkpointing"], torch_compile=point["torch_compile"],
+        lora_rank=params["lora_rank"], profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
+        peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
+        budget=Budget.from_params(params),
+        synthetic_examples=max(64, point["micro_batch_size"] * steps + 8))
+    try:
+        with NvmlSampler() as sampler:
+            measured = training.train(config)
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    throughput, memory_figures = measured["throughput"], measured["memory"]
+    tokens_per_second = throughput["tokens_per_second"]
+    result.update(
+        steps=measured["steps"]["reached"], timed_steps=max(0, measured["steps"]["reached"] - TIMING_WARMUP_STEPS),
+        max_seq_length=measured["data"]["max_seq_length"] if "max_seq_length" in measured["data"] else None,
+        tokens_per_second=tokens_per_second, achieved_tflops=throughput["achieved_tflops"],
+        mfu=throughput["mfu"], mfu_note=throughput["mfu_note"],
+        peak_memory_bytes=memory_figures["measured"].get("peak_bytes"),
+        peak_memory_note=memory_figures["measured"].get("note"),
+        predicted_peak_bytes=memory_figures["predicted_peak_bytes"],
+        padding_fraction=measured["plan"]["padding_fraction"],
+        cost=cost_figures(1e6 / tokens_per_second if tokens_per_second else 0, 0, 1_000_000,
+                          params["usd_per_gpu_hour"], max(1, measured["time"]["gpus"])),
+        nvml=sampler.summary(), model=measured["model_description"],
+    )
+    result["cost"].pop("usd_per_1000_examples", None)
+    log(f"train micro-batch {point['micro_batch_size']}, checkpointing {point['grad_checkpointing']}, "
+        f"{point['padding']}: {tokens_per_second or 0:,.0f} tokens/s")
+    return result
+
+
+def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print) -> dict:
+    device = runtime.default_device()
+    points = [training_point(params, point, work_dir, log) for point in training_points(params, device)]
+    return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
+            "steps_per_point": params["bench_train_steps"],
+            "repeats": 1, "what": f"tokens/s over the steps after the first {TIMING_WARMUP_STEPS} (warm-up) "
+            "of each point, one run per point", "points": points}

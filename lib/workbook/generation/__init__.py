@@ -1,0 +1,59 @@
+"""Batched generation of teacher outputs: JSONL in, JSONL out, fast, resumable, and nothing lost.
+
+The job behind notebook 02 and ``workbook generate``::
+
+    summary = launch(params, run_dir=session.run_dir)          # notebook 02
+    workbook generate --params h200 --set prompts_path=data.jsonl output_path=out/teacher.jsonl
+    accelerate launch --multi_gpu --num_processes 8 -m workbook.generation --params h100x8 \
+        --set output_path=out/teacher.jsonl
+
+What it does, and why each way:
+
+- Prompts are tokenized once and sorted by length, longest first: a batch then holds prompts of
+  similar length (little padding), and the batch most likely to run out of memory runs first.
+- Left padding, and the generated tokens are sliced at the padded prompt length. (Seed 000 sliced
+  each row at its count of non-pad tokens, which under left padding keeps the prompt's tail in the
+  response.) Every end-of-sequence id of the model ends a row (Llama 3 instruct has three).
+- Out of memory (recognised as accelerate does): the batch is split in halves and retried, down to
+  one example; an example that fails alone goes to the failures file with its error and the run
+  goes on. Other errors are isolated the same way, but several single examples failing in a row
+  with one stop the run: that is a broken setup, not a bad example.
+- Each batch's records are appended as whole lines, flushed and fsynced before the next batch; a
+  rerun with the same output skips every id already written (``workbook.jsonl`` explains the torn
+  last line a kill can leave). At the end the output is rewritten ordered by input position.
+- Data parallel: N processes, each with the whole model on its own GPU, take every N-th prompt of
+  the length-sorted list, write their own part, and the first merges the parts (deduplicated,
+  ordered). The launcher is accelerate's ``notebook_launcher`` (or ``accelerate launch``), so
+  nothing here touches CUDA before the processes exist.
+- New tokens per example are ``min(max_new_tokens, model context - prompt tokens)``, as vLLM
+  does; a prompt that leaves no room at all is handled by ``on_long_prompt``.
+
+Backends (``backend`` in params): ``static`` is Hugging Face ``generate`` with a dynamic KV cache;
+``static-compiled`` uses a static KV cache and ``torch.compile`` (on CUDA Hugging Face's default,
+CUDA graphs included; elsewhere dynamic shapes, which exists for testing); ``continuous`` is
+transformers' continuous batching (``generate_batch``: paged attention, a finished sequence's slot
+is refilled at once), with ``batch_size`` requests in flight. With greedy decoding all three give
+the tokens one-at-a-time generation gives (tests/test_generate.py).
+
+Where each part lives: ``engine`` (batches, split-and-retry, statistics), ``backends`` (static,
+static-compiled, continuous), ``records`` (examples in, output and failure records out), ``files``
+(the output's files, merge and audit), ``job`` (params to outputs, one process's share),
+``processes`` (data parallel: ranks and the launch), ``cli`` (``workbook generate``).
+"""
+
+from workbook.generation.cli import summary_lines, task_accuracy
+from workbook.generation.engine import (
+    BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, finish, generate_with_split,
+    run_batches, sort_longest_first, summarize,
+)
+from workbook.generation.backends import BACKENDS, ContinuousBackend, StaticBackend, make_backend
+from workbook.generation.files import OutputFiles, read_outputs, resolve_input_path, resolve_output_path
+from workbook.generation.job import PARAMS_USED, decoding_settings, run_job, tokenize_prompts
+from workbook.generation.processes import launch
+
+__all__ = [
+    "BACKENDS", "BatchStats", "Completion", "ContinuousBackend", "DecodingSettings", "GenerationError", "Outcome",
+    "OutputFiles", "PARAMS_USED", "Prompt", "StaticBackend", "decoding_settings", "finish", "generate_with_split",
+    "launch", "make_backend", "read_outputs", "resolve_input_path", "resolve_output_path", "run_batches", "run_job",
+    "sort_longest_first", "summarize", "summary_lines", "task_accuracy", "tokenize_prompts",
+]

@@ -1,0 +1,86 @@
+"""``workbook generate`` and ``python -m workbook.generation`` (also under ``accelerate launch``),
+and the end-of-run report in words."""
+
+from __future__ import annotations
+
+import sys
+
+from workbook import arithmetic, jsonl, notebook, params as params_module, runner, runtime
+from workbook.generation.engine import GenerationError
+from workbook.generation.files import resolve_output_path
+from workbook.generation.processes import launch
+from workbook.planner import DoesNotFitError
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The end-of-run report in words."""
+    waste = summary["padding_waste"]
+    lines = [
+        f"generated {summary['generated']} in {summary['seconds']:.1f} s: {summary['examples_per_minute']} "
+        f"examples/min, {summary['output_tokens_per_second']} output tokens/s"
+        + (f", padding waste {waste:.1%}" if waste is not None else "")
+        + f" ({summary['backend']}, batch {summary['batch_size']}, {summary['processes']} process(es))",
+        f"output: {summary['output_path']} ({summary['in_output']} of {summary['examples']} examples)",
+    ]
+    longest = sorted(batch["longest_output_tokens"] for batch in summary["batch_list"])
+    if longest:
+        limit = summary["generation_params"]["max_new_tokens"]
+        lines.append(f"longest output per batch: {longest[0]} to {longest[-1]} tokens, median "
+                     f"{longest[len(longest) // 2]} (max_new_tokens {limit}; every row of a static batch waits "
+                     "for its longest)")
+    if summary["in_failures"]:
+        lines.append(f"failures: {summary['failures_path']} ({summary['in_failures']} lines: "
+                     f"{summary['bad_input_lines']} bad input, {summary['too_long']} too long, "
+                     f"{summary['failed']} failed alone in this run); rerunning retries the generation failures")
+    if summary["unaccounted"]:
+        lines.append(f"ERROR: {summary['unaccounted']} examples are neither in the output nor in the failures "
+                     f"file, e.g. {summary['unaccounted_ids'][:5]}; please report this")
+    return lines
+
+
+def task_accuracy(records: list[dict]) -> dict | None:
+    """Accuracy on a checkable task: the arithmetic records (domain 'arithmetic' with a reference
+    answer) scored by ``workbook.arithmetic``; None when the output holds none."""
+    checkable = [r for r in records if r.get("domain") == arithmetic.DOMAIN
+                 and r["metadata"].get("original_output") is not None]
+    if not checkable:
+        return None
+    references = [{"id": r["metadata"]["example_id"], "output": r["metadata"]["original_output"]} for r in checkable]
+    return {"task": arithmetic.DOMAIN, "scored": len(checkable),
+            "accuracy": arithmetic.accuracy(references, [r["output"] for r in checkable])}
+
+
+def cli_main(params_arg: str, overrides: list[str]) -> int:
+    """`workbook generate --params FILE [--set key=value ...]`. Exit 0 when every example was
+    generated, 1 when some are in the failures file, 2 when the job could not run."""
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        params = runner.resolve_params(params_arg, overrides, log=say)[0]
+        output_path = None
+        if not params["output_path"] and runtime.launched_processes() == 1:
+            output_path = resolve_output_path("", notebook.new_run_dir(params["profile"]))
+            settings = " ".join(overrides)
+            say(f"writing to {output_path}; to resume after an interruption: workbook generate --params "
+                f"{params_arg} --set {settings + ' ' if settings else ''}output_path={output_path}")
+        summary = launch(params, output_path, log=say)
+    except (params_module.ParamsError, jsonl.DataError, GenerationError, DoesNotFitError) as error:
+        say(f"error: {error}")
+        return 2
+    if summary is None:
+        return 0
+    for line in summary_lines(summary):
+        print(line)
+    return 0 if summary["in_failures"] == 0 and summary["unaccounted"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    parser = argparse.ArgumentParser(prog="python -m workbook.generation",
+                                     description="Batched generation of teacher outputs: JSONL in, JSONL out, resumable.")
+    parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a parameter")
+    args = parser.parse_args(argv)
+    return cli_main(args.params, args.set)
+

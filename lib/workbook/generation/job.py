@@ -1,0 +1,264 @@
+"""The generation job: from params to outputs on disk, for one process or one of several.
+
+Read and check the prompts, load the model, skip what is written, take this process's share,
+generate it through the engine, write each batch, and (first process) merge and audit::
+
+    summary = run_job(params, "out/teacher.jsonl")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from workbook import jsonl, models, runtime
+from workbook.generation import records
+from workbook.generation.backends import make_backend
+from workbook.generation.engine import (
+    FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
+)
+from workbook.generation.files import OutputFiles, merge_and_audit, resolve_input_path
+from workbook.planner import profile
+
+# The params keys this job reads; notebook 02 declares them all in its parameters cell.
+PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt_len", "max_new_tokens",
+               "gpu_count", "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path",
+               "prompt_field", "output_path", "backend", "do_sample", "temperature", "top_p", "seed",
+               "max_examples", "on_bad_line", "on_long_prompt", "use_chat_template", "log_every_batches",
+               "data_parallel_processes")
+
+
+
+@dataclass(frozen=True)
+class Rank:
+    """This process's place in a data-parallel job (index 0 of 1 when alone)."""
+
+    index: int
+    count: int
+    device: torch.device
+    state: Any = None  # accelerate's PartialState when there are several processes
+
+    def gather(self, value) -> list:
+        if self.state is None:
+            return [value]
+        from accelerate.utils import gather_object
+        return gather_object([value])
+
+
+def current_rank() -> Rank:
+    if runtime.launched_processes() > 1:
+        from accelerate import PartialState
+        state = PartialState(cpu=not torch.cuda.is_available())  # gloo on CPU, NCCL on GPUs
+        return Rank(state.process_index, state.num_processes, state.device, state)
+    return Rank(0, 1, runtime.default_device())
+
+
+def load_model(model: str, dtype: str, device) -> tuple[Any, Any]:
+    """(model, tokenizer) from 'tiny' or a local Hugging Face directory; nothing is downloaded. A
+    preset architecture is refused: its random weights have no tokenizer and write no text."""
+    try:
+        if models.is_preset(model):
+            raise GenerationError(f"model {model!r} is a preset architecture (random weights, no tokenizer): the "
+                                  "generation job writes text, so point model at a local Hugging Face directory or "
+                                  "use 'tiny'. The benchmark (workbook bench) times presets.")
+        return models.load_model(model, dtype, device).model, models.load_tokenizer(model)
+    except ValueError as error:  # an unknown name: neither a preset nor a directory
+        raise GenerationError(str(error)) from None
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], use_chat_template: bool) -> list[list[int]]:
+    """Token ids of each prompt: as one user turn of the chat template, or as plain text (with the
+    special tokens the tokenizer adds, e.g. BOS)."""
+    if not use_chat_template:
+        return [list(ids) for ids in tokenizer(prompts)["input_ids"]]
+    if not getattr(tokenizer, "chat_template", None):
+        raise GenerationError(f"use_chat_template is true but the tokenizer ({tokenizer.name_or_path}) has no chat "
+                              "template; set use_chat_template: false (plain prompts, e.g. for a base model).")
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                           add_generation_prompt=True) for prompt in prompts]
+    # The rendered template already holds BOS and the other special tokens.
+    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def decoding_settings(params, model, tokenizer) -> DecodingSettings:
+    if params["do_sample"] and params["temperature"] <= 0:
+        raise GenerationError(f"do_sample is true and temperature is {params['temperature']}; sampling needs "
+                              "temperature > 0 (or set do_sample: false for greedy decoding).")
+    if params["do_sample"] and params["top_p"] <= 0:
+        raise GenerationError("do_sample is true and top_p is 0, which keeps no token; use 0 < top_p <= 1.")
+    return DecodingSettings(max_new_tokens=params["max_new_tokens"],
+                            eos_token_ids=models.eos_token_ids(model, tokenizer),
+                            pad_token_id=models.pad_token_id(model, tokenizer), do_sample=params["do_sample"],
+                            temperature=params["temperature"], top_p=params["top_p"], seed=params["seed"])
+
+
+def progress_bar(total: int, interactive: bool):
+    """tqdm: the notebook widget when ``interactive`` (JupyterLab), else text on stderr (terminals,
+    papermill), redrawn at most once a second so a saved notebook stays small."""
+    if interactive:
+        from tqdm.auto import tqdm
+        return tqdm(total=total, desc="generating", unit="example")
+    from tqdm.std import tqdm
+    return tqdm(total=total, desc="generating", unit="example", mininterval=1.0, file=sys.stderr)
+
+
+@dataclass
+class Share:
+    """What one process generates: its prompts, the ones too long for the model, and how."""
+
+    examples: list[records.Example]  # every example of the input (all processes read them all)
+    bad_lines: list[jsonl.BadLine]
+    token_ids: list[list[int]]  # per example
+    prompts: list[Prompt]  # this process's, still to generate
+    too_long: list[int]  # this process's examples that leave no room in the model's context
+    backend: Any
+    batch_size: int
+    model: Any
+    tokenizer: Any
+    settings: DecodingSettings
+    prompts_path: Path
+
+
+def prepare_share(params, files: OutputFiles, rank: Rank, *, model=None, tokenizer=None,
+                  log: Callable[[str], None] = print) -> Share:
+    """Read and check the prompts, load the model, skip what is written, and pick this process's share."""
+    prompts_path = resolve_input_path(params["prompts_path"])
+    examples, bad_lines = records.load_examples(prompts_path, prompt_field=params["prompt_field"],
+                                                on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
+    if model is None:
+        if rank.device.type == "cpu" and rank.count > 1:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.count))
+        model, tokenizer = load_model(params["model"], params["dtype"], rank.device)
+    settings = decoding_settings(params, model, tokenizer)
+    batch_size = profile.resolve_batch_size(params, "generate")
+    backend = make_backend(params["backend"], model, settings, batch_size)
+    token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], params["use_chat_template"])
+    done = jsonl.scan_ids([files.output, *files.output_parts()], records.output_record_id)
+    pending = [i for i in range(len(examples)) if examples[i].example_id not in done]
+    room = _room_check(params, model, examples, token_ids, pending, prompts_path)
+    # Every process sorts all prompts alike and takes every count-th: shares of equal length mix,
+    # fixed by the input alone, so a process never takes an example another one owns.
+    by_length = sorted(range(len(examples)), key=lambda i: (-len(token_ids[i]), i))
+    pending_set = set(pending)
+    mine = [i for i in by_length[rank.index::rank.count] if i in pending_set]
+    longest = max((len(token_ids[i]) for i in pending), default=0)
+    if params["batch_size"] == "auto" and longest > params["prompt_len"]:
+        log(f"note: the longest prompt has {longest} tokens but batch_size 'auto' was planned for prompt_len "
+            f"{params['prompt_len']}; a batch that runs out of memory is split and retried (nothing is lost), "
+            "but raising prompt_len gives a batch size that fits from the start.")
+    if rank.index == 0:
+        log(f"{len(examples)} examples in {prompts_path}; {len(examples) - len(pending)} already in {files.output}; "
+            f"{len(pending)} to generate with {params['model']} ({backend.name}, batch {batch_size}, {rank.count} "
+            f"process{'es' if rank.count > 1 else ''}); {len(bad_lines)} bad input lines skipped")
+    return Share(examples, bad_lines, token_ids,
+                 prompts=[Prompt(i, token_ids[i], room[i]) for i in mine if room[i] > 0],
+                 too_long=[i for i in mine if room[i] <= 0], backend=backend, batch_size=batch_size, model=model,
+                 tokenizer=tokenizer, settings=settings, prompts_path=prompts_path)
+
+
+def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log: Callable[[str], None] = print,
+                   sort_by_length: bool = True, show_progress: bool = True) -> list[BatchStats]:
+    """Generate this process's prompts into its part of the output; failures into its failures part."""
+    examples, teacher, generation_params = share.examples, params["model"], share.settings.recorded()
+    if params["do_sample"]:
+        torch.manual_seed(share.settings.seed + rank.index)
+    with jsonl.LineAppender(files.output_part(rank)) as outputs, \
+            jsonl.LineAppender(files.failures_part(rank)) as failures:
+        if rank.index == 0:
+            failures.write(records.failure_record(example_id=bad.example_id, line=bad.line, stage="input",
+                                               error=bad.reason) for bad in share.bad_lines)
+        failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,
+                                           stage="prompt_too_long",
+                                           error=_too_long_text(share.token_ids[i], share.model))
+                       for i in share.too_long)
+
+        def write(outcome: Outcome) -> None:
+            outputs.write(_output_record(examples[prompt.index], completion, share.tokenizer, params, teacher,
+                                         generation_params, len(prompt.token_ids))
+                          for prompt, completion in outcome.completed)
+            failures.write(records.failure_record(example_id=examples[prompt.index].example_id,
+                                               line=examples[prompt.index].line, stage="generation", error=error)
+                           for prompt, error in outcome.failed)
+
+        bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
+        try:
+            return run_batches(share.backend, share.prompts, write=write, sort_by_length=sort_by_length,
+                               progress=bar, log=log, log_every_batches=params["log_every_batches"],
+                               rank=rank.index)
+        finally:
+            if bar is not None:
+                bar.close()
+
+
+def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log: Callable[[str], None] = print,
+            sort_by_length: bool = True, show_progress: bool = True) -> dict | None:
+    """This process's share of the job (all of it when alone). Returns the job's summary in the
+    first process (which merges the parts and writes ``<output>.summary.json``), None in the others.
+
+    ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests, the benchmark).
+    """
+    require_keys(params)
+    rank = current_rank()
+    files = OutputFiles(Path(output_path))
+    began = time.perf_counter()
+    share = prepare_share(params, files, rank, model=model, tokenizer=tokenizer, log=log)
+    engine_began = time.perf_counter()
+    batches = generate_share(params, share, files, rank, log=log, sort_by_length=sort_by_length,
+                             show_progress=show_progress)
+    counts = {"rank": rank.index, **summarize(batches, time.perf_counter() - engine_began),
+              "too_long": len(share.too_long), "setup_seconds": round(engine_began - began, 3),
+              "batch_list": [dataclasses.asdict(b) for b in batches]}
+    # A collective: the first process passes it only when every process has closed its part.
+    every_process = rank.gather(counts)
+    if rank.index != 0:
+        return None
+    summary = merge_and_audit(files, share.examples, share.bad_lines, every_process)
+    summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
+                   model=params["model"], prompts_path=str(share.prompts_path),
+                   generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
+    files.summary.write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def require_keys(params) -> None:
+    missing = [key for key in PARAMS_USED if key not in params]
+    if missing:
+        raise GenerationError(f"the generation job needs parameter(s) {', '.join(missing)}; a notebook that runs "
+                              "it must declare them in its parameters cell (see notebooks/02_batched_generation).")
+
+
+def _room_check(params, model, examples, token_ids, pending, prompts_path) -> dict[int, int]:
+    """New tokens each pending example may have; a prompt that leaves no room fails the run
+    ('fail', checked before anything is generated) or is listed in the failures file ('skip')."""
+    context = models.context_length(model)
+    room = {}
+    for i in pending:
+        left = context - len(token_ids[i]) if context else params["max_new_tokens"]
+        room[i] = min(params["max_new_tokens"], left)
+        if room[i] <= 0:
+            problem = jsonl.BadLine(str(prompts_path), examples[i].line, _too_long_text(token_ids[i], model),
+                                   examples[i].example_id)
+            jsonl.handle_bad_line(problem, params["on_long_prompt"], "on_long_prompt")
+    return room
+
+
+def _too_long_text(ids: list[int], model) -> str:
+    return (f"prompt of {len(ids)} tokens leaves no room to generate in the model's context of "
+            f"{models.context_length(model)} tokens")
+
+
+def _output_record(example, completion: Completion, tokenizer, params, teacher, generation_params,
+                   prompt_tokens: int) -> dict:
+    ids = completion.token_ids[:-1] if completion.finish_reason == FINISH_EOS else completion.token_ids
+    text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
+    return records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
+                              generation_params=generation_params, prompt_tokens=prompt_tokens,
+                              output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason)

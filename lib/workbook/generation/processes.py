@@ -1,0 +1,73 @@
+"""One process, several (accelerate's ``notebook_launcher``), or one of those ``accelerate launch``
+started: who this process is in a data-parallel job, and starting the job.
+
+N processes, each with the whole model on its own GPU, take every N-th prompt of the length-sorted
+list, write their own part, and the first merges the parts (deduplicated, ordered). Nothing here
+touches CUDA before the processes exist.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from workbook import runtime
+from workbook.generation import job, records
+from workbook.generation.engine import GenerationError
+from workbook.generation.files import OutputFiles, resolve_input_path, resolve_output_path
+
+
+@record  # a failing process's traceback reaches the launcher's error instead of "see the logs"
+def _process_entry(params: dict, output_path: str) -> None:
+    job.run_job(params, output_path)
+
+
+def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path | None = None,
+           log: Callable[[str], None] = print) -> dict | None:
+    """Run the job and return its summary (None in the non-first processes of ``accelerate launch``).
+
+    The output is ``output_path``, else params' ``output_path``, else ``<run_dir>/generations.jsonl``.
+    With ``data_parallel_processes`` > 1, and not already under a launcher, the processes are started
+    with accelerate's ``notebook_launcher`` (fork; this process must not have used CUDA yet, and
+    nothing before this call in this module does).
+    """
+    job.require_keys(params)
+    if output_path is None:
+        if runtime.launched_processes() > 1 and not params["output_path"]:
+            raise GenerationError("under a launcher (accelerate launch, torchrun) every process must write to the "
+                                  "same file: set output_path (e.g. --set output_path=outputs/teacher.jsonl).")
+        output_path = resolve_output_path(params["output_path"], run_dir)
+    output_path = Path(output_path)
+    processes = params["data_parallel_processes"]
+    if processes > 1 and not runtime.inside_launcher():
+        from accelerate import notebook_launcher
+        # Read the prompts here first: a bad line then fails with its message, not as a crashed process.
+        records.load_examples(resolve_input_path(params["prompts_path"]), prompt_field=params["prompt_field"],
+                              on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
+        summary_file = OutputFiles(output_path).summary
+        summary_file.unlink(missing_ok=True)
+        log(f"starting {processes} processes (accelerate notebook_launcher)")
+        try:
+            notebook_launcher(_process_entry, args=(dict(params), str(output_path)), num_processes=processes,
+                              use_port=str(runtime.free_port()))
+        except Exception as error:  # torch elastic's ChildFailedError, or the launcher's RuntimeError
+            raise GenerationError(f"a generation process failed (its traceback is printed above): "
+                                  f"{_root_cause(error)}. Everything written so far is kept; rerun with the "
+                                  "same output_path to resume.") from error
+        return json.loads(summary_file.read_text())
+    if runtime.inside_launcher() and runtime.launched_processes() != processes:
+        log(f"note: running as {runtime.launched_processes()} processes (the launcher's count), not "
+            f"data_parallel_processes={processes}")
+    return job.run_job(params, output_path, log=log)
+
+
+def _root_cause(error: Exception) -> str:
+    """The first failing process's last traceback line, when torch elastic recorded it."""
+    if hasattr(error, "get_first_failure"):
+        message = error.get_first_failure()[1].message  # the error file's {"message": ...}, or text
+        text = str(message.get("message", message) if isinstance(message, dict) else message).strip()
+        return text.splitlines()[-1].rstrip(".") if text else type(error).__name__
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -1,0 +1,156 @@
+"""The generation job's records: examples read from a prompts file (ids, prompt field, bad lines),
+the output record in seed 000's format, and the failures file's record. One function each.
+
+    examples, bad_lines = load_examples("prompts.jsonl", prompt_field="auto", on_bad_line="skip")
+    examples[0].example_id, examples[0].line, examples[0].prompt, examples[0].record
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from workbook.jsonl import FAIL, BadLine, check_policy, existing_file, handle_bad_line, iter_jsonl
+
+AUTO_PROMPT_FIELD = "auto"
+PROMPT_FIELDS = ("input", "prompt", "question")  # what 'auto' looks for, in this order
+ID_FIELD = "id"
+# Top-level keys of an output record (seed 000's format); input fields with these names that are
+# not consumed go under metadata.source_fields instead of overwriting them.
+OUTPUT_KEYS = ("input", "output", "difficulty", "domain", "metadata")
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt to generate for. ``record`` is the whole input line as read."""
+
+    example_id: str | int  # the line's "id" when it has one, else its line number
+    line: int  # 1-based line number in the input file
+    prompt: str
+    record: dict
+
+
+def load_examples(path: str | Path, *, prompt_field: str = AUTO_PROMPT_FIELD, on_bad_line: str = FAIL,
+                  max_examples: int = 0) -> tuple[list[Example], list[BadLine]]:
+    """The examples of a prompts file, in file order, and the lines skipped under ``on_bad_line='skip'``.
+
+    The prompt is the ``prompt_field`` of each line ('auto': the first of input, prompt, question
+    present). Its id is the line's "id" (a string or an integer) or else its line number. A line
+    that is not a JSON object, lacks the prompt, has an empty or non-text prompt, an id that is not
+    a string or integer, or an id seen before is bad: 'fail' raises DataError naming the file and
+    line, 'skip' returns it among the bad lines. ``max_examples`` > 0 stops reading after that many
+    examples (bad lines further down are then not looked at).
+    """
+    check_policy("on_bad_line", on_bad_line)
+    path = existing_file(path)
+    examples: list[Example] = []
+    bad_lines: list[BadLine] = []
+    first_line_of: dict[Any, int] = {}
+    for number, value in iter_jsonl(path):
+        if max_examples and len(examples) >= max_examples:
+            break
+        problem = value if isinstance(value, BadLine) else _example_problem(path, number, value, prompt_field,
+                                                                              first_line_of)
+        if problem is not None:
+            bad_lines.append(handle_bad_line(problem, on_bad_line, "on_bad_line"))
+            continue
+        example_id = value.get(ID_FIELD, number)
+        first_line_of[example_id] = number
+        examples.append(Example(example_id, number, _prompt_of(value, prompt_field)[1], value))
+    return examples, bad_lines
+
+
+def _example_problem(path: Path, number: int, value: dict, prompt_field: str,
+                     first_line_of: dict[Any, int]) -> BadLine | None:
+    example_id = value.get(ID_FIELD, number)
+    if isinstance(example_id, bool) or not isinstance(example_id, (str, int)):
+        return BadLine(str(path), number, f"'{ID_FIELD}' is {example_id!r}; expected a string or an integer", number)
+    if example_id in first_line_of:
+        return BadLine(str(path), number, f"id {example_id!r} already appeared on line {first_line_of[example_id]}; "
+                       "ids must be unique (outputs are matched to prompts by id)", example_id)
+    field, prompt = _prompt_of(value, prompt_field)
+    if field is None:
+        wanted = " or ".join(PROMPT_FIELDS) if prompt_field == AUTO_PROMPT_FIELD else prompt_field
+        return BadLine(str(path), number, f"no prompt field ({wanted}); the line has {sorted(value)}", example_id)
+    if not isinstance(prompt, str):
+        return BadLine(str(path), number, f"'{field}' is a {type(prompt).__name__}, not text", example_id)
+    if not prompt.strip():
+        return BadLine(str(path), number, f"'{field}' is empty", example_id)
+    return None
+
+
+def _prompt_of(record: dict, prompt_field: str) -> tuple[str | None, Any]:
+    """(field name, prompt) of a record, or (None, None) when it has no prompt field."""
+    fields = PROMPT_FIELDS if prompt_field == AUTO_PROMPT_FIELD else (prompt_field,)
+    for field in fields:
+        if field in record:
+            return field, record[field]
+    return None, None
+
+
+def prompt_field_of(record: dict, prompt_field: str) -> str | None:
+    """Which field of ``record`` holds its prompt under ``prompt_field`` ('auto' or a name)."""
+    return _prompt_of(record, prompt_field)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The records written: one function for each format.
+
+
+def output_record(example: Example, *, output: str, prompt_field: str, teacher_model: str,
+                  generation_params: dict, prompt_tokens: int, output_tokens: int, finish_reason: str) -> dict:
+    """One output line in seed 000's format, plus what an audit needs.
+
+    ``input`` is the prompt as read (before any chat template), ``output`` the generated text;
+    ``difficulty`` and ``domain`` are copied (None when absent); ``metadata.original_output`` is the
+    input line's own ``output`` (e.g. a reference answer). ``metadata`` adds ``prompt_tokens`` (as
+    fed to the model, template included), ``output_tokens`` (generated, the end-of-sequence token
+    included) and ``finish_reason`` ("eos": the model ended it; "length": max_new_tokens or the
+    model's context ended it). Every other input field is carried through at the top level.
+    """
+    consumed = {prompt_field_of(example.record, prompt_field), "output", "difficulty", "domain"}
+    record = {
+        "input": example.prompt,
+        "output": output,
+        "difficulty": example.record.get("difficulty"),
+        "domain": example.record.get("domain"),
+        "metadata": {
+            "original_output": example.record.get("output"),
+            "example_id": example.example_id,
+            "teacher_model": teacher_model,
+            "generation_params": generation_params,
+            "prompt_tokens": prompt_tokens,
+            "output_tokens": output_tokens,
+            "finish_reason": finish_reason,
+        },
+    }
+    clashing = {}
+    for key, value in example.record.items():
+        if key in consumed:
+            continue
+        if key in OUTPUT_KEYS:
+            clashing[key] = value
+        else:
+            record[key] = value
+    if clashing:
+        record["metadata"]["source_fields"] = clashing
+    return record
+
+
+def output_record_id(record: dict) -> Any:
+    return record["metadata"]["example_id"]
+
+
+def failure_record(*, example_id: Any, line: int, stage: str, error: str) -> dict:
+    """One line of the failures file: which example, where it came from, at which stage and why.
+
+    Stages: "input" (a bad line), "prompt_too_long", "generation" (failed alone, even at batch 1).
+    """
+    return {"example_id": example_id, "line": line, "stage": stage, "error": error,
+            "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+
+
+def failure_record_id(record: dict) -> Any:
+    return record["example_id"]

@@ -1,0 +1,184 @@
+"""Loading a model, and the token-level facts every job asks of it: one home for each.
+
+Generation, training, the batch finder, the calibration and the benchmarks all load through
+``load_model``, so 'tiny', a local Hugging Face directory and a preset name (an architecture built
+from its config with random weights on the device: nothing is downloaded) mean the same everywhere::
+
+    loaded = load_model("tiny", "fp32", "cpu")            # loaded.model, loaded.description
+    tokenizer = load_tokenizer("tiny")                     # None for a preset: random weights have none
+    input_ids, attention_mask = left_pad(rows, pad_token_id(loaded.model, tokenizer), device)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {value: key for key, value in TORCH_DTYPES.items()}
+DEFAULT_ATTENTION = "sdpa"  # transformers' default, and the planner's
+
+
+def is_preset(model: str) -> bool:
+    """True for a preset architecture name (not 'tiny', not a directory): random weights, no tokenizer.
+    Raises ValueError listing the presets for a name that is neither."""
+    from workbook import presets, tiny_model
+    if model == tiny_model.TINY_MODEL_NAME or Path(model).expanduser().is_dir():
+        return False
+    presets.load_config(model)  # raises with the list of presets for an unknown name
+    return True
+
+
+def model_source(model: str) -> str:
+    """What ``presets.load_config`` reads for ``model``: the name itself, or the expanded directory."""
+    from workbook import tiny_model
+    return model if model == tiny_model.TINY_MODEL_NAME else str(Path(model).expanduser())
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    description: str  # what was loaded and how, for reports
+    path: str | None  # the directory the weights came from; None for a preset (random weights)
+
+
+def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device, *,
+               attn_implementation: str = DEFAULT_ATTENTION) -> LoadedModel:
+    """``model`` on ``device`` in ``dtype`` (a name in TORCH_DTYPES or a torch dtype), in eval mode.
+
+    'tiny' or a local directory loads its weights; a preset name builds the architecture with random
+    weights (``build_random``)."""
+    from transformers import AutoModelForCausalLM
+
+    from workbook import tiny_model
+    if is_preset(model):
+        return build_random(model, dtype, device, attn_implementation=attn_implementation)
+    torch_dtype = _torch_dtype(dtype)
+    path = tiny_model.resolve_model_path(model)
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
+    return LoadedModel(loaded.to(device).eval(), f"{model}: weights from {path}, {DTYPE_NAMES[torch_dtype]}", path)
+
+
+def build_random(model: str, dtype: str | torch.dtype, device: str | torch.device, *,
+                 attn_implementation: str = DEFAULT_ATTENTION) -> LoadedModel:
+    """A preset's architecture (or 'tiny''s, untrained) built directly on ``device`` with random
+    weights, in eval mode: speed and memory do not depend on the values, and nothing is downloaded."""
+    from transformers import AutoModelForCausalLM
+
+    from workbook import presets
+    torch_dtype = _torch_dtype(dtype)
+    with torch.device(device):
+        built = AutoModelForCausalLM.from_config(presets.load_config(model), dtype=torch_dtype,
+                                                 attn_implementation=attn_implementation)
+    description = f"{model}: preset architecture, random {DTYPE_NAMES[torch_dtype]} weights built on {device}"
+    return LoadedModel(built.eval(), description, None)
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    return TORCH_DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+def load_tokenizer(model: str):
+    """The model's tokenizer; None for a preset (random weights have no tokenizer). Never touches a GPU."""
+    if is_preset(model):
+        return None
+    from transformers import AutoTokenizer
+
+    from workbook import tiny_model
+    return AutoTokenizer.from_pretrained(tiny_model.resolve_model_path(model))
+
+
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute each decoder layer in backward, non-reentrant (the form that works with DDP, LoRA
+    and frozen inputs); the trainer, the batch finder and the calibration all switch it on here, so
+    the probe that proves a micro-batch runs what the trainer runs."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.2x
+    if enable is not None:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def with_lora(model, rank: int, target_modules=None):
+    """LoRA adapters of ``rank`` (alpha 2 x rank, no dropout) on the planner's default targets.
+
+    PEFT keeps the adapters in fp32 on a 16-bit base (``autocast_adapter_dtype=True``, its default),
+    which is what the planner assumes. Raises ImportError when peft is missing."""
+    import peft
+
+    from workbook.planner import DEFAULT_LORA_TARGET_MODULES
+    targets = list(target_modules or DEFAULT_LORA_TARGET_MODULES)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets,
+                             task_type="CAUSAL_LM")
+    return peft.get_peft_model(model, config)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokens: end of sequence, padding, context.
+
+
+def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a sequence: the generation config's (often several), the model config's
+    and the tokenizer's."""
+    candidates = [getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                  getattr(getattr(model, "config", None), "eos_token_id", None),
+                  getattr(tokenizer, "eos_token_id", None)]
+    ids: list[int] = []
+    for candidate in candidates:
+        for value in candidate if isinstance(candidate, (list, tuple)) else [candidate]:
+            if value is not None and int(value) not in ids:
+                ids.append(int(value))
+    return tuple(ids)
+
+
+def pad_token_id(model, tokenizer) -> int:
+    """The tokenizer's pad id, else the model's, else the first end-of-sequence id, else 0: padded
+    positions are masked out (generation) or carry no loss (training), so any id serves."""
+    for candidate in (getattr(tokenizer, "pad_token_id", None),
+                      getattr(getattr(model, "generation_config", None), "pad_token_id", None)):
+        if isinstance(candidate, int):
+            return candidate
+    eos_ids = eos_token_ids(model, tokenizer)
+    return eos_ids[0] if eos_ids else 0
+
+
+def context_length(model) -> int | None:
+    """Positions the model was built for (None when its config does not say)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def left_pad(rows: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), each row right-aligned: every prompt ends where generation starts.
+
+    Padded here rather than with ``tokenizer(..., padding_side="left")``, which leaves the padding
+    side set inside the tokenizer; a later ``save_pretrained`` would then write it to disk."""
+    width = max(len(row) for row in rows)
+    input_ids = torch.tensor([[pad_token_id] * (width - len(row)) + list(row) for row in rows], dtype=torch.long,
+                             device=device)
+    attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], dtype=torch.long,
+                                  device=device)
+    return input_ids, attention_mask
+
+
+def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
+                       batch_size: int = 64) -> list[str]:
+    """Greedy continuation of each prompt (token ids), left-padded in batches, special tokens removed.
+    For accuracy checks; the generation job has its own engine."""
+    pad = pad_token_id(model, tokenizer)
+    device = next(model.parameters()).device
+    texts = []
+    for start in range(0, len(prompts), batch_size):
+        input_ids, attention_mask = left_pad(prompts[start:start + batch_size], pad, device)
+        with torch.no_grad():
+            output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                    max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
+                                    use_cache=True)  # a training model may have switched its cache off
+        texts += tokenizer.batch_decode(output[:, input_ids.shape[1]:], skip_special_tokens=True)
+    return texts

@@ -1,0 +1,194 @@
+"""Peak memory of ``model.generate`` per GPU: prefill or the last decode step, whichever is larger."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PretrainedConfig
+
+from workbook.planner.formulas import kv_bytes_per_token_per_layer, kv_cache_bytes, kv_cache_bytes_per_token, \
+    share_note, weights_bytes, weights_explanation
+from workbook.planner.plans import (
+    DEFAULT_FRAGMENTATION_FRACTION, DEFAULT_OVERHEAD_BYTES, DEFAULT_SAFETY_MARGIN, Plan, Term, check_overheads,
+    make_plan, overhead_terms,
+)
+from workbook.planner.shape import (
+    ATTENTION_IMPLEMENTATIONS, FP32_BYTES, ModelShape, canonical_dtype, check_choice, compute_bytes, has_window,
+    model_shape, positive_bytes, require_positive,
+)
+
+
+def plan_generate(
+    model: PretrainedConfig | ModelShape | str,
+    *,
+    batch_size: int,
+    prompt_len: int,
+    new_tokens: int,
+    gpu_memory_bytes: int,
+    dtype: str = "bf16",
+    gpu_count: int = 1,
+    attn_implementation: str = "sdpa",
+    logits_last_position_only: bool = True,
+    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+    fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+) -> Plan:
+    """Peak memory per GPU of ``model.generate`` for ``batch_size`` prompts of ``prompt_len``
+    tokens, each continued by ``new_tokens`` tokens, and the largest batch that fits.
+
+    The peak is the larger of two phases: prefill (the prompt's KV cache, one layer's activations,
+    the prompt's logits) and the last decode step (the full KV cache plus the copy ``torch.cat``
+    makes while appending). With ``gpu_count`` > 1 the layers are split across GPUs like
+    ``device_map="auto"`` (weights and KV cache of ceil(layers / gpus) layers per GPU); the
+    activations, logits and overhead are counted in full on each GPU.
+    ``logits_last_position_only`` mirrors generate(), which passes ``logits_to_keep=1``
+    (transformers 5.x generation/utils.py); False plans a forward pass that returns all logits.
+    """
+    shape = model_shape(model)
+    dtype = canonical_dtype(dtype)
+    require_positive(
+        batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, gpu_count=gpu_count
+    )
+    gpu_memory_bytes = positive_bytes("gpu_memory_bytes", gpu_memory_bytes)
+    check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS)
+    check_overheads(overhead_bytes, fragmentation_fraction, safety_margin)
+
+    layer_share = math.ceil(shape.num_layers / gpu_count) / shape.num_layers
+    weights = math.ceil(weights_bytes(shape, dtype) * layer_share)
+
+    def terms_for(batch: int) -> list[Term]:
+        phase = _generate_peak_phase(
+            shape, dtype, batch, prompt_len, new_tokens, attn_implementation,
+            logits_last_position_only, layer_share,
+        )
+        terms = [
+            Term("weights", weights, weights_explanation(shape, dtype, layer_share)),
+            *phase,
+        ]
+        return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
+
+    notes = []
+    total_tokens = prompt_len + new_tokens
+    if shape.max_position_embeddings and total_tokens > shape.max_position_embeddings:
+        notes.append(
+            f"prompt_len + new_tokens = {total_tokens} exceeds the model's "
+            f"max_position_embeddings ({shape.max_position_embeddings}); quality may degrade"
+        )
+    if any(window is not None for window in shape.attention_windows):
+        notes.append("sliding-window layers hold at most window tokens of KV cache")
+    return make_plan(
+        mode="generate", shape=shape, dtype=dtype, batch_size=batch_size,
+        lengths={"prompt_len": prompt_len, "new_tokens": new_tokens},
+        settings={
+            "attn_implementation": attn_implementation,
+            "logits_last_position_only": logits_last_position_only,
+            "overhead_bytes": overhead_bytes,
+            "fragmentation_fraction": fragmentation_fraction,
+        },
+        terms_for=terms_for, weights=weights, trainable=0,
+        kv_per_token=kv_cache_bytes_per_token(shape, dtype),
+        gpu_memory_bytes=gpu_memory_bytes, gpu_count=gpu_count, safety_margin=safety_margin,
+        notes=notes,
+    )
+
+
+def _generate_peak_phase(
+    shape, dtype, batch, prompt_len, new_tokens, attn_implementation,
+    logits_last_position_only, layer_share,
+) -> list[Term]:
+    """The terms of the larger phase: prefill, or the last decode step."""
+    prefill = _prefill_terms(
+        shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only,
+        layer_share,
+    )
+    if new_tokens == 1:  # the prefill's logits give the only new token
+        return prefill
+    decode = _last_decode_terms(
+        shape, dtype, batch, prompt_len + new_tokens - 1, attn_implementation, layer_share
+    )
+    return max(prefill, decode, key=lambda terms: sum(term.bytes for term in terms))
+
+
+def _prefill_terms(
+    shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only, layer_share
+) -> list[Term]:
+    p = compute_bytes(dtype)
+    kv = kv_cache_bytes(shape, dtype, batch_size=batch, tokens=prompt_len,
+                        last_step_tokens=prompt_len)
+    logit_positions = 1 if logits_last_position_only else prompt_len
+    return [
+        Term("kv_cache", math.ceil(kv * layer_share),
+             f"prefill: {batch} x {prompt_len} prompt tokens x "
+             f"{kv_cache_bytes_per_token(shape, dtype):,} B/token "
+             f"(2 x layers x kv_heads x head_dim x {p} B){share_note(layer_share)}"),
+        Term("activations",
+             _inference_layer_peak_bytes(shape, p, batch, prompt_len, prompt_len,
+                                         attn_implementation),
+             f"prefill: largest transient inside one layer for {batch} x {prompt_len} tokens "
+             f"(MLP or {attn_implementation} attention, whichever is larger)"),
+        _generate_logits_term(shape, p, batch, logit_positions, "prefill"),
+    ]
+
+
+def _last_decode_terms(
+    shape, dtype, batch, cached_tokens, attn_implementation, layer_share
+) -> list[Term]:
+    # generate() feeds back every new token but the last, so the cache ends at
+    # prompt_len + new_tokens - 1 tokens (``cached_tokens``).
+    p = compute_bytes(dtype)
+    kv = kv_cache_bytes(shape, dtype, batch_size=batch, tokens=cached_tokens)
+    # DynamicLayer.update builds the longer tensor with torch.cat before dropping the old one.
+    one_layer_old_copy = batch * kv_bytes_per_token_per_layer(shape, dtype) * max(
+        cached_tokens if window is None else min(cached_tokens, window)
+        for window in shape.attention_windows
+    )
+    capped = ", sliding layers capped at their window" if has_window(shape) else ""
+    return [
+        Term("kv_cache", math.ceil(kv * layer_share) + one_layer_old_copy,
+             f"last decode step: {batch} x {cached_tokens} tokens (prompt + new - 1: the last "
+             f"token is never fed back) x {kv_cache_bytes_per_token(shape, dtype):,} B/token"
+             f"{capped}{share_note(layer_share)}, + one layer's old copy while torch.cat appends"),
+        Term("activations",
+             _inference_layer_peak_bytes(shape, p, batch, 1, cached_tokens, attn_implementation),
+             f"last decode step: largest transient inside one layer for {batch} x 1 token"),
+        _generate_logits_term(shape, p, batch, 1, "last decode step"),
+    ]
+
+
+def _inference_layer_peak_bytes(
+    shape: ModelShape, p: int, batch: int, query_len: int, key_len: int, attn_implementation: str
+) -> int:
+    """The largest set of tensors alive at once inside one layer without autograd.
+
+    Per query token: the residual input and the norm output (2 p h) plus the larger of the MLP
+    (silu(gate), up and their product: 3 p intermediate, gate itself is freed first) and attention
+    (q, k, v, rotated q and k, the output: p (3 q_width + 3 kv_width)). eager attention adds the
+    scores (p), their fp32 softmax and its p copy per head and key, and keys and values repeated
+    to all heads for the whole cache.
+    """
+    h, i = shape.hidden_size, shape.intermediate_size
+    mlp = 3 * p * i
+    attention = p * (3 * shape.query_width + 3 * shape.key_value_width)
+    eager_extra = 0
+    if attn_implementation == "eager":
+        scores_bytes = p + FP32_BYTES + (p if p != FP32_BYTES else 0)
+        eager_extra = shape.num_attention_heads * key_len * scores_bytes * query_len
+        if shape.num_key_value_heads < shape.num_attention_heads:
+            eager_extra += 2 * p * shape.query_width * key_len
+    tokens = batch * query_len
+    return tokens * (2 * p * h + max(mlp, attention)) + batch * eager_extra
+
+
+def _generate_logits_term(
+    shape: ModelShape, p: int, batch: int, positions: int, phase: str
+) -> Term:
+    # The lm_head writes logits in the compute dtype for the kept positions; generate() then
+    # copies the last position to fp32 to pick the next token (generation/utils.py, _sample).
+    logits = batch * positions * shape.vocab_size * p
+    fp32_copy = batch * shape.vocab_size * FP32_BYTES
+    return Term(
+        "logits", logits + fp32_copy,
+        f"{phase}: {batch} x {positions} position(s) x {shape.vocab_size:,} vocab x {p} B, "
+        f"+ fp32 copy of the last position ({batch} x {shape.vocab_size:,} x 4 B)",
+    )
+

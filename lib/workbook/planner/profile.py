@@ -1,0 +1,207 @@
+"""From a params profile to a memory plan: the memory to plan against, 'auto' batch sizes, the
+per-GPU tables, and the plan in words.
+
+``generation.plan_generate`` / ``training.plan_train`` answer for explicit numbers; this module
+maps a run's settings onto them once, so the CLI, notebook 01, the widget tuner, the generation
+job and the trainer size batches the same way::
+
+    budget = Budget.from_params(params)                 # one GPU of the profile (cpu: this machine's RAM)
+    train_plan("llama-3.2-1b", budget, micro_batch_size=8, seq_len=2048, dtype="bf16", ...)
+    plan(params, mode="generate")                       # the same from the whole profile, 'auto' resolved
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+from workbook import presets
+from workbook.params import AUTO, PLAN_MODES
+from workbook.planner.generation import plan_generate
+from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, Plan
+from workbook.planner.training import plan_train
+from workbook.units import GiB, format_bytes
+
+CURVE_POINTS = 13  # batch sizes per memory-vs-batch curve
+LORA_CURVE_RANK = 16  # the "frugal" training setting the curves' x axis is sized by
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory a plan must fit: one GPU of a profile, or this machine's RAM when gpu_count is 0.
+
+    The fields are the params keys of the same names (``Budget.from_params``)."""
+
+    gpu_count: int = 0
+    gpu_memory_gib: float = 0.0
+    cuda_overhead_gib: float = 0.0
+    safety_margin: float = DEFAULT_SAFETY_MARGIN
+    KEYS: ClassVar[tuple[str, ...]] = ("gpu_count", "gpu_memory_gib", "cuda_overhead_gib", "safety_margin")
+
+    @classmethod
+    def from_params(cls, params) -> Budget:
+        return cls(**{key: params[key] for key in cls.KEYS})
+
+    @property
+    def capacity_bytes(self) -> int:
+        """Memory of one GPU of the profile; on the cpu profile, this machine's RAM."""
+        if self.gpu_count > 0:
+            return int(self.gpu_memory_gib * GiB)
+        import psutil  # a dependency of accelerate
+        return psutil.virtual_memory().total
+
+    @property
+    def overhead_bytes(self) -> int:
+        return int(self.cuda_overhead_gib * GiB)
+
+
+def capacity_bytes(params) -> int:
+    """Memory of one GPU of the profile; on the cpu profile, this machine's RAM."""
+    return Budget.from_params(params).capacity_bytes
+
+
+def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, new_tokens: int,
+                  dtype: str) -> Plan:
+    """Generation plans one replica per GPU (data parallel: every GPU holds the whole model); only
+    when the model does not fit one GPU of a multi-GPU profile are its layers split over all of
+    them (as ``device_map="auto"`` does)."""
+    make = functools.partial(plan_generate, model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype,
+                             gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
+                             safety_margin=budget.safety_margin)
+    if budget.gpu_count > 1 and make(batch_size=1).max_batch_size == 0:
+        return make(batch_size=batch_size, gpu_count=budget.gpu_count)
+    return make(batch_size=batch_size)
+
+
+def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
+               lora_rank: int, optimizer: str = "adamw", sharding: str = "none") -> Plan:
+    """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs, with mixed
+    precision (fp32 master weights under autocast) whenever the dtype is 16-bit: what the trainer runs."""
+    return plan_train(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+                      mixed_precision=dtype != "fp32", grad_checkpointing=grad_checkpointing, lora_rank=lora_rank,
+                      optimizer=optimizer, sharding=sharding, gpu_count=max(budget.gpu_count, 1),
+                      gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
+                      safety_margin=budget.safety_margin)
+
+
+def at_largest_batch(make: Callable[[int], Plan]) -> Plan:
+    """The plan at the largest batch that fits (at batch 1 when none does, so it says so)."""
+    return make(max(make(1).max_batch_size, 1))
+
+
+def plan(params, *, mode: str | None = None, model: str | None = None, batch_size: int | str | None = None,
+         **overrides) -> Plan:
+    """The memory plan for the profile's settings; keyword overrides replace profile values.
+
+    A batch of 'auto' (or None with an 'auto' profile) plans at the largest batch that fits.
+    """
+    settings = {**params, **overrides}
+    mode = mode or settings["plan_mode"]
+    config = presets.load_config(model or settings["model"])
+    budget = Budget.from_params(settings)
+    if mode == "generate":
+        def make(batch: int) -> Plan:
+            return generate_plan(config, budget, batch_size=batch, prompt_len=settings["prompt_len"],
+                                 new_tokens=settings["max_new_tokens"], dtype=settings["dtype"])
+        wanted = batch_size or settings["batch_size"]
+    elif mode == "train":
+        def make(batch: int) -> Plan:
+            return train_plan(config, budget, micro_batch_size=batch, seq_len=settings["seq_len"],
+                              dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
+                              lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
+                              sharding=settings.get("sharding", "none"))
+        wanted = batch_size or settings["micro_batch_size"]
+    else:
+        raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
+    return at_largest_batch(make) if wanted == AUTO else make(int(wanted))
+
+
+def resolve_batch_size(params, mode: str, **overrides) -> int:
+    """The batch to run with: the profile's number, or for 'auto' the planner's largest that fits.
+
+    Raises DoesNotFitError (with what to change) when not even batch 1 fits.
+    """
+    key = "batch_size" if mode == "generate" else "micro_batch_size"
+    value = overrides.pop(key, params[key])
+    if value != AUTO:
+        return int(value)
+    return plan(params, mode=mode, batch_size=1, **overrides).require_fit().max_batch_size
+
+
+def max_batch_table(profiles: dict, models: list[str], mode: str, **overrides) -> list[dict]:
+    """Largest batch per GPU profile x model, computed (the seeds' per-GPU tables, but planned).
+
+    Each GPU profile's own dtype is used (fp16 on a V100); `overrides` (e.g. seq_len) apply to all.
+    """
+    rows = []
+    for model in models:
+        row = {"model": model}
+        for name, params in profiles.items():
+            if params["gpu_count"] == 0:
+                continue
+            row[name] = plan(params, mode=mode, model=model, batch_size=1, **overrides).max_batch_size
+        rows.append(row)
+    return rows
+
+
+def memory_curves(params, plans: dict[str, Plan]) -> dict[str, dict[str, tuple[list[int], list[int]]]]:
+    """Predicted peak against batch size, per mode: generation by weights dtype, training full vs
+    checkpointed vs LoRA. Each x axis spans twice the largest batch that fits with the most frugal
+    setting drawn (int4 weights; LoRA with checkpointing), so the budget line is crossed."""
+    frugal = {"generate": plan(params, mode="generate", batch_size=1, dtype="int4"),
+              "train": plan(params, mode="train", batch_size=1, grad_checkpointing=True, lora_rank=LORA_CURVE_RANK)}
+    top = {mode: 2 * max(frugal[mode].max_batch_size, plans[mode].batch_size, 4) for mode in plans}
+
+    def curve(mode: str, **changes) -> tuple[list[int], list[int]]:
+        batches = sorted({max(1, round(top[mode] * i / (CURVE_POINTS - 1))) for i in range(CURVE_POINTS)})
+        return batches, [plan(params, mode=mode, batch_size=batch, **changes).total_bytes for batch in batches]
+
+    return {
+        "generate": {dtype: curve("generate", dtype=dtype) for dtype in ("fp32", "bf16", "int8", "int4")},
+        "train": {"full fine-tune": curve("train", grad_checkpointing=False, lora_rank=0),
+                  "+ gradient checkpointing": curve("train", grad_checkpointing=True, lora_rank=0),
+                  f"LoRA r{LORA_CURVE_RANK} + checkpointing": curve("train", grad_checkpointing=True,
+                                                                    lora_rank=LORA_CURVE_RANK)},
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The plan in words: one table and one verdict for the CLI and notebook 01.
+
+
+def plan_title(plan: Plan, profile_name: str) -> str:
+    lengths = ", ".join(f"{key} {value}" for key, value in plan.lengths.items())
+    return (f"{plan.model} ({plan.params:,} parameters), {plan.mode}, {plan.dtype}, batch {plan.batch_size}, "
+            f"{lengths}; profile {profile_name}: {format_bytes(plan.capacity_bytes)} per GPU x {plan.gpu_count}")
+
+
+def plan_rows(plan: Plan) -> list[dict]:
+    """One row per term, then the total: what each is, its bytes and how it was computed."""
+    rows = [{"term": term.name, "bytes": f"{term.bytes:,}", "size": format_bytes(term.bytes),
+             "how it was computed": term.explanation} for term in plan.terms]
+    rows.append({"term": "total (predicted peak)", "bytes": f"{plan.total_bytes:,}",
+                 "size": format_bytes(plan.total_bytes), "how it was computed": "sum of the terms above"})
+    return rows
+
+
+def plan_verdict(plan: Plan) -> list[str]:
+    """FITS or DOES NOT FIT against the budget, the largest batch, the KV cache per token, the notes,
+    and what to change when it does not fit."""
+    lines = [f"{'FITS' if plan.fits else 'DOES NOT FIT'}: budget {format_bytes(plan.budget_bytes)} per GPU "
+             f"({plan.safety_margin:.0%} of {format_bytes(plan.capacity_bytes)} kept free); "
+             f"largest batch that fits: {plan.max_batch_size}"]
+    if plan.kv_cache_bytes_per_token:
+        lines.append(f"KV cache: {plan.kv_cache_bytes_per_token:,} bytes per token")
+    lines += [f"note: {note}" for note in plan.notes]
+    if not plan.fits:
+        lines.append(plan.advice())
+    return lines
+
+
+def plan_text(plan: Plan, profile_name: str) -> str:
+    """The title, the terms as a fixed-width table, and the verdict (``workbook plan``)."""
+    lines = [plan_title(plan, profile_name), f"{'term':<28}{'bytes':>16}  {'':>10}  how it was computed"]
+    for row in plan_rows(plan):
+        lines.append(f"{row['term']:<28}{row['bytes']:>16}  {row['size']:>10}  {row['how it was computed']}")
+    return "\n".join(lines + plan_verdict(plan))

@@ -1,0 +1,272 @@
+"""Peak memory of one training step per GPU (forward, backward, AdamW): full fine-tune, LoRA/QLoRA,
+DDP replicas or FSDP shards.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from transformers import PretrainedConfig
+
+from workbook.planner.formulas import (
+    Precision, layer_activation_bytes_per_token, lora_parameter_count, norm_saved_bytes_per_token,
+    training_precision, weights_bytes, weights_explanation,
+)
+from workbook.planner.plans import (
+    DEFAULT_FRAGMENTATION_FRACTION, DEFAULT_OVERHEAD_BYTES, DEFAULT_SAFETY_MARGIN, Plan, Term, check_overheads,
+    make_plan, overhead_terms,
+)
+from workbook.planner.shape import (
+    ATTENTION_IMPLEMENTATIONS, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES, OPTIMIZERS,
+    QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_targets,
+    model_shape, positive_bytes, require_non_negative, require_positive, target_names,
+)
+
+# 8-bit Adam (bitsandbytes) keeps one fp32 absmax per block of 256 values of each of its two states.
+ADAM_8BIT_BLOCK_SIZE = 256
+
+
+def plan_train(
+    model: PretrainedConfig | ModelShape | str,
+    *,
+    micro_batch_size: int,
+    seq_len: int,
+    gpu_memory_bytes: int,
+    dtype: str = "bf16",
+    mixed_precision: bool = True,
+    optimizer: str = "adamw",
+    grad_checkpointing: bool = False,
+    lora_rank: int = 0,
+    lora_target_modules: tuple[str, ...] | list[str] | str = DEFAULT_LORA_TARGET_MODULES,
+    sharding: str = "none",
+    gpu_count: int = 1,
+    attn_implementation: str = "sdpa",
+    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
+    fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
+    safety_margin: float = DEFAULT_SAFETY_MARGIN,
+) -> Plan:
+    """Peak memory per GPU of one training step (forward, backward, AdamW) and the largest
+    micro-batch that fits.
+
+    Full fine-tuning (``lora_rank=0``), bytes per parameter:
+    - ``mixed_precision=True`` (autocast, fp32 master weights): weights 4 + gradients 4 + AdamW
+      8 (two fp32 moments) = 16, the same total as ZeRO's 2 + 2 + 12 (Rajbhandari et al. 2020,
+      sec. 3.1) arranged differently; plus 2 for the bf16 copies autocast caches of every Linear
+      weight, alive from forward until backward uses them (torch autocast weight-cast cache);
+    - ``mixed_precision=False``: weights, gradients and both moments all in ``dtype``
+      (torch.optim.AdamW creates its moments with ``zeros_like(param)``): 8 for bf16, 16 for fp32;
+    - ``optimizer="adamw-8bit"`` (bitsandbytes): 2 bytes of state plus an fp32 absmax per 256.
+    LoRA (``lora_rank`` > 0): the base is frozen in ``dtype`` (int8/int4: QLoRA), with no gradients
+    or optimizer state; adapters are fp32 (PEFT's ``autocast_adapter_dtype``) with fp32 gradients
+    and optimizer states. ``sharding="fsdp"`` (FSDP / ZeRO-3) divides weights, gradients and
+    optimizer states by ``gpu_count`` and adds the all-gathered layers; activations are never
+    sharded. Without sharding every GPU holds a full replica (DDP) plus its gradient buckets.
+    """
+    shape = model_shape(model)
+    dtype = canonical_dtype(dtype)
+    require_positive(micro_batch_size=micro_batch_size, seq_len=seq_len, gpu_count=gpu_count)
+    gpu_memory_bytes = positive_bytes("gpu_memory_bytes", gpu_memory_bytes)
+    require_non_negative(lora_rank=lora_rank)
+    check_choice("optimizer", optimizer, OPTIMIZERS)
+    check_choice("sharding", sharding, SHARDINGS)
+    check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS)
+    check_overheads(overhead_bytes, fragmentation_fraction, safety_margin)
+    lora = lora_rank > 0
+    if dtype in QUANTIZED_DTYPES and not lora:
+        raise ValueError(
+            f"dtype={dtype!r} stores frozen weights and cannot be trained directly: set "
+            "lora_rank > 0 to train LoRA adapters on a quantized base (QLoRA), or use dtype "
+            "'bf16' or 'fp32'"
+        )
+    mixed_precision = mixed_precision and dtype != "fp32"  # fp32 is full precision already
+    precision = training_precision(dtype, mixed_precision, lora=lora)
+    shards = gpu_count if sharding == "fsdp" else 1
+
+    state_terms, weights, trainable = _training_state_terms(
+        shape, dtype, mixed_precision, optimizer, lora_rank, lora_target_modules, shards,
+        replicas=gpu_count if sharding == "none" else 1,
+    )
+    if sharding == "fsdp":
+        state_terms.append(_fsdp_gather_term(shape, precision))
+
+    def terms_for(batch: int) -> list[Term]:
+        terms = state_terms + [
+            _training_activations_term(
+                shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
+                lora_rank, lora_target_modules, mixed_precision,
+            ),
+            _training_logits_term(shape, precision, batch, seq_len),
+        ]
+        return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
+
+    notes = []
+    if shape.max_position_embeddings and seq_len > shape.max_position_embeddings:
+        notes.append(
+            f"seq_len {seq_len} exceeds the model's max_position_embeddings "
+            f"({shape.max_position_embeddings})"
+        )
+    if lora:
+        notes.append("LoRA activations add each adapter's saved input to the full fine-tune "
+                     "formula: an upper bound, not measured against PEFT")
+    return make_plan(
+        mode="train", shape=shape, dtype=dtype, batch_size=micro_batch_size,
+        lengths={"seq_len": seq_len},
+        settings={
+            "mixed_precision": mixed_precision,
+            "optimizer": optimizer,
+            "grad_checkpointing": grad_checkpointing,
+            "lora_rank": lora_rank,
+            "lora_target_modules": list(target_names(lora_target_modules)) if lora else [],
+            "sharding": sharding,
+            "attn_implementation": attn_implementation,
+            "overhead_bytes": overhead_bytes,
+            "fragmentation_fraction": fragmentation_fraction,
+        },
+        terms_for=terms_for, weights=weights, trainable=trainable, kv_per_token=None,
+        gpu_memory_bytes=gpu_memory_bytes, gpu_count=gpu_count, safety_margin=safety_margin,
+        notes=notes,
+    )
+
+
+def _training_state_terms(
+    shape, dtype, mixed_precision, optimizer, lora_rank, lora_target_modules, shards, replicas,
+) -> tuple[list[Term], int, int]:
+    """Weights, gradients, optimizer states (and autocast copies, DDP buckets): batch-independent.
+
+    Returns the terms, the weight bytes on one GPU and the trainable parameter count.
+    """
+
+    def per_gpu(total_bytes: float) -> int:
+        return math.ceil(total_bytes / shards)
+
+    shard_note = f" / {shards} GPUs (FSDP)" if shards > 1 else ""
+    optimizer_bytes_per_parameter = _optimizer_state_bytes_per_parameter(optimizer)
+    terms = []
+    if lora_rank > 0:
+        trainable = lora_parameter_count(shape, lora_rank, lora_target_modules)
+        base = per_gpu(weights_bytes(shape, dtype))
+        adapters = per_gpu(trainable * FP32_BYTES)
+        weights = base + adapters
+        terms += [
+            Term("weights", base, f"frozen base: {weights_explanation(shape, dtype)}{shard_note}"),
+            Term("lora_adapters", adapters,
+                 f"{trainable:,} adapter params (rank {lora_rank} x (in + out) per target) "
+                 f"x 4 B fp32{shard_note}"),
+        ]
+        gradient_bytes = FP32_BYTES
+        state_bytes = optimizer_bytes_per_parameter(FP32_BYTES)
+        casts = trainable * 2 if mixed_precision else 0  # autocast's bf16 copies of the adapters
+    else:
+        trainable = shape.parameters
+        weight_dtype_bytes = FP32_BYTES if mixed_precision else compute_bytes(dtype)
+        weights = per_gpu(trainable * weight_dtype_bytes)
+        master = " (fp32 master weights under autocast)" if mixed_precision else ""
+        terms.append(Term("weights", weights,
+                          f"{trainable:,} params x {weight_dtype_bytes} B{master}{shard_note}"))
+        gradient_bytes = weight_dtype_bytes
+        state_bytes = optimizer_bytes_per_parameter(weight_dtype_bytes)
+        # Autocast casts each Linear's weight (and bias) to bf16 once per forward and keeps the
+        # copy until backward; norms and the input embedding are not cast. FSDP gathers bf16
+        # shards instead, counted in its own term.
+        linear_parameters = sum(layer.parameters for layer in shape.linear_layers)
+        casts = linear_parameters * compute_bytes(dtype) if mixed_precision and shards == 1 else 0
+    terms.append(Term("gradients", per_gpu(trainable * gradient_bytes),
+                      f"{trainable:,} trainable params x {gradient_bytes} B{shard_note}"))
+    terms.append(Term("optimizer_states", per_gpu(math.ceil(trainable * state_bytes)),
+                      f"{trainable:,} trainable params x {state_bytes:g} B ({optimizer}: "
+                      f"{_optimizer_note(optimizer, gradient_bytes)}){shard_note}"))
+    if casts:
+        terms.append(Term("autocast_weight_copies", casts,
+                          "bf16 copies of the trainable Linear weights that autocast caches "
+                          "from forward until backward (2 B each)"))
+    if replicas > 1:
+        # DDP copies gradients into its all-reduce buckets unless gradient_as_bucket_view=True
+        # (torch.nn.parallel.DistributedDataParallel docs: saves "the total gradients size").
+        terms.append(Term("ddp_gradient_buckets", trainable * gradient_bytes,
+                          f"DDP all-reduce buckets: a second copy of the gradients on each of "
+                          f"{replicas} replicas"))
+    return terms, weights, trainable
+
+
+def _optimizer_state_bytes_per_parameter(optimizer: str) -> Callable[[int], float]:
+    """Bytes of optimizer state per trainable parameter, given the parameter's own byte size."""
+    if optimizer == "adamw-8bit":
+        return lambda _: 2 + 2 * FP32_BYTES / ADAM_8BIT_BLOCK_SIZE
+    return lambda parameter_bytes: 2 * parameter_bytes  # exp_avg and exp_avg_sq, like the param
+
+
+def _optimizer_note(optimizer: str, parameter_bytes: int) -> str:
+    if optimizer == "adamw-8bit":
+        return "two uint8 moments + fp32 absmax per 256 values, bitsandbytes"
+    return f"two moments in the parameter dtype, {parameter_bytes} B each"
+
+
+def _fsdp_gather_term(shape: ModelShape, precision: Precision) -> Term:
+    # FSDP all-gathers one unit (decoder layer) at a time in the compute dtype and prefetches the
+    # next one; the root unit (embeddings, final norm, lm_head) stays gathered between forward and
+    # backward; a layer's full gradient exists until it is reduce-scattered
+    # (PyTorch FSDP docs: backward_prefetch, MixedPrecision param_dtype).
+    p = precision.compute_bytes
+    gathered = shape.non_decoder_parameters + 2 * shape.decoder_layer_parameters
+    unsharded_gradient = max(shape.non_decoder_parameters, shape.decoder_layer_parameters)
+    return Term(
+        "fsdp_gathered_parameters", (gathered + unsharded_gradient) * p,
+        f"root unit ({shape.non_decoder_parameters:,} params) + 2 decoder layers "
+        f"({shape.decoder_layer_parameters:,} each) all-gathered, + one unit's gradient "
+        f"before reduce-scatter, x {p} B",
+    )
+
+
+def _training_activations_term(
+    shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
+    lora_rank, lora_target_modules, mixed_precision,
+) -> Term:
+    tokens = batch * seq_len
+    per_layer = tokens * layer_activation_bytes_per_token(
+        shape, precision, attn_implementation, seq_len
+    )
+    # Outside the layers: the final norm and the lm_head's input, plus token ids and labels.
+    outside = tokens * (
+        norm_saved_bytes_per_token(shape, precision, consuming_linears=1) + 2 * INT64_BYTES
+    )
+    lora_extra = 0
+    if lora_rank > 0:
+        # Each adapter's A saves its input and B saves A's output (rank values), in bf16 under
+        # autocast, else in the adapter's fp32 (PEFT casts the input to the adapter dtype).
+        adapter_bytes = precision.compute_bytes if mixed_precision else FP32_BYTES
+        per_model = sum(
+            (layer.in_features + lora_rank) * adapter_bytes
+            for layer in lora_targets(shape, lora_target_modules)
+        )
+        lora_extra = tokens * per_model // shape.num_layers  # targets are spread over the layers
+    if grad_checkpointing:
+        # Each layer keeps only its input; backward recomputes one layer at a time (Chen et al.
+        # 2016, "Training Deep Nets with Sublinear Memory Cost"; transformers checkpoints each
+        # decoder layer).
+        boundaries = shape.num_layers * tokens * shape.hidden_size * precision.residual_bytes
+        total = boundaries + per_layer + lora_extra + outside
+        how = (f"checkpointed: {shape.num_layers} layer inputs ({tokens:,} tokens x "
+               f"{shape.hidden_size} x {precision.residual_bytes} B) + one layer recomputed "
+               f"({per_layer:,} B)")
+    else:
+        total = shape.num_layers * (per_layer + lora_extra) + outside
+        how = (f"{shape.num_layers} layers x {per_layer + lora_extra:,} B saved for backward "
+               f"({tokens:,} tokens, {attn_implementation})")
+    return Term("activations", total, how + " + final norm and token ids")
+
+
+def _training_logits_term(
+    shape: ModelShape, precision: Precision, batch: int, seq_len: int
+) -> Term:
+    # transformers' ForCausalLMLoss upcasts the logits to fp32 and runs cross_entropy; backward of
+    # its log_softmax holds the saved fp32 output, the incoming fp32 gradient and the outgoing
+    # one at once, while the model output keeps the logits in the compute dtype.
+    p = precision.compute_bytes
+    logits = batch * seq_len * shape.vocab_size
+    return Term(
+        "logits_and_loss", logits * (p + 3 * FP32_BYTES),
+        f"{batch} x {seq_len} tokens x {shape.vocab_size:,} vocab x ({p} B logits + 3 x 4 B: "
+        "fp32 log-softmax output and its gradient in and out)",
+    )
+

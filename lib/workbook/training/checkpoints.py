@@ -1,0 +1,77 @@
+"""Checkpoints: accelerate's state (model, optimizer, scaler, RNG) plus ours, complete only once our
+state file is written, resumed only by a run with the same data and settings; the final model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+STATE_FILE = "workbook_state.json"  # written last into a checkpoint: its presence marks it complete
+KEEP_CHECKPOINTS = 2  # older checkpoints are deleted: one holds weights and optimizer (16 B/param)
+
+
+def fingerprint(config, prepared, run) -> dict:
+    """What a checkpoint must agree on to be resumed: the data (hashed) and every setting that
+    changes which examples a step sees or how far the schedule has gone. Not the process count: a
+    step sees the same examples for any split of the effective batch over processes and
+    accumulation, so a DDP run may resume on fewer or more GPUs with the same effective batch.
+    ``config``, ``prepared`` and ``run``: the run's TrainConfig, PreparedData and RunPlan."""
+    data = hashlib.sha256(json.dumps([e.input_ids for e in prepared.train]).encode()).hexdigest()[:16]
+    return {"model": config.model, "data": data, "max_seq_length": prepared.max_seq_length, "padding": config.padding,
+            "micro_batch_size": run.micro_batch_size, "effective_batch_rows": run.effective_batch_rows,
+            "learning_rate": run.learning_rate, "total_steps": run.total_steps,
+            "warmup_steps": config.warmup_steps, "lora_rank": config.lora_rank, "optimizer": config.optimizer,
+            "dtype": config.dtype, "seed": config.seed}
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint (one whose state file was written), or None."""
+    folder = Path(output_dir) / "checkpoints"
+    complete = sorted(p for p in folder.glob("step-*") if (p / STATE_FILE).is_file()) if folder.is_dir() else []
+    return complete[-1] if complete else None
+
+
+def resumable_state(checkpoint: Path, fingerprint: dict) -> dict:
+    """The state saved with ``checkpoint``; TrainError naming what differs when it was saved by a run
+    with other settings or data (resuming it would silently train something else)."""
+    from workbook.training.config import TrainError
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    if state["fingerprint"] != fingerprint:
+        differences = ", ".join(f"{key} {value} (now {fingerprint[key]})" for key, value in state["fingerprint"].items()
+                                if fingerprint.get(key) != value)
+        raise TrainError(f"{checkpoint} was saved by a run with other settings or data: {differences}. "
+                         "Resume with the same settings, or set train_output_dir to a new folder")
+    return state
+
+
+def save(accelerator, output_dir, step, fingerprint, history, eval_history, accuracy_before):
+    """accelerate's state (model, optimizer, scaler, RNG) and ours; the state file goes last."""
+    target = checkpoint_dir(output_dir, step)
+    accelerator.save_state(str(target))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        state = {"step": step, "fingerprint": fingerprint, "history": history, "eval_history": eval_history,
+                 "accuracy_before": accuracy_before}
+        (target / STATE_FILE).write_text(json.dumps(state, default=str) + "\n")
+        older = sorted(p for p in target.parent.glob("step-*") if p != target)
+        for stale in older[:max(0, len(older) - (KEEP_CHECKPOINTS - 1))]:
+            shutil.rmtree(stale, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def save_final(accelerator, model, unwrapped, tokenizer, output_dir: Path) -> str:
+    """The trained model in Hugging Face format with its tokenizer (LoRA: adapters only). ``model`` as
+    accelerate prepared it, ``unwrapped`` the model inside."""
+    final = output_dir / "final"
+    state_dict = accelerator.get_state_dict(model)  # collective under FSDP: every process calls it
+    if accelerator.is_main_process:
+        unwrapped.save_pretrained(final, state_dict=state_dict, safe_serialization=True)
+        tokenizer.save_pretrained(final)
+    accelerator.wait_for_everyone()
+    return str(final)

@@ -1,0 +1,131 @@
+"""A training run's settings: the validated params become one typed ``TrainConfig``, once.
+
+Every later step (data, run plan, memory plan, the loop, the report) reads the config, never the
+params again; the planner is asked with the config's own fields and its ``Budget``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from workbook import arithmetic
+from workbook.generation.files import resolve_output_path
+from workbook.params import AUTO
+from workbook.planner.profile import Budget
+
+# Keys of a params profile this module reads; notebook 03 declares each of them.
+PARAMS_USED = (
+    "profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour",
+    "model", "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "safety_margin", "cuda_overhead_gib",
+    "train_data_path", "input_field", "output_field", "use_chat_template", "max_seq_length", "length_percentile",
+    "padding", "validation_fraction", "learning_rate", "lr_scaling", "base_batch", "gradient_accumulation_steps",
+    "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32", "torch_compile", "attn_implementation",
+    "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps", "train_output_dir", "train_processes",
+    "output_path",  # where notebook 02 wrote its outputs: the default training data
+)
+TRAINING_DIR_NAME = "training"  # train_output_dir '' -> <run folder>/training/
+RESULT_FILE = "training_result.json"
+MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+SEED = 0  # data order, validation split and LoRA initialisation
+TIMING_WARMUP_STEPS = 2  # steps left out of the steady-state tokens/s
+MAX_GRAD_NORM = 1.0  # gradient clipping, the HF Trainer's default
+ADAM_BETAS = (0.9, 0.999)  # torch's defaults; the sqrt rule's fuller form changes them (run_plan.scaled_learning_rate)
+
+
+class TrainError(ValueError):
+    """Training cannot run as configured; the message says what to change."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything one training run needs, plain values only (it is passed to every process)."""
+
+    model: str  # 'tiny', a local HF directory, or a preset name (random weights, synthetic data: benchmarks)
+    data_path: str  # JSONL file; '' = the arithmetic sample records built in memory
+    data_description: str  # where the data came from, for the report
+    output_dir: str  # checkpoints/, final/ and the result JSON
+    input_field: str = "input"
+    output_field: str = "output"
+    use_chat_template: bool = False
+    max_seq_length: int | str = AUTO
+    length_percentile: float = 100.0
+    padding: str = "packing"
+    validation_fraction: float = 0.1
+    micro_batch_size: int | str = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-4
+    lr_scaling: str = "none"
+    base_batch: int = 0
+    epochs: int = 1
+    max_steps: int = 0
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    optimizer: str = "adamw"
+    lora_rank: int = 0
+    dtype: str = "fp32"
+    tf32: bool = False
+    grad_checkpointing: bool = False
+    torch_compile: bool = False
+    attn_implementation: str = "sdpa"
+    dataloader_workers: int = 0
+    pin_memory: bool = False
+    prefetch_factor: int = 2
+    save_every_steps: int = 0
+    processes: int = 1
+    profile: str = "cpu"
+    peak_bf16_tflops: float = 0.0
+    peak_fp16_tflops: float = 0.0
+    usd_per_gpu_hour: float = 0.0
+    budget: Budget = field(default_factory=Budget)  # the memory the planner plans against (default: this machine's RAM)
+    seed: int = SEED
+    stop_after_steps: int | None = None  # end this invocation early, as if interrupted (resume tests, spot machines)
+    synthetic_examples: int = 512  # preset models only: random sequences of max_seq_length tokens
+
+
+def config_from_params(params, run_dir: str | Path) -> TrainConfig:
+    """A TrainConfig from a validated params profile (or a notebook's parameters) and the run folder."""
+    missing = [key for key in PARAMS_USED if key not in params]
+    if missing:
+        raise TrainError(f"training needs the parameter(s) {', '.join(missing)}; declare them in the notebook's "
+                         "parameters cell or add them to the params file")
+    run_dir = Path(run_dir)
+    data_path, description = resolve_data_path(params["train_data_path"], params["output_path"], run_dir)
+    output_dir = Path(params["train_output_dir"]) if params["train_output_dir"] else run_dir / TRAINING_DIR_NAME
+    return TrainConfig(
+        model=params["model"], data_path=data_path, data_description=description, output_dir=str(output_dir),
+        input_field=params["input_field"], output_field=params["output_field"],
+        use_chat_template=params["use_chat_template"], max_seq_length=params["max_seq_length"],
+        length_percentile=params["length_percentile"], padding=params["padding"],
+        validation_fraction=params["validation_fraction"], micro_batch_size=params["micro_batch_size"],
+        gradient_accumulation_steps=params["gradient_accumulation_steps"], learning_rate=params["learning_rate"],
+        lr_scaling=params["lr_scaling"], base_batch=params["base_batch"], epochs=params["epochs"],
+        max_steps=params["max_steps"], warmup_steps=params["warmup_steps"], weight_decay=params["weight_decay"],
+        optimizer=params["optimizer"], lora_rank=params["lora_rank"], dtype=params["dtype"], tf32=params["tf32"],
+        grad_checkpointing=params["grad_checkpointing"], torch_compile=params["torch_compile"],
+        attn_implementation=params["attn_implementation"], dataloader_workers=params["dataloader_workers"],
+        pin_memory=params["pin_memory"], prefetch_factor=params["prefetch_factor"],
+        save_every_steps=params["save_every_steps"], processes=params["train_processes"],
+        profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
+        peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
+        budget=Budget.from_params(params),
+    )
+
+
+def resolve_data_path(train_data_path: str, output_path: str, run_dir: Path) -> tuple[str, str]:
+    """(path, description). '' means notebook 02's teacher outputs (its ``output_path``, or
+    generations.jsonl in this run folder) when they exist, else the shipped arithmetic sample
+    (built in memory if the file is absent)."""
+    if train_data_path:
+        path = Path(train_data_path).expanduser()
+        if not path.is_file():
+            raise TrainError(f"train_data_path {train_data_path!r}: no such file. Point it at a JSONL file of "
+                             "input/output records, or leave it '' for notebook 02's outputs / the shipped sample.")
+        return str(path), f"{path} (train_data_path)"
+    teacher = resolve_output_path(output_path, run_dir)
+    if teacher.is_file():
+        return str(teacher), f"{teacher} (notebook 02's teacher outputs)"
+    if arithmetic.SAMPLE_PROMPTS_PATH.is_file():
+        return str(arithmetic.SAMPLE_PROMPTS_PATH), (f"{arithmetic.SAMPLE_PROMPTS_PATH} (the shipped sample: "
+                                                     f"notebook 02 wrote no {teacher})")
+    return "", "arithmetic.sample_records() (the shipped sample's records, built in memory)"

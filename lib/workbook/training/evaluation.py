@@ -1,0 +1,80 @@
+"""How well the model does while it trains: validation loss over every process's share, and (on the
+arithmetic task) greedy answers scored against the task's true answers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workbook import arithmetic, models, tiny_model
+from workbook.training.batches import epoch_micro_batches, loss_sum, plan_rows
+from workbook.training.examples import IGNORE_INDEX, prompt_ids
+
+ACCURACY_MAX_RECORDS = 256  # validation prompts answered greedily for the arithmetic accuracy
+GENERATION_BATCH = 64
+
+
+def validation_batches(prepared, config, run, collator, accelerator):
+    """This process's share of the validation micro-batches (collated once), every process the same
+    count (DDP/FSDP forwards are collective): short shares are topped up with a loss-free copy."""
+    if not prepared.validation:
+        return None
+    lengths = [example.length for example in prepared.validation]
+    rows = plan_rows(lengths, config.padding, prepared.max_seq_length)
+    batches = epoch_micro_batches(rows, lengths, config.padding, micro_batch_size=run.micro_batch_size,
+                                  seed=config.seed, epoch=0, shuffle=False)
+    world, rank = accelerator.num_processes, accelerator.process_index
+    share = [collator([[prepared.validation[i] for i in row] for row in batch]) for batch in batches[rank::world]]
+    while len(share) < math.ceil(len(batches) / world):
+        filler = dict(collator([[prepared.validation[i] for i in row] for row in batches[0]]))
+        filler["targets"] = torch.full_like(filler["targets"], IGNORE_INDEX)
+        share.append(filler)
+    return share
+
+
+def evaluate(model, batches, accelerator) -> float:
+    """Mean next-token loss over every validation loss token of all processes."""
+    model.eval()
+    totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in batches:
+            totals[0] += loss_sum(model, batch, accelerator.device).double()
+            totals[1] += (batch["targets"] != IGNORE_INDEX).sum()
+    model.train()
+    loss, count = accelerator.reduce(totals, "sum").tolist()
+    return loss / max(count, 1.0)
+
+
+def arithmetic_references(records: list[dict], input_field: str) -> list[str] | None:
+    """The true answers when every record's input is a question of the arithmetic task (from the
+    task itself, not from the record's output, which may be a teacher's mistake); else None."""
+    answers = {problem.question: arithmetic.answer_text(problem.answer) for problem in arithmetic.all_problems()}
+    questions = [record.get(input_field) for record in records]
+    if not questions or any(question not in answers for question in questions):
+        return None
+    return [answers[question] for question in questions]
+
+
+def accuracy(accelerator, model, tokenizer, prepared, config) -> dict | None:
+    """Greedy answers to (up to ACCURACY_MAX_RECORDS) validation prompts, scored against the task's
+    true answers; computed by the main process while the others wait. None if not the arithmetic task.
+    ``model`` is the unwrapped model (no DDP wrapper: only the main process generates)."""
+    records = prepared.validation_records[:ACCURACY_MAX_RECORDS]
+    references = arithmetic_references(records, config.input_field)
+    result = None
+    if references is not None and accelerator.is_main_process:
+        was_training = model.training
+        model.eval()
+        prompts = [prompt_ids(tokenizer, r[config.input_field], use_chat_template=config.use_chat_template)
+                   for r in records]
+        with accelerator.autocast():
+            texts = models.greedy_completions(model, tokenizer, prompts, tiny_model.MAX_NEW_TOKENS,
+                                              batch_size=GENERATION_BATCH)
+        model.train(was_training)
+        scored = [{"output": reference} for reference in references]
+        result = {"accuracy": arithmetic.accuracy(scored, texts), "records": len(records),
+                  "examples": [{"input": r[config.input_field], "answer": t, "reference": ref}
+                               for r, t, ref in list(zip(records, texts, references))[:5]]}
+    accelerator.wait_for_everyone()
+    return result

@@ -1,0 +1,273 @@
+"""The training function every process runs: one optimizer step is ~40 lines of ``train``.
+
+Why a plain accelerate loop and not the Hugging Face Trainer: this workbook exists to measure what
+each speed setting does, so the loop must own every number it reports and be short enough to read.
+It normalises the loss over the response tokens of the whole effective batch (every micro-batch of
+every process), so gradient accumulation and 1 vs N processes give the same gradient
+(tests/test_train.py checks it); it counts non-padding tokens and model FLOPs per example and times
+each step end to end. With the Trainer these would be callbacks around a loop we do not see,
+configured by ~100 arguments that change between the transformers releases we support (5.17 to
+5.23). accelerate still does what is hard: DDP/FSDP wrapping from the launcher's config, mixed
+precision, gradient scaling, ``no_sync``, ``save_state``/``load_state`` (model, optimizer, scaler,
+RNG) and ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from workbook import models, runtime
+from workbook.training import batches, checkpoints, evaluation, report
+from workbook.training.config import ADAM_BETAS, MAX_GRAD_NORM, MIXED_PRECISION, RESULT_FILE, TrainConfig, TrainError
+from workbook.planner import DEFAULT_LORA_TARGET_MODULES
+from workbook.training.prepare import PreparedData, prepare_data
+from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run
+
+EVAL_POINTS = 10  # validation loss is computed about this many times per run, plus before the first step
+
+
+def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
+    """Fine-tune as configured; every process of a run calls this. Returns the result (also written
+    to ``<output_dir>/training_result.json`` by the main process).
+
+    Resumes from the newest complete checkpoint in ``<output_dir>/checkpoints`` when one exists
+    (its settings must match), saves one every ``save_every_steps``, and saves the final model with
+    its tokenizer to ``<output_dir>/final`` (LoRA: the adapters).
+    """
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    started = time.perf_counter()
+    accelerator = Accelerator(mixed_precision=MIXED_PRECISION[config.dtype], cpu=not torch.cuda.is_available(),
+                              dynamo_backend="inductor" if config.torch_compile else None)
+    try:
+        device = accelerator.device
+        tf32_applied = _set_tf32(config.tf32, device)
+        fsdp = accelerator.distributed_type == DistributedType.FSDP
+        tokenizer = models.load_tokenizer(config.model)
+        prepared = prepared or prepare_data(config, tokenizer)
+        run = plan_run(config, prepared, accelerator.num_processes)
+        output_dir = Path(config.output_dir)
+        if accelerator.is_main_process:
+            output_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(config.seed)  # identical LoRA initialisation in every process
+        model, model_description, lora = _load_model(config, device)
+        total_parameters = sum(p.numel() for p in model.parameters())
+        trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        optimizer, optimizer_description = _build_optimizer(model, config, run.learning_rate,
+                                                            fused=device.type == "cuda" and not fsdp)
+        model, optimizer = accelerator.prepare(model, optimizer)
+
+        fingerprint = checkpoints.fingerprint(config, prepared, run)
+        start_step, history, eval_history, accuracy_before = 0, [], [], None
+        checkpoint = checkpoints.latest_checkpoint(output_dir)
+        if checkpoint is not None:
+            state = checkpoints.resumable_state(checkpoint, fingerprint)
+            accelerator.load_state(str(checkpoint))
+            start_step, history, eval_history = state["step"], state["history"], state["eval_history"]
+            accuracy_before = state.get("accuracy_before")
+            _print(accelerator, f"resuming from {checkpoint} at step {start_step} of {run.total_steps}")
+
+        per_token_flops, per_square_flops = model_flops_coefficients(unwrap(accelerator, model).config, lora)
+        collator = batches.Collator(config.padding, prepared.max_seq_length, prepared.pad_token_id,
+                                    flatten=config.padding == "packing" and config.attn_implementation == "flash_attention_2")
+        train_lengths = [example.length for example in prepared.train]
+        rows = batches.plan_rows(train_lengths, config.padding, prepared.max_seq_length)
+        validation_batches = evaluation.validation_batches(prepared, config, run, collator, accelerator)
+        accuracy_enabled = tokenizer is not None and not fsdp
+        if start_step == 0:
+            if accuracy_enabled:
+                accuracy_before = evaluation.accuracy(accelerator, unwrap(accelerator, model), tokenizer, prepared, config)
+            if validation_batches is not None:
+                eval_history.append({"step": 0, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator)})
+
+        eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
+        stop_at = run.total_steps if config.stop_after_steps is None else min(run.total_steps, config.stop_after_steps)
+        progress = _progress_bar(accelerator, run.total_steps, start_step)
+        world = accelerator.num_processes
+        step = start_step
+        runtime.reset_peak_memory(device)
+        model.train()
+        step_started = time.perf_counter()
+        while step < stop_at:
+            epoch, step_in_epoch = divmod(step, run.steps_per_epoch)
+            loader = _epoch_loader(config, prepared, rows, run, collator, epoch, step_in_epoch,
+                                   accelerator.process_index, world, device)
+            iterator = iter(loader)
+            for _ in range(step_in_epoch, run.steps_per_epoch):
+                micro_batches = [next(iterator) for _ in range(run.gradient_accumulation_steps)]
+                local_targets = sum(float(batch["target_tokens"]) for batch in micro_batches)
+                # Loss tokens of the whole effective batch; stays on the device (no synchronisation here).
+                global_targets = accelerator.reduce(torch.tensor(local_targets, device=device, dtype=torch.float64),
+                                                    "sum").clamp(min=1.0)
+                loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+                for index, batch in enumerate(micro_batches):
+                    last = index == len(micro_batches) - 1
+                    with contextlib.nullcontext() if last else accelerator.no_sync(model):
+                        batch_loss = evaluation.loss_sum(model, batch, device)
+                        # The mean over every loss token of the effective batch: DDP averages gradients
+                        # over processes, hence x world.
+                        accelerator.backward(batch_loss * world / global_targets.to(batch_loss.dtype))
+                    loss_sum += batch_loss.detach().double()
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+                learning_rate = learning_rate_at(step, run.learning_rate, config.warmup_steps, run.total_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = learning_rate
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                host_counts = torch.tensor([sum(float(b["tokens"]) for b in micro_batches),
+                                            sum(float(b["length_squares"]) for b in micro_batches)], dtype=torch.float64)
+                counts = torch.cat([loss_sum.reshape(1), host_counts.to(device)])
+                loss_total, tokens, squares = accelerator.reduce(counts, "sum").tolist()  # synchronizes: the step's end
+                global_targets = global_targets.item()
+                now = time.perf_counter()
+                seconds, step_started = now - step_started, now
+                step += 1
+                record = {"step": step, "loss": loss_total / global_targets, "learning_rate": learning_rate,
+                          "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                          "tokens": int(tokens), "loss_tokens": int(global_targets), "seconds": seconds,
+                          "tokens_per_second": tokens / seconds if seconds > 0 else None,
+                          "flops": per_token_flops * tokens + per_square_flops * squares}
+                history.append(record)
+                progress.update(1)
+                progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second'] or 0:,.0f}")
+                if validation_batches is not None and (step % eval_every == 0 or step == run.total_steps):
+                    eval_history.append({"step": step, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator)})
+                    step_started = time.perf_counter()  # evaluation is not training time
+                if config.save_every_steps and step % config.save_every_steps == 0:
+                    checkpoints.save(accelerator, output_dir, step, fingerprint, history, eval_history, accuracy_before)
+                    step_started = time.perf_counter()
+                if step >= stop_at:
+                    break
+        progress.close()
+        finished = step >= run.total_steps
+        memory_measured = report.measured_peak_memory(device, accelerator)
+        accuracy_after = (evaluation.accuracy(accelerator, unwrap(accelerator, model), tokenizer, prepared, config)
+                          if accuracy_enabled else None)
+        final_dir = None
+        if finished and tokenizer is not None:
+            final_dir = checkpoints.save_final(accelerator, model, unwrap(accelerator, model), tokenizer, output_dir)
+        wall_seconds = time.perf_counter() - started
+        result = report.result(config, prepared, run, accelerator, history, eval_history, start_step, step, finished,
+                               model_description, total_parameters, trainable_parameters, optimizer_description,
+                               tf32_applied, memory_measured, accuracy_before, accuracy_after, wall_seconds,
+                               final_dir, fsdp)
+        if accelerator.is_main_process:
+            (output_dir / RESULT_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        accelerator.wait_for_everyone()
+        return result
+    finally:
+        accelerator.end_training()
+        reset_accelerate_state()
+
+
+def _print(accelerator, text: str) -> None:
+    if accelerator.is_main_process:
+        print(text, flush=True)
+
+
+def unwrap(accelerator, model):
+    return accelerator.unwrap_model(model, keep_torch_compile=False)
+
+
+def reset_accelerate_state() -> None:
+    """Forget accelerate's process-wide state, so a notebook can train again (another process count,
+    another precision) without restarting its kernel."""
+    from accelerate.state import AcceleratorState, GradientState
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _set_tf32(enabled: bool, device: torch.device) -> bool:
+    """TF32 for float32 matmuls and convolutions on CUDA; returns whether it applies. It changes only
+    float32 matmuls: under bf16 autocast the matmuls already run in bf16 (seed 003's "8x" is not it)."""
+    if device.type != "cuda":
+        return False
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    return enabled
+
+
+def _load_model(config: TrainConfig, device: torch.device):
+    """(model on device, description, lora?) with checkpointing and LoRA applied as configured.
+
+    Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast: the planner's
+    "mixed precision"); LoRA freezes the base in ``dtype`` and trains fp32 adapters (PEFT's default).
+    """
+    lora = config.lora_rank > 0
+    loaded = models.load_model(config.model, config.dtype if lora else "fp32", device,
+                               attn_implementation=config.attn_implementation)
+    model, description = loaded.model, loaded.description
+    model.config.use_cache = False  # training: a cache would also disable packed-sequence masks
+    if config.grad_checkpointing:
+        models.enable_gradient_checkpointing(model)
+    if lora:
+        try:
+            model = models.with_lora(model, config.lora_rank)
+        except ImportError:
+            raise TrainError("lora_rank > 0 needs peft (pinned in requirements.txt: pip install peft==0.21.2); "
+                             "or set lora_rank: 0 for a full fine-tune") from None
+        description += (f", LoRA rank {config.lora_rank} (alpha {2 * config.lora_rank}) on "
+                        f"{', '.join(DEFAULT_LORA_TARGET_MODULES)}")
+    return model, description, lora
+
+
+def _build_optimizer(model, config: TrainConfig, learning_rate: float, *, fused: bool):
+    """AdamW (fused kernel on CUDA) or bitsandbytes' 8-bit AdamW; weight decay on matrices only
+    (not on norms and biases, the usual practice)."""
+    trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for _, p in trainable if p.ndim >= 2], "weight_decay": config.weight_decay},
+              {"params": [p for _, p in trainable if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [group for group in groups if group["params"]]
+    if config.optimizer == "adamw-8bit":
+        try:
+            import bitsandbytes
+        except ImportError:
+            raise TrainError("optimizer 'adamw-8bit' needs the optional package bitsandbytes (CUDA only); "
+                             "install a pinned version, or set optimizer: adamw") from None
+        return (bitsandbytes.optim.AdamW8bit(groups, lr=learning_rate, betas=ADAM_BETAS),
+                "bitsandbytes AdamW8bit")
+    optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=ADAM_BETAS, fused=fused or None)
+    return optimizer, f"torch AdamW ({'fused' if fused else 'foreach'})"
+
+
+class _RankBatches(torch.utils.data.Sampler):
+    """This process's micro-batches of one epoch from ``first_step`` on: step s takes global
+    micro-batches s x A x W ... (s + 1) x A x W - 1, process r every W-th of them, so any split of
+    the same effective batch over processes and accumulation sees the same examples per step."""
+
+    def __init__(self, micro_batches, first_step, steps, accumulation, rank, world):
+        self.batches = [micro_batches[s * accumulation * world + k * world + rank]
+                        for s in range(first_step, steps) for k in range(accumulation)]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+def _epoch_loader(config, prepared, rows, run, collator, epoch, first_step, rank, world, device):
+    lengths = [example.length for example in prepared.train]
+    micro_batches = batches.epoch_micro_batches(rows, lengths, config.padding, micro_batch_size=run.micro_batch_size,
+                                                 seed=config.seed, epoch=epoch)
+    sampler = _RankBatches(micro_batches, first_step, run.steps_per_epoch, run.gradient_accumulation_steps, rank, world)
+    workers = config.dataloader_workers
+    return torch.utils.data.DataLoader(
+        batches.SftDataset(prepared.train), batch_sampler=sampler, collate_fn=collator, num_workers=workers,
+        pin_memory=config.pin_memory and device.type == "cuda",
+        prefetch_factor=config.prefetch_factor if workers > 0 else None)
+
+
+def _progress_bar(accelerator, total: int, initial: int):
+    from tqdm import tqdm
+    # Plain text (not the notebook widget): it reads the same in a terminal, papermill's log and Lab.
+    return tqdm(total=total, initial=initial, desc="training", unit="step", mininterval=1.0,
+                disable=not accelerator.is_main_process, file=sys.stdout, dynamic_ncols=False)

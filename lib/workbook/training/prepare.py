@@ -1,0 +1,139 @@
+"""The data a run trains on: read, split, tokenize, truncate, with everything the report says about
+it; synthetic rows for preset architectures (random weights, benchmarks). CPU only, deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workbook import arithmetic, jsonl, models, presets
+from workbook.params import AUTO
+from workbook.training import examples as sft_examples
+from workbook.training.config import TrainConfig, TrainError
+
+
+@dataclass
+class PreparedData:
+    """The tokenized data set, split, truncated, with everything the report says about it."""
+
+    train: list[sft_examples.TokenizedExample]
+    validation: list[sft_examples.TokenizedExample]
+    validation_records: list[dict]  # the validation records as read (for the accuracy check)
+    max_seq_length: int
+    max_seq_length_rule: str  # how it was chosen
+    length_stats: dict  # of all examples, before truncation
+    lengths: list[int]  # every example's token length before truncation (for the histogram)
+    truncation: dict
+    tokenize_report: dict
+    source: str
+    pad_token_id: int
+
+    def summary(self) -> dict:
+        return {
+            "source": self.source,
+            "examples": {"train": len(self.train), "validation": len(self.validation)},
+            "token_lengths": self.length_stats,
+            "max_seq_length": self.max_seq_length,
+            "max_seq_length_rule": self.max_seq_length_rule,
+            "truncation": self.truncation,
+            "formatting": self.tokenize_report,
+        }
+
+
+def read_records(path: str) -> tuple[list[dict], list[str]]:
+    """(records, "file:line" of each) from a JSON-lines file (workbook.jsonl's reader: a bad line
+    stops with its file and line); '' gives the arithmetic sample records."""
+    if not path:
+        records = arithmetic.sample_records()
+        return records, [f"sample record {index + 1}" for index in range(len(records))]
+    numbered, _ = jsonl.read_jsonl(path, on_bad_line=jsonl.FAIL)
+    if not numbered:
+        raise TrainError(f"{path}: no records; it must hold one JSON object per line")
+    return [record for _, record in numbered], [f"{path}:{number}" for number, _ in numbered]
+
+
+def prepare_data(config: TrainConfig, tokenizer=None) -> PreparedData:
+    """Read, split, tokenize and truncate the data; choose max_seq_length. CPU only, deterministic."""
+    if models.is_preset(config.model):
+        return synthetic_data(config)
+    tokenizer = tokenizer or models.load_tokenizer(config.model)
+    records, sources = read_records(config.data_path)
+    train_index, validation_index = sft_examples.split_validation(len(records), config.validation_fraction, config.seed)
+    examples, report = sft_examples.tokenize_pairs(
+        records, tokenizer, use_chat_template=config.use_chat_template, input_field=config.input_field,
+        output_field=config.output_field, sources=sources)
+    by_source = {example.source: example for example in examples}
+    lengths = [example.length for example in examples]
+    model_limit = getattr(tokenizer, "model_max_length", None)
+    max_len, rule = _choose_max_seq_length(config, lengths, _model_max_positions(config, model_limit))
+    train, truncation = sft_examples.truncate([by_source[sources[i]] for i in train_index if sources[i] in by_source], max_len)
+    validation, validation_truncation = sft_examples.truncate(
+        [by_source[sources[i]] for i in validation_index if sources[i] in by_source], max_len)
+    if not train:
+        raise TrainError(f"no training example left (of {len(records)} records, {len(validation_index)} held out for "
+                         "validation, the rest skipped or dropped): add data or lower validation_fraction")
+    truncation_summary = {
+        "max_seq_length": max_len,
+        "truncated": truncation.truncated + validation_truncation.truncated,
+        "dropped_without_response": truncation.dropped + validation_truncation.dropped,
+        "tokens_cut": truncation.tokens_cut + validation_truncation.tokens_cut,
+    }
+    return PreparedData(
+        train=train, validation=validation,
+        validation_records=[records[i] for i in validation_index if sources[i] in by_source],
+        max_seq_length=max_len, max_seq_length_rule=rule, length_stats=sft_examples.length_statistics(lengths),
+        lengths=lengths, truncation=truncation_summary,
+        tokenize_report={"chat_template": report.chat_template, "examples": report.examples,
+                         "skipped": len(report.skipped), "skipped_first": report.skipped[:5],
+                         "input_field": config.input_field, "output_field": config.output_field},
+        source=config.data_description,
+        pad_token_id=models.pad_token_id(None, tokenizer),
+    )
+
+
+def _model_max_positions(config: TrainConfig, tokenizer_limit: int | None) -> int | None:
+    config_limit = getattr(presets.load_config(models.model_source(config.model)), "max_position_embeddings", None)
+    limits = [limit for limit in (config_limit, tokenizer_limit) if isinstance(limit, int) and 0 < limit < 10**9]
+    return min(limits) if limits else None
+
+
+def _choose_max_seq_length(config: TrainConfig, lengths: list[int], model_limit: int | None) -> tuple[int, str]:
+    if config.max_seq_length == AUTO:
+        chosen = sft_examples.auto_max_seq_length(lengths, config.length_percentile)
+        rule = (f"auto: smallest multiple of {sft_examples.SEQUENCE_LENGTH_MULTIPLE} covering the "
+                f"{config.length_percentile:g}th percentile ({sft_examples.length_percentile(lengths, config.length_percentile)} tokens)")
+        if model_limit and chosen > model_limit:
+            rule += f", capped at the model's {model_limit} positions"
+            chosen = model_limit
+        return chosen, rule
+    chosen = int(config.max_seq_length)
+    if model_limit and chosen > model_limit:
+        raise TrainError(f"max_seq_length {chosen} exceeds the model's {model_limit} positions; "
+                         f"set max_seq_length <= {model_limit} or 'auto'")
+    return chosen, "set in params"
+
+
+def synthetic_data(config: TrainConfig) -> PreparedData:
+    """Random token sequences of exactly max_seq_length tokens, all carrying loss: for throughput
+    benchmarks of preset architectures (random weights, no tokenizer). Nothing here is learnable."""
+    if config.max_seq_length == AUTO:
+        raise TrainError(f"model {config.model!r} is a preset (random weights, synthetic data): set max_seq_length "
+                         "to the sequence length to benchmark, e.g. --set max_seq_length=2048")
+    vocab = presets.load_config(config.model).vocab_size
+    length = int(config.max_seq_length)
+    generator = torch.Generator().manual_seed(config.seed)
+    ids = torch.randint(0, vocab, (config.synthetic_examples, length), generator=generator).tolist()
+    examples = [sft_examples.TokenizedExample(row, list(row), f"synthetic {index + 1}") for index, row in enumerate(ids)]
+    held = max(1, round(len(examples) * config.validation_fraction)) if config.validation_fraction else 0
+    lengths = [length] * len(examples)
+    return PreparedData(
+        train=examples[held:], validation=examples[:held], validation_records=[], max_seq_length=length,
+        max_seq_length_rule="set in params (synthetic sequences of exactly this length)",
+        length_stats=sft_examples.length_statistics(lengths), lengths=lengths,
+        truncation={"max_seq_length": length, "truncated": 0, "dropped_without_response": 0, "tokens_cut": 0},
+        tokenize_report={"synthetic": True, "examples": len(examples)},
+        source=f"{len(examples)} random sequences of {length} tokens (preset {config.model}: random weights)",
+        pad_token_id=0,
+    )

@@ -1,0 +1,148 @@
+"""What a run measured, as one JSON-ready result and a few lines a person reads.
+
+- tokens/s: non-padding input tokens of all processes per second of training steps (data loading
+  included, evaluation excluded), after the first TIMING_WARMUP_STEPS steps (compilation and
+  allocator warm-up), as nanoGPT's bench.py does; the overall figure is reported beside it.
+- MFU, torchtitan's convention: per example of n tokens, 6 x N x n + 12 x layers x heads x head_dim
+  x n^2 FLOPs (the second term is attention; N counts every matmul weight: all parameters except
+  the input embedding table, whose lookup costs nothing, but with the output projection even when
+  tied to it, because its matmul runs), against the profile's dense peak x processes. LoRA: 4 x N
+  (no weight gradients for the frozen base). Recomputation by gradient checkpointing is not model
+  work and is not counted. On CPU, or without a peak for the dtype, MFU is "n/a", never invented.
+- peak memory: torch.cuda's reserved peak plus the memory outside PyTorch's allocator (CUDA context,
+  NCCL, workspaces), beside the planner's prediction for the same settings. On CPU there is no
+  resettable high-water mark: not measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workbook import gpu, runtime
+from workbook.training.checkpoints import latest_checkpoint
+from workbook.training.config import MAX_GRAD_NORM, MIXED_PRECISION, TIMING_WARMUP_STEPS
+from workbook.training.run_plan import MIN_LR_FRACTION, memory_plan
+
+
+def measured_peak_memory(device, accelerator) -> dict:
+    """The peak over every process since the loop started (``runtime.peak_memory``), and rank 0's."""
+    measured = runtime.peak_memory(device)
+    if measured is None:
+        return {"peak_bytes": None, "note": runtime.NOT_MEASURED_ON_CPU}
+    local = torch.tensor([measured.total_bytes, measured.allocated_bytes], device=device, dtype=torch.float64)
+    peak, allocated = local.tolist()
+    gathered = accelerator.reduce(local, "max").tolist()
+    return {"peak_bytes": int(gathered[0]), "peak_allocated_bytes": int(gathered[1]),
+            "rank0_peak_bytes": int(peak), "rank0_peak_allocated_bytes": int(allocated),
+            "note": "max over processes of torch.cuda.max_memory_reserved + memory outside PyTorch's allocator"}
+
+
+def result(config, prepared, run, accelerator, history, eval_history, start_step, step, finished,
+           model_description, total_parameters, trainable_parameters, optimizer_description, tf32_applied,
+           memory_measured, accuracy_before, accuracy_after, wall_seconds, final_dir, fsdp) -> dict:
+    """Everything a run measured and how, JSON-ready (``training_result.json``, notebook 03's metrics)."""
+    processes = accelerator.num_processes
+    on_gpu = accelerator.device.type == "cuda"
+    this_run = history[start_step:] if len(history) > start_step else []
+    warm = this_run[TIMING_WARMUP_STEPS:] if len(this_run) > TIMING_WARMUP_STEPS else this_run
+    seconds = sum(r["seconds"] for r in warm)
+    tokens_per_second = sum(r["tokens"] for r in warm) / seconds if seconds else None
+    all_seconds = sum(r["seconds"] for r in this_run)
+    overall = sum(r["tokens"] for r in this_run) / all_seconds if all_seconds else None
+    achieved_tflops = sum(r["flops"] for r in warm) / seconds / 1e12 if seconds else None
+    peak = {"bf16": config.peak_bf16_tflops, "fp16": config.peak_fp16_tflops}.get(config.dtype, 0.0)
+    if not on_gpu:
+        mfu, mfu_note = None, "n/a: CPU run (no GPU peak to measure against)"
+    elif not peak:
+        mfu, mfu_note = None, f"n/a: profile {config.profile} has no dense {config.dtype} peak (fp32 runs have none)"
+    else:
+        mfu = achieved_tflops / (peak * processes) if achieved_tflops else None
+        mfu_note = f"against {peak:g} dense {config.dtype} TFLOP/s x {processes} GPU(s) (profile {config.profile})"
+    try:
+        predicted = memory_plan(config, run.micro_batch_size, prepared.max_seq_length,
+                                sharding="fsdp" if fsdp else "none").total_bytes
+    except ValueError as error:  # e.g. a model the planner does not support
+        predicted = None
+        memory_measured["prediction_error"] = str(error)
+    gpus = processes if on_gpu else 0
+    gpu_hours = wall_seconds * gpus / 3600
+    # The same examples come back every epoch, so per-epoch means compare like with like; one step's
+    # loss mostly says which examples it drew.
+    epoch_losses = [[r["loss"] for r in history[e * run.steps_per_epoch:(e + 1) * run.steps_per_epoch]]
+                    for e in range(math.ceil(len(history) / run.steps_per_epoch))]
+    eval_before = next((e["eval_loss"] for e in eval_history if e["step"] == 0), None)
+    return {
+        "status": "finished" if finished else f"stopped at step {step} of {run.total_steps} (stop_after_steps)",
+        "model": config.model, "model_description": model_description,
+        "parameters": total_parameters, "trainable_parameters": trainable_parameters,
+        "data": prepared.summary(),
+        "plan": run.to_dict(),
+        "settings": {
+            "dtype": config.dtype, "mixed_precision": MIXED_PRECISION[config.dtype],
+            "tf32": {"requested": config.tf32, "applied": tf32_applied},
+            "grad_checkpointing": config.grad_checkpointing, "torch_compile": config.torch_compile,
+            "attn_implementation": config.attn_implementation, "padding": config.padding,
+            "dataloader_workers": config.dataloader_workers,
+            "pin_memory": {"requested": config.pin_memory, "applied": config.pin_memory and on_gpu},
+            "prefetch_factor": config.prefetch_factor if config.dataloader_workers else None,
+            "micro_batch_size": run.micro_batch_size, "gradient_accumulation_steps": run.gradient_accumulation_steps,
+            "processes": processes, "distributed_type": accelerator.distributed_type.value,
+            "optimizer": optimizer_description, "weight_decay": config.weight_decay,
+            "learning_rate": run.learning_rate, "learning_rate_rule": run.learning_rate_rule,
+            "warmup_steps": config.warmup_steps, "lora_rank": config.lora_rank, "max_grad_norm": MAX_GRAD_NORM,
+            "schedule": f"linear warmup, cosine to {MIN_LR_FRACTION:g} x peak", "seed": config.seed,
+        },
+        "steps": {"total": run.total_steps, "resumed_from": start_step, "reached": step},
+        "loss": {"first_step": history[0]["loss"] if history else None,
+                 "last_step": history[-1]["loss"] if history else None,
+                 "epoch_means": [sum(losses) / len(losses) for losses in epoch_losses],
+                 "eval_before": eval_before, "eval_after": eval_history[-1]["eval_loss"] if eval_history else None},
+        "accuracy": {"before": accuracy_before, "after": accuracy_after,
+                     "note": "greedy answers to validation prompts scored against the arithmetic task's true answers"
+                     if accuracy_after else "n/a: the validation inputs are not the arithmetic task's questions"
+                     + (" (or FSDP: generation skipped)" if fsdp else "")},
+        "throughput": {
+            "tokens_per_second": tokens_per_second, "tokens_per_second_overall": overall,
+            "tokens_per_second_per_process": tokens_per_second / processes if tokens_per_second else None,
+            "what": f"non-padding tokens of all processes per second of training steps, first {TIMING_WARMUP_STEPS} "
+                    "step(s) of this invocation left out of the steady-state figure",
+            "achieved_tflops": achieved_tflops, "mfu": mfu, "mfu_note": mfu_note,
+            "flops_convention": "torchtitan: 6 x matmul params x n + 12 x layers x heads x head_dim x n^2 per example "
+                                "of n tokens (LoRA: 4 x params); recomputation not counted",
+        },
+        "memory": {"measured": memory_measured, "predicted_peak_bytes": predicted,
+                   "prediction": f"planner at micro-batch {run.micro_batch_size}, {prepared.max_seq_length} tokens"},
+        "time": {"wall_seconds": wall_seconds, "training_seconds": all_seconds, "gpus": gpus,
+                 "gpu_hours": gpu_hours, "usd_per_gpu_hour": config.usd_per_gpu_hour,
+                 "cost_usd": gpu_hours * config.usd_per_gpu_hour},
+        "history": history, "eval_history": eval_history,
+        "output": {"output_dir": config.output_dir, "final_model_dir": final_dir,
+                   "checkpoint": str(latest_checkpoint(config.output_dir) or "") or None},
+        "versions": gpu.software_versions(),
+    }
+
+
+def summary_lines(result: dict) -> list[str]:
+    """A few lines a person reads after a run (CLI and notebook)."""
+    throughput, loss, time_ = result["throughput"], result["loss"], result["time"]
+    tokens = throughput["tokens_per_second"]
+    lines = [f"{result['status']}: {result['steps']['reached']} of {result['steps']['total']} steps, "
+             f"{result['model_description']}",
+             "training loss by epoch (mean per response token): "
+             + " -> ".join(f"{value:.4f}" for value in loss["epoch_means"]) if loss["epoch_means"] else "no step ran",
+             f"tokens/s {tokens:,.0f} (non-padding, steady state); MFU "
+             + (f"{throughput['mfu']:.1%}" if throughput["mfu"] is not None else throughput["mfu_note"])
+             if tokens else "tokens/s: not measured",
+             f"wall {time_['wall_seconds']:.1f} s, cost ${time_['cost_usd']:.2f}"]
+    if loss["eval_before"] is not None:
+        lines.append(f"validation loss {loss['eval_before']:.4f} -> {loss['eval_after']:.4f}")
+    accuracy = result["accuracy"]
+    if accuracy["after"]:
+        lines.append(f"arithmetic accuracy on {accuracy['after']['records']} validation prompts: "
+                     f"{accuracy['before']['accuracy']:.1%} before -> {accuracy['after']['accuracy']:.1%} after"
+                     if accuracy["before"] else f"accuracy after: {accuracy['after']['accuracy']:.1%}")
+    if result["output"]["final_model_dir"]:
+        lines.append(f"final model: {result['output']['final_model_dir']}")
+    return lines
