@@ -9,11 +9,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from workbook import cli, jsonl, notebook, params, planner, training
-from workbook.training import batches, checkpoints, examples, run_plan
+from workbook.training import batches as sft_batches, checkpoints, examples as sft_examples, run_plan
 from workbook.paths import NOTEBOOKS_DIR
 from workbook.tiny_model import BOS_ID, EOS_ID, PAD_ID
 
-IGNORE = examples.IGNORE_INDEX
+IGNORE = sft_examples.IGNORE_INDEX
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,14 @@ def make_config(tmp_path, data_path="", **changes) -> training.TrainConfig:
 @pytest.mark.parametrize("chat", [False, True], ids=["plain", "chat_template"])
 def test_only_response_tokens_carry_loss_token_by_token(tokenizer, chat):
     records = [{"input": "What is 23 + 45?", "output": "68"}, {"input": "What is 1 + 2?", "output": " 3"}]
-    (first, second), _ = examples.tokenize_pairs(records, tokenizer, use_chat_template=chat)
+    (first, second), _ = sft_examples.tokenize_pairs(records, tokenizer, use_chat_template=chat)
     prompt = [BOS_ID] + ids_of(tokenizer, "What is 23 + 45?")
     response = ids_of(tokenizer, " 68") + [EOS_ID]  # one space joins them; the model writes " 68</s>"
     assert first.input_ids == prompt + response
     assert first.labels == [IGNORE] * len(prompt) + response
     assert tokenizer.decode(second.input_ids) == "<s>What is 1 + 2? 3</s>"  # " 3" is not given a second space
 
-    batch = batches.Collator("packing", 64, PAD_ID)([[first, second]])
+    batch = sft_batches.Collator("packing", 64, PAD_ID)([[first, second]])
     # Position t predicts token t + 1 of the same example, and only where that token is a response token.
     expected = [IGNORE] * (len(prompt) - 1) + response + [IGNORE]
     expected += [IGNORE] * (len(second.input_ids) - 4) + ids_of(tokenizer, " 3") + [EOS_ID] + [IGNORE]
@@ -66,7 +66,7 @@ def test_only_response_tokens_carry_loss_token_by_token(tokenizer, chat):
 
 def test_records_without_a_usable_pair_are_listed_not_silently_dropped(tokenizer):
     records = [{"input": "What is 1 + 1?", "output": "2"}, {"input": "What is 2 + 2?"}, {"question": "x", "output": "y"}]
-    examples, report = examples.tokenize_pairs(records, tokenizer, use_chat_template=False,
+    examples, report = sft_examples.tokenize_pairs(records, tokenizer, use_chat_template=False,
                                                sources=["f.jsonl:1", "f.jsonl:2", "f.jsonl:3"])
     assert len(examples) == 1
     assert report.skipped == ["f.jsonl:2: field 'output' is missing", "f.jsonl:3: field 'input' is missing"]
@@ -77,18 +77,18 @@ def test_a_packed_row_gives_the_logits_and_loss_of_its_examples_run_alone(tiny_m
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention).eval()
     records = [{"input": "What is 23 + 45?", "output": "68"}, {"input": "What is 7 - 3?", "output": "4"},
                {"input": "What is 99 + 99?", "output": "198"}]
-    examples, _ = examples.tokenize_pairs(records, tokenizer, use_chat_template=False)
-    packed = batches.Collator("packing", 64, PAD_ID)([examples])
+    examples, _ = sft_examples.tokenize_pairs(records, tokenizer, use_chat_template=False)
+    packed = sft_batches.Collator("packing", 64, PAD_ID)([examples])
     with torch.no_grad():
         packed_logits = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"], use_cache=False).logits
         start, alone_loss = 0, 0.0
         for example in examples:
-            alone = batches.Collator("length_grouped", 64, PAD_ID)([[example]])
+            alone = sft_batches.Collator("length_grouped", 64, PAD_ID)([[example]])
             logits = model(input_ids=alone["input_ids"], position_ids=alone["position_ids"], use_cache=False).logits
             torch.testing.assert_close(packed_logits[0, start:start + example.length], logits[0], atol=2e-5, rtol=1e-5)
-            alone_loss += float(batches.loss_sum(model, alone, torch.device("cpu")))
+            alone_loss += float(sft_batches.loss_sum(model, alone, torch.device("cpu")))
             start += example.length
-        packed_loss = float(batches.loss_sum(model, packed, torch.device("cpu")))
+        packed_loss = float(sft_batches.loss_sum(model, packed, torch.device("cpu")))
     assert packed_loss == pytest.approx(alone_loss, rel=1e-5)
 
 
@@ -96,26 +96,26 @@ def test_packing_reaches_every_attention_kernel_as_separate_sequences(tiny_model
     from transformers.modeling_flash_attention_utils import _is_packed_sequence
     from transformers.masking_utils import find_packed_sequence_indices
     records = [{"input": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(6)]
-    examples, _ = examples.tokenize_pairs(records, tokenizer, use_chat_template=False)
+    examples, _ = sft_examples.tokenize_pairs(records, tokenizer, use_chat_template=False)
     rows = [examples[:3], examples[3:]]
-    batch = batches.Collator("packing", 64, PAD_ID)(rows)
+    batch = sft_batches.Collator("packing", 64, PAD_ID)(rows)
     # sdpa/eager: the mask builder sees the restarts in every row (only without attention mask and cache).
     assert find_packed_sequence_indices(batch["position_ids"])[0, -1] >= 3
     # flash-attention-2 only unpacks a batch of one row: two rows would silently attend across examples...
     assert not _is_packed_sequence(batch["position_ids"], batch_size=2)
-    flat = batches.Collator("packing", 64, PAD_ID, flatten=True)(rows)
+    flat = sft_batches.Collator("packing", 64, PAD_ID, flatten=True)(rows)
     assert flat["input_ids"].shape == (1, 128) and _is_packed_sequence(flat["position_ids"], batch_size=1)
     # ...and the flattened row means the same as the two rows (checked with sdpa, which runs on CPU).
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     with torch.no_grad():
-        two_rows = float(batches.loss_sum(model, batch, torch.device("cpu")))
-        one_row = float(batches.loss_sum(model, flat, torch.device("cpu")))
+        two_rows = float(sft_batches.loss_sum(model, batch, torch.device("cpu")))
+        one_row = float(sft_batches.loss_sum(model, flat, torch.device("cpu")))
     assert one_row == pytest.approx(two_rows, rel=1e-5)
 
 
 def test_auto_max_seq_length_covers_the_data_and_truncation_is_reported(tmp_path, tokenizer):
-    assert examples.auto_max_seq_length([10, 50, 64, 65, 130, 200]) == 256
-    assert examples.auto_max_seq_length([10, 50, 64, 65, 130, 200], percentile=50) == 64
+    assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200]) == 256
+    assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200], percentile=50) == 64
     records = [{"input": f"Question {i}?", "output": "x" * (3 * i + 1)} for i in range(60)]
     path = write_jsonl(tmp_path / "pairs.jsonl", records)
     prepared = training.prepare_data(make_config(tmp_path, path, use_chat_template=False, validation_fraction=0.1))
@@ -128,24 +128,24 @@ def test_auto_max_seq_length_covers_the_data_and_truncation_is_reported(tmp_path
     half = training.prepare_data(make_config(tmp_path, path, length_percentile=50.0))
     too_long = sum(length > half.max_seq_length for length in half.lengths)
     assert too_long > 0 and half.truncation["truncated"] == too_long  # counted, never hidden
-    assert half.max_seq_length == examples.auto_max_seq_length(half.lengths, 50)
+    assert half.max_seq_length == sft_examples.auto_max_seq_length(half.lengths, 50)
 
 
 def test_packing_and_length_grouping_use_every_example_once_and_report_their_padding():
     lengths = [5 + (i * 37) % 58 for i in range(200)]
-    rows = batches.plan_rows(lengths, "packing", 64)
+    rows = sft_batches.plan_rows(lengths, "packing", 64)
     assert sorted(i for row in rows for i in row) == list(range(200))
     assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
-    batches = batches.epoch_micro_batches(rows, lengths, "packing", micro_batch_size=8, seed=0, epoch=1)
+    batches = sft_batches.epoch_micro_batches(rows, lengths, "packing", micro_batch_size=8, seed=0, epoch=1)
     assert sorted(row for batch in batches for row in batch) == sorted(rows)
-    assert batches.padding_fraction(batches, lengths, "packing", 64) == pytest.approx(1 - sum(lengths) / (len(rows) * 64))
+    assert sft_batches.padding_fraction(batches, lengths, "packing", 64) == pytest.approx(1 - sum(lengths) / (len(rows) * 64))
 
-    single = batches.plan_rows(lengths, "length_grouped", 64)
-    grouped = batches.epoch_micro_batches(single, lengths, "length_grouped", micro_batch_size=8, seed=0, epoch=0)
+    single = sft_batches.plan_rows(lengths, "length_grouped", 64)
+    grouped = sft_batches.epoch_micro_batches(single, lengths, "length_grouped", micro_batch_size=8, seed=0, epoch=0)
     assert sorted(i for batch in grouped for row in batch for i in row) == list(range(200))
     widths = [max(lengths[i] for row in batch for i in row) for batch in grouped]
     assert widths[0] == max(lengths)  # the longest batch first: an out-of-memory shows at step 1
-    comparison = batches.padding_comparison(lengths, 64, 8, seed=0)
+    comparison = sft_batches.padding_comparison(lengths, 64, 8, seed=0)
     assert comparison["length_grouped"] < comparison["pad_to_max_seq_length"]
     assert comparison["packing"] < comparison["pad_to_max_seq_length"]
 
@@ -194,7 +194,7 @@ def test_every_profile_gives_a_training_config_and_notebook_03_declares_every_ke
     # The schema's choices are the ones the code implements.
     assert params.SCHEMA["optimizer"].choices == planner.OPTIMIZERS
     assert params.SCHEMA["attn_implementation"].choices == planner.ATTENTION_IMPLEMENTATIONS
-    assert params.SCHEMA["padding"].choices == batches.PADDINGS
+    assert params.SCHEMA["padding"].choices == sft_batches.PADDINGS
     assert params.SCHEMA["lr_scaling"].choices == run_plan.LR_SCALING_RULES
 
 

@@ -3,17 +3,9 @@
     workbook bench --params cpu       # tiny model on this CPU, about a minute
     workbook bench --params h200      # 8B-shaped random bf16 model (generation), 1B-shaped (training)
 
-Generation sweep, every strategy on the same prompts (random token ids, lengths uniform in
-[prompt_len / 4, prompt_len], every output forced to ``bench_max_new_tokens`` so padding comes from
-the prompts and the batch's longest output alone):
-
-- ``seed-before``: one prompt at a time (seeds 000/002 before their change);
-- ``seed-after``: static batches of 32 in file order, eager (the seeds' "after"; the baseline that
-  speedups are quoted against);
-- ``static-sorted``: static batches sorted longest first (the job's default), per batch size;
-- ``static-compiled``: static KV cache + torch.compile, per batch size (skipped on CPU: it compiles
-  again for every batch size, minutes of compiling for seconds of decoding);
-- ``continuous``: transformers' continuous batching, per batch size.
+Generation sweep (``generation_sweep``, which lists the strategies): the seeds' one-at-a-time
+"before" and static-batch-32 "after", length-sorted static, static-compiled and continuous
+batching, every strategy on the same prompts.
 
 Each point: one warm-up batch, then ``bench_repeats`` timed runs with the device synchronized; the
 median counts and the spread (min, max) is kept. Reported per point: output tokens/s, examples/min,
@@ -22,7 +14,7 @@ measured", never invented), and the fraction of the memory-bandwidth roofline an
 peak reached. Bytes and FLOPs per decode step are counted from the model config (``decode_step_cost``);
 the peaks come from the profile (0 on the cpu profile: "n/a").
 
-Training sweep (``train.train`` on each point): micro-batch x gradient checkpointing x compile x
+Training sweep (``training.train`` on each point): micro-batch x gradient checkpointing x compile x
 packing, one factor at a time around each micro-batch; tokens/s, MFU, peak memory vs prediction.
 
 An NVML sampler (a thread) records GPU utilization, memory used, power and SM clock during each point.

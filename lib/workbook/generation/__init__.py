@@ -48,12 +48,12 @@ from workbook.generation.engine import (
 )
 from workbook.generation.backends import BACKENDS, ContinuousBackend, StaticBackend, make_backend
 from workbook.generation.files import OutputFiles, read_outputs, resolve_input_path, resolve_output_path
-from workbook.generation.job import PARAMS_USED, decoding_settings, run_job, tokenize_prompts
+from workbook.generation.job import PARAMS_USED, decoding_settings, load_model, run_job, tokenize_prompts
 from workbook.generation.processes import launch
 
 __all__ = [
     "BACKENDS", "BatchStats", "Completion", "ContinuousBackend", "DecodingSettings", "GenerationError", "Outcome",
     "OutputFiles", "PARAMS_USED", "Prompt", "StaticBackend", "decoding_settings", "finish", "generate_with_split",
-    "launch", "make_backend", "read_outputs", "resolve_input_path", "resolve_output_path", "run_batches", "run_job",
+    "launch", "load_model", "make_backend", "read_outputs", "resolve_input_path", "resolve_output_path", "run_batches", "run_job",
     "sort_longest_first", "summarize", "summary_lines", "task_accuracy", "tokenize_prompts",
 ]
