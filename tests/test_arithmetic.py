@@ -98,3 +98,15 @@ def test_load_prompts_names_the_bad_line(tmp_path):
     path.write_text('{"id": 1}\n{not json\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"prompts.jsonl:2: not valid JSON"):
         arithmetic.load_prompts(path)
+
+
+def test_the_contraction_variant_asks_the_same_problems_in_other_words():
+    held_out = set(arithmetic.sample_problems())
+    records = arithmetic.variant_records("contraction", 50, seed=7, exclude=held_out)
+    assert len({r["id"] for r in records}) == 50 and all(r["input"].startswith("What's ") for r in records)
+    for record in records:
+        problem = arithmetic.parse_question(record["input"])
+        assert problem not in held_out and arithmetic.answer_text(problem.answer) == record["output"]
+    assert arithmetic.parse_question("What is 3 + 4?") == Problem(3, 4)
+    assert arithmetic.parse_question("What is 300 + 4?") is None  # outside the task's operands
+    assert arithmetic.parse_question("What is 3 plus 4?") is None

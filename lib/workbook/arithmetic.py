@@ -54,9 +54,25 @@ class Problem:
         return "hard" if self.left % 10 + self.right % 10 >= 10 else "easy"
 
 
-def question_text(left: int, right: int) -> str:
-    """The prompt a model sees, e.g. "What is 23 + 45?"."""
-    return f"What is {left} + {right}?"
+# How a question is written. The tiny model is trained on "plain" only; "contraction" is the
+# harder variant it gets only partly right (about 1 in 12), which rejection-sampling fine-tuning
+# (sample, verify, keep the right answers, train on them) can teach it.
+QUESTION_STYLES = {"plain": "What is {left} + {right}?", "contraction": "What's {left} + {right}?"}
+_QUESTION = re.compile(r"^(?:What is|What's) (\d+) \+ (\d+)\?$")
+
+
+def question_text(left: int, right: int, style: str = "plain") -> str:
+    """The prompt a model sees, e.g. "What is 23 + 45?" (plain) or "What's 23 + 45?" (contraction)."""
+    return QUESTION_STYLES[style].format(left=left, right=right)
+
+
+def parse_question(text: str) -> Problem | None:
+    """The problem a question of any style asks, or None when ``text`` is not one of the task's."""
+    match = _QUESTION.match(text.strip()) if isinstance(text, str) else None
+    if not match:
+        return None
+    left, right = int(match.group(1)), int(match.group(2))
+    return Problem(left, right) if max(left, right) <= OPERAND_MAX else None
 
 
 def answer_text(value: int) -> str:
@@ -98,6 +114,14 @@ def make_record(problem: Problem, index: int) -> dict:
         "difficulty": problem.difficulty,
         "domain": DOMAIN,
     }
+
+
+def variant_records(style: str, count: int, seed: int, exclude: set[Problem] = frozenset()) -> list[dict]:
+    """``count`` records of problems drawn by ``seed`` (none of ``exclude``), asked in ``style``."""
+    problems = [problem for problem in all_problems() if problem not in exclude]
+    chosen = random.Random(seed).sample(problems, count)
+    return [{**make_record(problem, index), "id": f"arith-{style}-{index:04d}",
+             "input": question_text(problem.left, problem.right, style)} for index, problem in enumerate(chosen)]
 
 
 def sample_records() -> list[dict]:

@@ -28,6 +28,15 @@ class OutputFiles:
         return self._sibling(".failures")
 
     @property
+    def accepted(self) -> Path:
+        """The records a verifier accepted (``verify``), in the output's format."""
+        return self._sibling(".accepted")
+
+    @property
+    def verify_errors(self) -> Path:
+        return self._sibling(".verify_errors")
+
+    @property
     def summary(self) -> Path:
         return self.output.with_name(f"{self.output.stem}.summary.json")
 

@@ -49,11 +49,10 @@ def evaluate(model, batches, accelerator) -> float:
 def arithmetic_references(records: list[dict], input_field: str) -> list[str] | None:
     """The true answers when every record's input is a question of the arithmetic task (from the
     task itself, not from the record's output, which may be a teacher's mistake); else None."""
-    answers = {problem.question: arithmetic.answer_text(problem.answer) for problem in arithmetic.all_problems()}
-    questions = [record.get(input_field) for record in records]
-    if not questions or any(question not in answers for question in questions):
+    problems = [arithmetic.parse_question(record.get(input_field)) for record in records]
+    if not problems or any(problem is None for problem in problems):
         return None
-    return [answers[question] for question in questions]
+    return [arithmetic.answer_text(problem.answer) for problem in problems]
 
 
 def accuracy(accelerator, model, tokenizer, prepared, config) -> dict | None:
