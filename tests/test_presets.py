@@ -1,5 +1,6 @@
 """The preset table: real architectures by name, counted exactly, and local directories by path."""
 
+import json
 import time
 
 import pytest
@@ -108,3 +109,30 @@ def test_directory_without_config_json_says_so(tmp_path):
 def test_meta_models_hold_no_storage():
     model = build_on_meta_device(load_config("Llama-3.1-8B"))
     assert all(p.device == torch.device("meta") for p in model.parameters())
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", "config.json: empty"),
+    ('{"model_type": "llama", "hidden_size": 64,', "config.json: not valid JSON"),
+    ('["llama"]', "expected a JSON object with a 'model_type'"),
+])
+def test_a_broken_config_json_is_named_not_a_traceback(tmp_path, text, message):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_size": "4096"}, "config.json: transformers refuses it: .*hidden_size.* expected int"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers is 0; expected a positive integer"),
+    ({"intermediate_size": -8}, "intermediate_size is -8; expected a positive integer"),
+    ({"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 4},
+     "6 is not a multiple of num_key_value_heads 4"),
+])
+def test_impossible_sizes_are_refused_with_the_key(tmp_path, change, message):
+    from workbook.planner import model_shape
+    values = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, **change}
+    (tmp_path / "config.json").write_text(json.dumps(values))
+    with pytest.raises(ValueError, match=message):
+        model_shape(str(tmp_path))

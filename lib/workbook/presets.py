@@ -17,6 +17,7 @@ embeddings once, in well under a second even for 70B.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import torch
@@ -194,12 +195,33 @@ def load_config(model: str | Path) -> PretrainedConfig:
                 f"model directory {directory} has no config.json; point `model` at a Hugging Face "
                 "model directory (the one holding config.json) or use a preset name"
             )
-        return AutoConfig.from_pretrained(directory, local_files_only=True)
+        return _config_from_directory(directory)
     raise ValueError(
         f"unknown model {name!r}: not a preset and not a local directory. "
         f"Presets (any case): {', '.join(preset_names())}; or pass a local Hugging Face model "
         "directory that holds config.json (nothing is downloaded)."
     )
+
+
+def _config_from_directory(directory: Path) -> PretrainedConfig:
+    """A local model's config; a config.json that is empty, not JSON, not an object or that
+    transformers cannot read gets a ValueError naming the file (not a traceback from inside)."""
+    path = directory / "config.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        what = ("empty" if not text.strip()
+                else f"not valid JSON ({error.msg} at line {error.lineno} column {error.colno})")
+        raise ValueError(f"{path}: {what}; restore the model's config.json") from None
+    if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
+        raise ValueError(f"{path}: expected a JSON object with a 'model_type' (e.g. \"llama\"), as Hugging Face "
+                         "writes it; restore the model's config.json")
+    try:
+        return AutoConfig.from_pretrained(directory, local_files_only=True)
+    except Exception as error:  # transformers' own checks (types, head counts) raise several kinds
+        reason = " ".join(str(error).split())
+        raise ValueError(f"{path}: transformers refuses it: {reason}") from None
 
 
 def count_parameters(config: PretrainedConfig) -> int:

@@ -89,6 +89,7 @@ def model_shape(model: PretrainedConfig | ModelShape | str) -> ModelShape:
             f"the {config.model_type!r} config has no {', '.join(missing)}: the memory planner "
             "supports Llama-style decoders (Llama, Qwen2, Mistral and alike)"
         )
+    _check_sizes(text, _model_name(model, config))
     meta_model = presets.build_on_meta_device(config)
     layers = _decoder_layers(meta_model, text.num_hidden_layers)
     layer_parameters = [sum(p.numel() for p in layer.parameters()) for layer in layers]
@@ -126,6 +127,24 @@ def model_shape(model: PretrainedConfig | ModelShape | str) -> ModelShape:
 _REQUIRED_CONFIG_FIELDS = (
     "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"
 )
+
+
+def _check_sizes(text_config: PretrainedConfig, source: str) -> None:
+    """Sizes must be positive integers and query heads a multiple of key/value heads: a config that
+    breaks either would build a model that cannot exist, or fail deep inside torch."""
+    optional = ("num_key_value_heads", "head_dim", "max_position_embeddings")
+    for name in _REQUIRED_CONFIG_FIELDS + optional:
+        value = getattr(text_config, name, None)
+        if value is None and name in optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config of {source}: {name} is {value!r}; expected a positive integer")
+    heads = text_config.num_attention_heads
+    key_value_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    if heads % key_value_heads:
+        raise ValueError(f"config of {source}: num_attention_heads {heads} is not a multiple of "
+                         f"num_key_value_heads {key_value_heads} (grouped-query attention shares each "
+                         "key/value head among a whole number of query heads)")
 
 
 def _decoder_layers(meta_model: torch.nn.Module, num_layers: int) -> torch.nn.ModuleList:
