@@ -153,8 +153,38 @@ def test_packing_and_length_grouping_use_every_example_once_and_report_their_pad
 def test_a_bad_line_in_the_training_file_names_the_file_and_line(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": \n')
-    with pytest.raises(jsonl.DataError, match=r"pairs.jsonl:2: not valid JSON"):
+    with pytest.raises(jsonl.DataError, match=r"pairs.jsonl:2: not valid JSON.*set on_bad_line: skip") as error:
         training.prepare_data(make_config(tmp_path, str(path)))
+    assert "failures file" not in str(error.value)  # training writes none: it lists skipped lines itself
+
+
+def test_on_bad_line_skip_trains_without_bad_lines_and_says_what_it_left_out(tmp_path):
+    good = [{"input": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(6)]
+    lines = [json.dumps(record) for record in good[:3]] + ['{"input": "cut off', "[1, 2]"]
+    lines += [json.dumps(record) for record in good[3:]] + [json.dumps({"input": "What is 9 + 9?", "output": ""})]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    console = []
+    prepared = training.prepare_data(make_config(tmp_path, str(path), on_bad_line="skip"), log=console.append)
+    assert len(prepared.train) == 6  # every good record, nothing else
+    skipped_line, empty_output_line = console
+    assert skipped_line.startswith(f"skipped 2 bad line(s) (on_bad_line: skip): {path}:4: not valid JSON (")
+    assert skipped_line.endswith(f"; {path}:5: a JSON list, not an object")
+    assert empty_output_line == (f"left out 1 record(s) without a non-empty 'input' and 'output' string: "
+                                 f"{path}:9: field 'output' is ''")
+    summary = prepared.summary()  # what training_metrics.json keeps
+    assert summary["bad_lines"]["skipped"] == 2 and summary["bad_lines"]["skipped_first"][1].startswith(f"{path}:5:")
+    assert summary["formatting"]["skipped"] == 1
+
+    path.write_text('{"input": "cut off\n')
+    with pytest.raises(training.TrainError, match=r"no records \(every non-blank line is bad: .*pairs.jsonl:1"):
+        training.prepare_data(make_config(tmp_path, str(path), on_bad_line="skip"))
+
+
+def test_the_bad_line_policy_comes_from_the_params(tmp_path):
+    profile = params.load_all()["cpu"]
+    assert training.config_from_params(profile, tmp_path).on_bad_line == "fail"
+    assert training.config_from_params({**profile, "on_bad_line": "skip"}, tmp_path).on_bad_line == "skip"
 
 
 # ----------------------------------------------------------------------------------------------
