@@ -388,7 +388,7 @@ def test_only_an_unfinished_run_of_the_same_settings_with_a_checkpoint_is_resume
     monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path)
     profile = params.load_all()["cpu"]
     settings = run_folder.training_settings(profile)
-    interrupted = fake_run(tmp_path, "20250101-000000-cpu", settings, step=6, status="stopped at step 6 of 9")
+    interrupted = fake_run(tmp_path, "20250101-000000-cpu", settings, step=6)  # killed: no result written
     fake_run(tmp_path, "20250102-000000-cpu", {**settings, "learning_rate": 1.0}, step=4)  # other settings
     fake_run(tmp_path, "20250103-000000-cpu", settings, step=None)  # killed before its first checkpoint
     fake_run(tmp_path, "20250104-000000-cpu", settings, step=9, status="finished")
