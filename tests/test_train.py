@@ -1,15 +1,18 @@
 """Training: loss on response tokens only, packing without attention across examples, `auto`
 sequence length, overfitting, exact resume, and 2 processes giving the 1-process losses."""
 
+import dataclasses
 import json
+import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workbook import cli, jsonl, notebook, params, planner, training
-from workbook.training import batches as sft_batches, checkpoints, examples as sft_examples, run_plan
+from workbook import cli, jsonl, params, planner, runner, training
+from workbook.training import batches as sft_batches, checkpoints, cli as training_cli, examples as sft_examples
+from workbook.training import run_folder, run_plan
 from workbook.paths import NOTEBOOKS_DIR
 from workbook.tiny_model import BOS_ID, EOS_ID, PAD_ID
 
@@ -153,8 +156,38 @@ def test_packing_and_length_grouping_use_every_example_once_and_report_their_pad
 def test_a_bad_line_in_the_training_file_names_the_file_and_line(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": \n')
-    with pytest.raises(jsonl.DataError, match=r"pairs.jsonl:2: not valid JSON"):
+    with pytest.raises(jsonl.DataError, match=r"pairs.jsonl:2: not valid JSON.*set on_bad_line: skip") as error:
         training.prepare_data(make_config(tmp_path, str(path)))
+    assert "failures file" not in str(error.value)  # training writes none: it lists skipped lines itself
+
+
+def test_on_bad_line_skip_trains_without_bad_lines_and_says_what_it_left_out(tmp_path):
+    good = [{"input": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(6)]
+    lines = [json.dumps(record) for record in good[:3]] + ['{"input": "cut off', "[1, 2]"]
+    lines += [json.dumps(record) for record in good[3:]] + [json.dumps({"input": "What is 9 + 9?", "output": ""})]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    console = []
+    prepared = training.prepare_data(make_config(tmp_path, str(path), on_bad_line="skip"), log=console.append)
+    assert len(prepared.train) == 6  # every good record, nothing else
+    skipped_line, empty_output_line = console
+    assert skipped_line.startswith(f"skipped 2 bad line(s) (on_bad_line: skip): {path}:4: not valid JSON (")
+    assert skipped_line.endswith(f"; {path}:5: a JSON list, not an object")
+    assert empty_output_line == (f"left out 1 record(s) without a non-empty 'input' and 'output' string: "
+                                 f"{path}:9: field 'output' is ''")
+    summary = prepared.summary()  # what training_metrics.json keeps
+    assert summary["bad_lines"]["skipped"] == 2 and summary["bad_lines"]["skipped_first"][1].startswith(f"{path}:5:")
+    assert summary["formatting"]["skipped"] == 1
+
+    path.write_text('{"input": "cut off\n')
+    with pytest.raises(training.TrainError, match=r"no records \(every non-blank line is bad: .*pairs.jsonl:1"):
+        training.prepare_data(make_config(tmp_path, str(path), on_bad_line="skip"))
+
+
+def test_the_bad_line_policy_comes_from_the_params(tmp_path):
+    profile = params.load_all()["cpu"]
+    assert training.config_from_params(profile, tmp_path).on_bad_line == "fail"
+    assert training.config_from_params({**profile, "on_bad_line": "skip"}, tmp_path).on_bad_line == "skip"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -286,15 +319,99 @@ def test_resume_continues_from_the_saved_step_with_the_same_optimizer_state(tmp_
 
 
 def test_workbook_train_cli_trains_into_a_run_folder(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(notebook, "new_run_dir", lambda profile: tmp_path)
+    monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path)
     code = cli.main(["train", "--params", "cpu", "--set", "max_steps=2", "validation_fraction=0.05",
                      "length_percentile=90"])
     out = capsys.readouterr().out
     assert code == 0, out
-    metrics = json.loads((tmp_path / "training_metrics.json").read_text())
+    (run,) = [folder for folder in tmp_path.iterdir() if folder.is_dir()]
+    assert f"new run folder {run} (save_every_steps is 0, no checkpoints" in out
+    metrics = json.loads((run / "training_metrics.json").read_text())
     assert metrics["status"] == "finished" and metrics["steps"]["reached"] == 2
     assert metrics["accuracy"]["before"]["records"] == 15  # the arithmetic sample: 5% of 300
-    assert "training loss by epoch" in out and (tmp_path / "training" / "final" / "config.json").is_file()
+    assert "training loss by epoch" in out and (run / "training" / "final" / "config.json").is_file()
+
+
+def test_every_set_counts_in_python_m_workbook_training(monkeypatch, capsys):
+    seen = {}
+    monkeypatch.setattr(training_cli, "_train_in_chosen_folder", lambda params, command: seen.update(params) or 0)
+    assert training.main(["--params", "cpu", "--set", "max_steps=3", "--set", "epochs=2", "learning_rate=0.001"]) == 0
+    assert (seen["max_steps"], seen["epochs"], seen["learning_rate"]) == (3, 2, 0.001)
+    assert training.main(["--params", "cpu", "--set", "max_steps=3", "--set", "epochs=two"]) == 2  # no traceback
+    assert capsys.readouterr().err.startswith("error: --set epochs=two: 'epochs' is 'two'")
+
+
+def test_rerunning_the_same_train_command_resumes_the_run_it_interrupted(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path / "outputs")
+    command = ["train", "--params", "cpu", "--set", f"train_data_path={arithmetic_pairs(tmp_path)}", "max_steps=2",
+               "save_every_steps=1", "micro_batch_size=2", "validation_fraction=0"]
+    real_config = training_cli.config_from_params
+    with monkeypatch.context() as interrupt:  # the first invocation ends after step 1, as a kill would
+        interrupt.setattr(training_cli, "config_from_params",
+                          lambda *args: dataclasses.replace(real_config(*args), stop_after_steps=1))
+        assert cli.main(command) == 0
+    (run,) = (tmp_path / "outputs").iterdir()
+    assert checkpoints.latest_checkpoint(run / "training").name == "step-00000001"
+    capsys.readouterr()
+
+    assert cli.main(command) == 0  # the same command again
+    out = capsys.readouterr().out
+    assert f"resuming {run}: " in out and "checkpoint at step 1" in out
+    assert list((tmp_path / "outputs").iterdir()) == [run]  # no new folder
+    metrics = json.loads((run / "training_metrics.json").read_text())
+    assert metrics["status"] == "finished" and metrics["steps"] == {"total": 2, "resumed_from": 1, "reached": 2}
+    assert (run / "training" / "final" / "model.safetensors").is_file()
+
+    assert cli.main(command) == 0  # a finished run is never resumed: the same command trains anew
+    out = capsys.readouterr().out
+    (new,) = set((tmp_path / "outputs").iterdir()) - {run}
+    assert f"new run folder {new}" in out and "resuming" not in out
+    assert json.loads((new / "training_metrics.json").read_text())["steps"]["resumed_from"] == 0
+
+
+def fake_run(root, name, settings, step=None, status=None, fingerprint=None):
+    """A run folder as the CLI leaves it: its command record, a checkpoint and a result if given."""
+    folder = root / name
+    (folder / "training").mkdir(parents=True)
+    record = {"command": "workbook train", "started": name, "settings": settings}
+    (folder / run_folder.COMMAND_FILE).write_text(json.dumps(record))
+    if step is not None:
+        checkpoint = checkpoints.checkpoint_dir(folder / "training", step)
+        checkpoint.mkdir(parents=True)
+        (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": step, "fingerprint": fingerprint}))
+    if status is not None:
+        (folder / "training" / "training_result.json").write_text(json.dumps({"status": status}))
+    return folder
+
+
+def test_only_an_unfinished_run_of_the_same_settings_with_a_checkpoint_is_resumed(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path)
+    profile = params.load_all()["cpu"]
+    settings = run_folder.training_settings(profile)
+    interrupted = fake_run(tmp_path, "20250101-000000-cpu", settings, step=6)  # killed: no result written
+    fake_run(tmp_path, "20250102-000000-cpu", {**settings, "learning_rate": 1.0}, step=4)  # other settings
+    fake_run(tmp_path, "20250103-000000-cpu", settings, step=None)  # killed before its first checkpoint
+    fake_run(tmp_path, "20250104-000000-cpu", settings, step=9, status="finished")
+    chosen = run_folder.choose(profile, "workbook train --params cpu")
+    assert (chosen.path, chosen.created) == (interrupted, False) and "at step 6" in chosen.note
+
+    # While it trains, a second command leaves it alone (and names who holds it) and starts anew.
+    second = run_folder.choose(profile, "workbook train --params cpu")
+    assert second.created and second.path.parent == tmp_path
+    assert f"{interrupted} was started by the same settings but is still training (process {os.getpid()} on " in second.note
+    second.discard()
+    assert not second.path.exists()  # nothing was trained there: no folder left behind
+    chosen.release()
+    again = run_folder.choose(profile, "workbook train --params cpu")
+    assert again.path == interrupted
+    again.release()
+
+    explicit = {**profile, "train_output_dir": str(tmp_path / "mine")}  # resumes by itself, one command at a time
+    first = run_folder.choose(explicit, "workbook train")
+    assert "train_output_dir is set" in first.note
+    with pytest.raises(training.TrainError, match=r"train_output_dir .*mine is in use by process"):
+        run_folder.choose(explicit, "workbook train")
+    first.release()
 
 
 @pytest.mark.multiprocess
@@ -308,3 +425,26 @@ def test_two_processes_on_cpu_give_the_losses_of_one_process_with_the_same_effec
     # the order of floating-point sums.
     assert [r["loss"] for r in two["history"]] == pytest.approx([r["loss"] for r in one["history"]], rel=1e-4)
     assert [r["tokens"] for r in two["history"]] == [r["tokens"] for r in one["history"]]
+
+
+def test_resuming_a_run_whose_data_changed_is_refused_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path)
+    overrides = [f"train_data_path={arithmetic_pairs(tmp_path)}", "save_every_steps=1", "validation_fraction=0"]
+    settings = run_folder.training_settings(runner.resolve_params("cpu", overrides)[0])
+    run = fake_run(tmp_path, "20250101-000000-cpu", settings, step=1, fingerprint={"data": "0123456789abcdef"})
+    monkeypatch.setattr(training_cli, "launch", lambda *args: pytest.fail("the model was loaded"))
+    assert cli.main(["train", "--params", "cpu", "--set", *overrides]) == 2
+    error = capsys.readouterr().err
+    assert f"{run / 'training' / 'checkpoints' / 'step-00000001'} was saved by a run with other settings or data: " \
+           "data 0123456789abcdef (now " in error
+    assert f"move {run / 'training'} away" in error and (run / "training" / "checkpoints").is_dir()  # nothing lost
+
+
+def test_an_unwritable_outputs_folder_is_one_error_line_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path / "a-file" / "outputs")
+    monkeypatch.setattr(training_cli, "launch", lambda *args: pytest.fail("the model was loaded"))
+    assert cli.main(["train", "--params", "cpu"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("error: cannot create or lock a run folder (") and error.count("\n") == 1
+    assert f"make {tmp_path / 'a-file' / 'outputs'} writable" in error

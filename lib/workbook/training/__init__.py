@@ -14,7 +14,8 @@ Where each part lives: ``config`` (params -> one typed TrainConfig), ``examples`
 truncate, split), ``batches`` (packing, length grouping, the collator and the loss), ``prepare`` (the
 data a run trains on), ``run_plan`` (micro-batch, steps, learning rate, memory plan, FLOPs), ``loop``
 (``train``), ``evaluation`` (validation loss, accuracy), ``checkpoints``, ``report`` (what was
-measured, and how), ``processes`` (one or many) and ``cli`` (``workbook train``).
+measured, and how), ``processes`` (one or many), ``run_folder`` (a new run folder, or the one the
+same command left unfinished: rerunning it after a kill resumes) and ``cli`` (``workbook train``).
 """
 
 from workbook.training.cli import main

@@ -37,16 +37,22 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
     return complete[-1] if complete else None
 
 
+def saved_state(checkpoint: Path) -> dict:
+    """What our state file holds: the step, the fingerprint and the history so far."""
+    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+
+
 def resumable_state(checkpoint: Path, fingerprint: dict) -> dict:
     """The state saved with ``checkpoint``; TrainError naming what differs when it was saved by a run
     with other settings or data (resuming it would silently train something else)."""
     from workbook.training.config import TrainError
-    state = json.loads((checkpoint / STATE_FILE).read_text())
+    state = saved_state(checkpoint)
     if state["fingerprint"] != fingerprint:
         differences = ", ".join(f"{key} {value} (now {fingerprint[key]})" for key, value in state["fingerprint"].items()
                                 if fingerprint.get(key) != value)
         raise TrainError(f"{checkpoint} was saved by a run with other settings or data: {differences}. "
-                         "Resume with the same settings, or set train_output_dir to a new folder")
+                         "Resume with the same settings and data; or, to train anew, set train_output_dir to a new "
+                         f"folder or move {checkpoint.parent.parent} away")
     return state
 
 

@@ -1,50 +1,80 @@
 """``workbook train`` and ``python -m workbook.training`` (the entry point for ``accelerate launch``
-and ``torchrun``, one process per GPU; every process gets the same --run-dir)."""
+and ``torchrun``, one process per GPU; every process gets the same --run-dir).
+
+Without --run-dir the run folder is chosen by ``run_folder.choose``: the same command after a kill
+resumes the run it interrupted, otherwise a new folder; the console says which.
+"""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 
 from workbook import jsonl, notebook, runner, runtime
+from workbook.params import ParamsError
 from workbook.planner import DoesNotFitError
+from workbook.training import checkpoints, run_folder
 from workbook.training.config import TrainError, config_from_params
 from workbook.training.loop import train
 from workbook.training.prepare import prepare_data
 from workbook.training.processes import launch
 from workbook.training.report import summary_lines
+from workbook.training.run_plan import plan_run
+
+METRICS_FILE = "training_metrics.json"  # in the run folder, beside the training folder it describes
 
 
 def cli_main(params_arg: str, overrides: list[str]) -> int:
-    """`workbook train --params FILE [--set key=value ...]`: train into a new run folder (or
-    train_output_dir); train_processes > 1 forks that many processes here (one per GPU)."""
+    """`workbook train --params FILE [--set key=value ...]`: train in a new run folder, or resume the
+    one the same command left unfinished (or train_output_dir); train_processes > 1 forks that many
+    processes here (one per GPU)."""
     params = runner.resolve_params(params_arg, overrides, log=lambda line: print(line, file=sys.stderr))[0]
-    run_dir = notebook.new_run_dir(params["profile"])
-    return _run_and_report(params, run_dir, created=True)
+    command = shlex.join(["workbook", "train", "--params", params_arg] + (["--set", *overrides] if overrides else []))
+    return _train_in_chosen_folder(params, command)
 
 
-def _run_and_report(params, run_dir: Path, created: bool = False) -> int:
+def _train_in_chosen_folder(params, command: str) -> int:
+    try:
+        folder = run_folder.choose(params, command)
+    except TrainError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # e.g. a read-only outputs folder: said before any model loads
+        print(f"error: cannot create or lock a run folder ({error}); make {run_folder.OUTPUTS_DIR} writable, or "
+              "set train_output_dir to a writable folder", file=sys.stderr)
+        return 2
+    print(folder.note, flush=True)
+    try:
+        code = _run_and_report(params, folder.path)
+    finally:
+        folder.release()
+    if code != 0:
+        folder.discard()  # leaves no folder behind for a run that never started
+    return code
+
+
+def _run_and_report(params, run_dir: Path) -> int:
     try:
         config = config_from_params(params, run_dir)
         prepared = prepare_data(config)
         print(f"data: {prepared.source}; {len(prepared.train)} train / {len(prepared.validation)} validation examples; "
               f"max_seq_length {prepared.max_seq_length} ({prepared.max_seq_length_rule}); "
               f"{prepared.truncation['truncated']} truncated", flush=True)
+        checkpoint = checkpoints.latest_checkpoint(config.output_dir)
+        if checkpoint is not None:  # refuse a checkpoint of other data or settings before the model loads
+            checkpoints.resumable_state(checkpoint, checkpoints.fingerprint(config, prepared, plan_run(config, prepared)))
         result = launch(config, prepared)
     except (TrainError, jsonl.DataError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)
-        if created:
-            with contextlib.suppress(OSError):
-                run_dir.rmdir()  # only if still empty: leave no folder behind for a run that never started
         return 2
-    (Path(run_dir) / "training_metrics.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (Path(run_dir) / METRICS_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n")
     for line in summary_lines(result):
         print(line)
-    print(f"metrics: {Path(run_dir) / 'training_metrics.json'}")
+    print(f"metrics: {Path(run_dir) / METRICS_FILE}")
     return 0
 
 
@@ -54,26 +84,32 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbook.training",
                                      description="Supervised fine-tuning on input/output JSONL.")
     parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a parameter")
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override a parameter (repeatable: every --set counts)")
     parser.add_argument("--run-dir", help="run folder shared by all processes (required with several processes)")
+    argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    params = runner.resolve_params(args.params, args.set, log=lambda line: print(line, file=sys.stderr))[0]
+    try:
+        params = runner.resolve_params(args.params, args.set, log=lambda line: print(line, file=sys.stderr))[0]
+    except ParamsError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if runtime.launched_processes() > 1 and not args.run_dir:
         print("error: pass --run-dir DIR: every process of the launch must write to the same folder", file=sys.stderr)
         return 2
-    if args.run_dir:
-        run_dir = Path(args.run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
-    else:
-        run_dir = notebook.new_run_dir(params["profile"])
     if not runtime.inside_launcher():
-        return _run_and_report(params, run_dir, created=not args.run_dir)
+        if not args.run_dir:
+            return _train_in_chosen_folder(params, shlex.join(["python", "-m", "workbook.training", *argv]))
+        Path(args.run_dir).mkdir(parents=True, exist_ok=True)
+        return _run_and_report(params, Path(args.run_dir))
+    run_dir = Path(args.run_dir) if args.run_dir else notebook.new_run_dir(params["profile"])
+    run_dir.mkdir(parents=True, exist_ok=True)
     try:  # one of the launched processes: the launcher made them, train here
         result = train(config_from_params(params, run_dir))
     except (TrainError, jsonl.DataError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
-        (run_dir / "training_metrics.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+        (run_dir / METRICS_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n")
         print("\n".join(summary_lines(result)))
     return 0

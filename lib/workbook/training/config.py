@@ -18,10 +18,11 @@ from workbook.planner.profile import Budget
 PARAMS_USED = (
     "profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour",
     "model", "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "safety_margin", "cuda_overhead_gib",
-    "train_data_path", "input_field", "output_field", "use_chat_template", "max_seq_length", "length_percentile",
-    "padding", "validation_fraction", "learning_rate", "lr_scaling", "base_batch", "gradient_accumulation_steps",
-    "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32", "torch_compile", "attn_implementation",
-    "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps", "train_output_dir", "train_processes",
+    "train_data_path", "on_bad_line", "input_field", "output_field", "use_chat_template", "max_seq_length",
+    "length_percentile", "padding", "validation_fraction", "learning_rate", "lr_scaling", "base_batch",
+    "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32",
+    "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps",
+    "train_output_dir", "train_processes",
     "output_path",  # where notebook 02 wrote its outputs: the default training data
 )
 TRAINING_DIR_NAME = "training"  # train_output_dir '' -> <run folder>/training/
@@ -45,6 +46,7 @@ class TrainConfig:
     data_path: str  # JSONL file; '' = the arithmetic sample records built in memory
     data_description: str  # where the data came from, for the report
     output_dir: str  # checkpoints/, final/ and the result JSON
+    on_bad_line: str = "fail"  # a line that is not a JSON object: 'fail' stops at file:line, 'skip' leaves it out (listed)
     input_field: str = "input"
     output_field: str = "output"
     use_chat_template: bool = False
@@ -94,6 +96,7 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
     output_dir = Path(params["train_output_dir"]) if params["train_output_dir"] else run_dir / TRAINING_DIR_NAME
     return TrainConfig(
         model=params["model"], data_path=data_path, data_description=description, output_dir=str(output_dir),
+        on_bad_line=params["on_bad_line"],
         input_field=params["input_field"], output_field=params["output_field"],
         use_chat_template=params["use_chat_template"], max_seq_length=params["max_seq_length"],
         length_percentile=params["length_percentile"], padding=params["padding"],

@@ -52,7 +52,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         tf32_applied = _set_tf32(config.tf32, device)
         fsdp = accelerator.distributed_type == DistributedType.FSDP
         tokenizer = models.load_tokenizer(config.model)
-        prepared = prepared or prepare_data(config, tokenizer)
+        prepared = prepared or prepare_data(config, tokenizer, log=lambda line: _print(accelerator, line))
         run = plan_run(config, prepared, accelerator.num_processes)
         output_dir = Path(config.output_dir)
         if accelerator.is_main_process:

@@ -4,7 +4,7 @@ it; synthetic rows for preset architectures (random weights, benchmarks). CPU on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -12,6 +12,8 @@ from workbook import arithmetic, jsonl, models, presets
 from workbook.params import AUTO
 from workbook.training import examples as sft_examples
 from workbook.training.config import TrainConfig, TrainError
+
+LISTED_IN_CONSOLE = 3  # left-out lines and records a console line names (the result's data summary lists 5)
 
 
 @dataclass
@@ -29,11 +31,13 @@ class PreparedData:
     tokenize_report: dict
     source: str
     pad_token_id: int
+    skipped_lines: list[str] = field(default_factory=list)  # "file:line: why" of each line on_bad_line: skip left out
 
     def summary(self) -> dict:
         return {
             "source": self.source,
             "examples": {"train": len(self.train), "validation": len(self.validation)},
+            "bad_lines": {"skipped": len(self.skipped_lines), "skipped_first": self.skipped_lines[:5]},
             "token_lengths": self.length_stats,
             "max_seq_length": self.max_seq_length,
             "max_seq_length_rule": self.max_seq_length_rule,
@@ -42,24 +46,52 @@ class PreparedData:
         }
 
 
-def read_records(path: str) -> tuple[list[dict], list[str]]:
-    """(records, "file:line" of each) from a JSON-lines file (workbook.jsonl's reader: a bad line
-    stops with its file and line); '' gives the arithmetic sample records."""
+def read_records(path: str, on_bad_line: str = jsonl.FAIL) -> tuple[list[dict], list[str], list[str]]:
+    """(records, "file:line" of each, "file:line: why" of each bad line left out) from a JSON-lines
+    file, read by workbook.jsonl with the on_bad_line policy; '' gives the arithmetic sample records."""
     if not path:
         records = arithmetic.sample_records()
-        return records, [f"sample record {index + 1}" for index in range(len(records))]
-    numbered, _ = jsonl.read_jsonl(path, on_bad_line=jsonl.FAIL)
+        return records, [f"sample record {index + 1}" for index in range(len(records))], []
+    jsonl.check_policy("on_bad_line", on_bad_line)
+    numbered, bad_lines = jsonl.read_jsonl(path, on_bad_line=jsonl.SKIP)
+    if bad_lines and on_bad_line == jsonl.FAIL:
+        # Raised here rather than by the reader: training has no failures file, it lists skipped lines itself.
+        raise jsonl.DataError(f"{bad_lines[0].describe()}. Fix or remove that line, or set on_bad_line: skip to "
+                              "train without it (skipped lines are listed on the console and in the run's metrics).")
+    skipped = [bad_line.describe() for bad_line in bad_lines]
     if not numbered:
-        raise TrainError(f"{path}: no records; it must hold one JSON object per line")
-    return [record for _, record in numbered], [f"{path}:{number}" for number, _ in numbered]
+        bad = f" (every non-blank line is bad: {listing(skipped, len(skipped))})" if skipped else ""
+        raise TrainError(f"{path}: no records{bad}; it must hold one JSON object per line")
+    return [record for _, record in numbered], [f"{path}:{number}" for number, _ in numbered], skipped
 
 
-def prepare_data(config: TrainConfig, tokenizer=None) -> PreparedData:
-    """Read, split, tokenize and truncate the data; choose max_seq_length. CPU only, deterministic."""
+def listing(items: list[str], total: int) -> str:
+    """The first LISTED_IN_CONSOLE of ``items`` joined, and how many more of ``total`` there are."""
+    shown = items[:LISTED_IN_CONSOLE]
+    return "; ".join(shown) + (f"; and {total - len(shown)} more" if total > len(shown) else "")
+
+
+def left_out_lines(prepared: PreparedData) -> list[str]:
+    """A console line for each kind of input left out of training: bad lines (on_bad_line: skip)
+    and records without a usable input/output pair. None when nothing was left out."""
+    lines = []
+    if prepared.skipped_lines:
+        lines.append(f"skipped {len(prepared.skipped_lines)} bad line(s) (on_bad_line: skip): "
+                     f"{listing(prepared.skipped_lines, len(prepared.skipped_lines))}")
+    report = prepared.tokenize_report
+    if report.get("skipped"):
+        lines.append(f"left out {report['skipped']} record(s) without a non-empty '{report['input_field']}' and "
+                     f"'{report['output_field']}' string: {listing(report['skipped_first'], report['skipped'])}")
+    return lines
+
+
+def prepare_data(config: TrainConfig, tokenizer=None, log=print) -> PreparedData:
+    """Read, split, tokenize and truncate the data; choose max_seq_length. CPU only, deterministic.
+    ``log`` gets a line for each kind of input left out (``left_out_lines``)."""
     if models.is_preset(config.model):
         return synthetic_data(config)
     tokenizer = tokenizer or models.load_tokenizer(config.model)
-    records, sources = read_records(config.data_path)
+    records, sources, skipped_lines = read_records(config.data_path, config.on_bad_line)
     train_index, validation_index = sft_examples.split_validation(len(records), config.validation_fraction, config.seed)
     examples, report = sft_examples.tokenize_pairs(
         records, tokenizer, use_chat_template=config.use_chat_template, input_field=config.input_field,
@@ -80,7 +112,7 @@ def prepare_data(config: TrainConfig, tokenizer=None) -> PreparedData:
         "dropped_without_response": truncation.dropped + validation_truncation.dropped,
         "tokens_cut": truncation.tokens_cut + validation_truncation.tokens_cut,
     }
-    return PreparedData(
+    prepared = PreparedData(
         train=train, validation=validation,
         validation_records=[records[i] for i in validation_index if sources[i] in by_source],
         max_seq_length=max_len, max_seq_length_rule=rule, length_stats=sft_examples.length_statistics(lengths),
@@ -90,7 +122,11 @@ def prepare_data(config: TrainConfig, tokenizer=None) -> PreparedData:
                          "input_field": config.input_field, "output_field": config.output_field},
         source=config.data_description,
         pad_token_id=models.pad_token_id(None, tokenizer),
+        skipped_lines=skipped_lines,
     )
+    for line in left_out_lines(prepared):
+        log(line)
+    return prepared
 
 
 def _model_max_positions(config: TrainConfig, tokenizer_limit: int | None) -> int | None:
