@@ -76,11 +76,11 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m workbook.generation",
-                                     description="Batched generation of teacher outputs: JSONL in, JSONL out, resumable.")
+    from workbook.cli import WorkbookParser, add_set_argument
+    parser = WorkbookParser(prog="python -m workbook.generation", params_from="workbook.generation.job",
+                            description="Batched generation of teacher outputs: JSONL in, JSONL out, resumable.")
     parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a parameter")
+    add_set_argument(parser)
     args = parser.parse_args(argv)
     return cli_main(args.params, args.set)
 
