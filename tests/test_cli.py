@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from workbook import cli, params, runner
+from workbook import cli, notebook, params, runner
+from workbook.bench import review
 from workbook.generation import cli as generation_cli
 from workbook.paths import REPO_ROOT
 
@@ -65,8 +66,13 @@ def test_bench_runs_without_the_notebook_stack_and_writes_its_report(tiny_model_
         assert "NVML unavailable" in sorted_point["nvml"]["reason"]
         assert (run_dir / "bench_throughput.png").stat().st_size > 10_000
         assert report["command"].startswith("workbook bench --params cpu --set")
+        manifest = json.loads((run_dir / "manifest.json").read_text())  # notebook 05 lists it like any run
+        assert (manifest["status"], manifest["job"], manifest["profile"]) == ("ok", "bench", "cpu")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+NEW_RUN_DIR = notebook.new_run_dir  # the real one, for the monkeypatched stand-in below
 
 
 class Resolved(Exception):
@@ -98,14 +104,24 @@ def test_every_repeated_set_counts_in_python_m_workbook_generation(monkeypatch):
     assert seen["set"] == ["seed=7", "max_examples=3", "top_p=0.5"]
 
 
-def test_generate_with_two_sets_reads_the_prompts_and_writes_the_output_they_name(tiny_model_path, tmp_path):
+def test_generate_uses_every_set_and_records_its_run_folder_for_notebook_05(tiny_model_path, tmp_path, monkeypatch):
+    outputs = tmp_path / "outputs"
+    monkeypatch.setattr(notebook, "new_run_dir", lambda profile: NEW_RUN_DIR(profile, outputs))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "input": f"What is {i} + 1?"}) + "\n" for i in range(4)))
-    output = tmp_path / "out.jsonl"
-    code = cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={prompts}", "--set",
-                     f"output_path={output}", "max_examples=2", "--set", "max_new_tokens=4"])
-    assert code == 0
+    sets = ["--set", f"prompts_path={prompts}", "--set", "max_examples=2", "--set", "max_new_tokens=4"]
+    assert cli.main(["generate", "--params", "cpu", *sets]) == 0
+    [run_dir] = outputs.iterdir()
+    output = run_dir / "generations.jsonl"
     assert sorted(json.loads(line)["metadata"]["example_id"] for line in output.read_text().splitlines()) == ["q0", "q1"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "ok" and manifest["job"] == "generate" and manifest["params"]["max_examples"] == 2
+    # Resuming into the same folder (the command it printed) continues that run's record.
+    assert cli.main(["generate", "--params", "cpu", *sets, "--set", f"output_path={output}"]) == 0
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "ok" and len(manifest["resumed_at"]) == 1
+    [run] = review.load_runs(outputs)
+    assert (run.status, run.profile, run.problems) == ("ok", "cpu", [])
 
 
 JOB_MODULES = {"generate": "workbook.generation", "train": "workbook.training", "bench": "workbook.bench"}

@@ -192,9 +192,10 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
     assert len(data["claims"]) >= 8 and all(row["measured"] for row in data["claims"])
     for name in ("bench_throughput.png", "bench_memory.png", "bench_mfu.png", "bench_speedup.png"):
         assert (cpu_run.run_dir / name).stat().st_size > 10_000, name
-    # Notebook 05 ran while this run was still going: it is listed (status running), not an error.
+    # Notebook 05 ran while this run was still going: it is listed as this run (running), not a problem.
     review = json.loads((cpu_run.run_dir / "review.json").read_text())
-    mine = [row for row in review["runs"] if row["run"] == cpu_run.run_dir.name]
+    mine = [row for row in review["runs"] if row["run"] == f"{cpu_run.run_dir.name} (this run)"]
     assert mine and mine[0]["status"] == "running" and "benchmark" in mine[0]["metrics"]
+    assert mine[0]["problems"] == ""
     assert any(series["label"].startswith(cpu_run.run_dir.name) for series in review["throughput"])
     assert (cpu_run.run_dir / "review_throughput.png").stat().st_size > 10_000
