@@ -79,6 +79,15 @@ def test_plain_papermill_with_a_params_file_works_as_a_user_runs_it(tmp_path):
 
 
 @pytest.mark.notebook
+def test_a_notebook_of_a_run_reruns_alone_from_its_parameters_file_without_warnings(cpu_run, tmp_path):
+    assert all((cpu_run.run_dir / f"{path.stem}.parameters.yaml").is_file() for path in NOTEBOOKS)
+    result = papermill(NOTEBOOKS_DIR / "00_gpu_detection.ipynb", tmp_path / "out.ipynb",
+                       "-f", cpu_run.run_dir / "00_gpu_detection.parameters.yaml", "-p", "run_dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Passed unknown parameter" not in result.stderr and (tmp_path / "gpu.json").is_file()
+
+
+@pytest.mark.notebook
 def test_a_typo_passed_to_papermill_fails_loudly_instead_of_doing_nothing(tmp_path):
     result = papermill(NOTEBOOKS_DIR / "00_gpu_detection.ipynb", tmp_path / "out.ipynb",
                        "-f", PARAMS_DIR / "cpu.yaml", "-p", "dtyp", "bf16", "-p", "run_dir", tmp_path)

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from workbook import gpu, notebook, params as params_module
 from workbook.paths import NOTEBOOKS_DIR, OUTPUTS_DIR, REPO_ROOT
 
@@ -185,6 +187,18 @@ def notebook_parameters(path: Path, params: dict, run_dir: Path) -> dict:
     return values
 
 
+def write_parameters_file(path: Path, parameters: dict, run_dir: Path) -> Path:
+    """`<run>/<notebook>.parameters.yaml`: what the notebook was given, and the papermill command that
+    reruns it alone with exactly that and no "Passed unknown parameter" warning (a params profile
+    holds keys this notebook does not declare; papermill warns once per such key)."""
+    target = run_dir / f"{path.stem}.parameters.yaml"
+    source = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    header = (f"# The parameters `workbook run` gave {path.name}. To rerun this notebook alone with them:\n"
+              f"#   .venv/bin/papermill {source} {run_dir / path.name} -f {target}\n")
+    target.write_text(header + yaml.safe_dump(parameters, sort_keys=False))
+    return target
+
+
 def execute(path: Path, run_dir: Path, parameters: dict) -> Path:
     """Execute one notebook with papermill into the run folder; returns the executed copy's path."""
     import papermill
@@ -228,7 +242,9 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
         began = time.perf_counter()
         output = run_dir / path.name
         try:
-            execute(path, run_dir, notebook_parameters(path, params, run_dir))
+            parameters = notebook_parameters(path, params, run_dir)
+            entry["parameters_file"] = str(write_parameters_file(path, parameters, run_dir))
+            execute(path, run_dir, parameters)
             entry["status"] = "ok"
         except Exception as error:  # the run must record any failure before stopping
             entry.update(status="failed", **describe_failure(error, output))
