@@ -172,3 +172,8 @@ def test_head_of_the_json_gets_its_line():
     done = subprocess.run(f"{sys.executable} -m workbook gpu --json | head -1", shell=True, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}, timeout=300)
     assert done.stdout == "{\n" and "Traceback" not in done.stderr, done.stderr
+
+
+def test_plan_refuses_a_safety_margin_of_nan(capsys):
+    assert cli.main(["plan", "--profile", "h200", "--mode", "generate", "--safety-margin", "nan"]) == 2
+    assert "error: --safety-margin: 'safety_margin' is nan; expected a finite number" in capsys.readouterr().err
