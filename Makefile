@@ -41,8 +41,11 @@ run: setup
 test: setup $(if $(filter 0,$(BROWSER_TESTS)),,chromium)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# JupyterLab refuses to start as root (the usual user in a rented GPU container) without --allow-root.
+LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: setup
-	$(BIN)/jupyter lab --notebook-dir=. notebooks/
+	$(BIN)/jupyter lab --notebook-dir=. $(LAB_ARGS) notebooks/
 
 clean-venv:
 	rm -rf $(VENV)

@@ -2,6 +2,10 @@
 claims table, and notebook 05's loading of run folders, broken ones included. Fast: no model runs."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 from transformers import LlamaConfig
@@ -193,6 +197,24 @@ def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
     assert series == [{"label": "reference/h200 (h200)", "x": [8, 32], "y": [150.0, 300.0]}]
     assert review.memory_accuracy_series(runs)[0]["y"] == [2.0]
     assert review.mfu_rows(runs)[0]["MFU"] == "40.0%"
+
+
+def test_review_tells_a_run_still_running_from_one_whose_process_is_gone(tmp_path):
+    # A manifest says "running" until its command ends; killed (kill -9, a crash), it says so for ever.
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    here = {"profile": "cpu", "status": "running", "host": socket.gethostname(), "notebooks": []}
+    write_run(tmp_path / "20261121-000000-cpu", {**here, "pid": int(ended.stdout), "job": "generate"})
+    write_run(tmp_path / "20261121-000001-cpu", {**here, "pid": os.getpid()})
+    write_run(tmp_path / "20261121-000002-cpu", {**here, "pid": os.getpid()})  # notebook 05's own run
+    write_run(tmp_path / "20261121-000003-cpu", {**here, "status": "failed", "job": "generate", "exit_code": 2,
+                                                 "error": "prompts.jsonl:3: not valid JSON"})
+    rows = review.run_rows(review.load_runs(tmp_path, this_run=tmp_path / "20261121-000002-cpu"))
+    by_run = {row["run"]: row for row in rows}
+    killed = by_run["20261121-000000-cpu"]
+    assert killed["status"] == "stopped" and "process" in killed["problems"] and "rerun" in killed["problems"]
+    assert by_run["20261121-000001-cpu"]["status"] == "running" and by_run["20261121-000001-cpu"]["problems"] == ""
+    assert by_run["20261121-000002-cpu (this run)"]["problems"] == ""
+    assert by_run["20261121-000003-cpu"]["problems"] == "status failed: prompts.jsonl:3: not valid JSON"
 
 
 def test_review_of_an_empty_outputs_folder_is_empty(tmp_path):

@@ -1,7 +1,10 @@
-"""The shell commands on a bare GPU image: rented machines (and our H200) often have torch,
-transformers, accelerate, matplotlib, pyyaml and tqdm but not the notebook stack or NVML's
-bindings. `python -m workbook plan/gpu/bench` must work there, with `PYTHONPATH=lib` alone."""
+"""The `workbook` command as a user meets it: every --set counts, each job's --help lists the keys
+it reads, output into a closed pipe ends quietly; and the shell commands on a bare GPU image:
+rented machines (and our H200) often have torch, transformers, accelerate, matplotlib, pyyaml and
+tqdm but not the notebook stack or NVML's bindings. `python -m workbook plan/gpu/bench` must work
+there, with `PYTHONPATH=lib` alone."""
 
+import importlib
 import json
 import os
 import re
@@ -12,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from workbook import cli, notebook, params, runner
+from workbook.bench import review
+from workbook.generation import cli as generation_cli
 from workbook.paths import REPO_ROOT
 
 # Packages a bare GPU image lacks; importing any of them in the child fails as if not installed.
@@ -60,5 +66,114 @@ def test_bench_runs_without_the_notebook_stack_and_writes_its_report(tiny_model_
         assert "NVML unavailable" in sorted_point["nvml"]["reason"]
         assert (run_dir / "bench_throughput.png").stat().st_size > 10_000
         assert report["command"].startswith("workbook bench --params cpu --set")
+        manifest = json.loads((run_dir / "manifest.json").read_text())  # notebook 05 lists it like any run
+        assert (manifest["status"], manifest["job"], manifest["profile"]) == ("ok", "bench", "cpu")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+
+
+NEW_RUN_DIR = notebook.new_run_dir  # the real one, for the monkeypatched stand-in below
+
+
+class Resolved(Exception):
+    """Raised by the spy below once the job has resolved its params: nothing else needs to run."""
+
+
+@pytest.mark.parametrize("command", [["run", "--only", "00"], ["generate"], ["train"], ["bench"]], ids=lambda c: c[0])
+def test_every_repeated_set_counts(command, monkeypatch):
+    # `--set a=1 --set b=2` used to keep only the last --set: the job ran with the wrong data and exited 0.
+    seen = {}
+    resolve = runner.resolve_params
+
+    def spy(params_arg, overrides, log=print):
+        seen["params"] = resolve(params_arg, overrides, log)[0]
+        raise Resolved
+
+    monkeypatch.setattr(runner, "resolve_params", spy)
+    with pytest.raises(Resolved):
+        cli.main([command[0], "--params", "cpu", *command[1:],
+                  "--set", "seed=7", "--set", "max_examples=3", "max_steps=4", "--set", "top_p=0.5"])
+    assert {key: seen["params"][key] for key in ("seed", "max_examples", "max_steps", "top_p")} == \
+        {"seed": 7, "max_examples": 3, "max_steps": 4, "top_p": 0.5}
+
+
+def test_every_repeated_set_counts_in_python_m_workbook_generation(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(generation_cli, "cli_main", lambda params_arg, overrides: seen.setdefault("set", overrides))
+    generation_cli.main(["--params", "cpu", "--set", "seed=7", "--set", "max_examples=3", "top_p=0.5"])
+    assert seen["set"] == ["seed=7", "max_examples=3", "top_p=0.5"]
+
+
+def test_generate_uses_every_set_and_records_its_run_folder_for_notebook_05(tiny_model_path, tmp_path, monkeypatch):
+    outputs = tmp_path / "outputs"
+    monkeypatch.setattr(notebook, "new_run_dir", lambda profile: NEW_RUN_DIR(profile, outputs))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "input": f"What is {i} + 1?"}) + "\n" for i in range(4)))
+    sets = ["--set", f"prompts_path={prompts}", "--set", "max_examples=2", "--set", "max_new_tokens=4"]
+    assert cli.main(["generate", "--params", "cpu", *sets]) == 0
+    [run_dir] = outputs.iterdir()
+    output = run_dir / "generations.jsonl"
+    assert sorted(json.loads(line)["metadata"]["example_id"] for line in output.read_text().splitlines()) == ["q0", "q1"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "ok" and manifest["job"] == "generate" and manifest["params"]["max_examples"] == 2
+    # Resuming into the same folder (the command it printed) continues that run's record.
+    assert cli.main(["generate", "--params", "cpu", *sets, "--set", f"output_path={output}"]) == 0
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "ok" and len(manifest["resumed_at"]) == 1
+    [run] = review.load_runs(outputs)
+    assert (run.status, run.profile, run.problems) == ("ok", "cpu", [])
+
+
+JOB_MODULES = {"generate": "workbook.generation", "train": "workbook.training", "bench": "workbook.bench"}
+
+
+@pytest.mark.parametrize("job", JOB_MODULES)
+def test_job_help_lists_every_key_the_job_reads_with_its_meaning(job, capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main([job, "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for key in importlib.import_module(JOB_MODULES[job]).PARAMS_USED:
+        meaning = params.SCHEMA[key].meaning.split()[0]
+        assert re.search(rf"^  {key} +{re.escape(meaning)}", text, re.M), f"{job} --help lacks {key}"
+
+
+def test_help_of_the_command_and_of_gpu_does_not_import_torch():
+    # Listing a job's keys must not cost the seconds that importing the job (torch) takes.
+    probe = ("import sys\nfrom workbook import cli\n"
+             "for argv in (['--help'], ['gpu', '--help'], ['generate', '--help'], ['train', '--help']):\n"
+             "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+             "print('torch imported:', 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "torch imported: False"
+
+
+@pytest.mark.parametrize("command", [
+    ["gpu", "--json"],
+    ["plan", "--model", "llama-3.1-8b", "--profile", "h200", "--mode", "generate", "--json"],
+], ids=lambda c: c[0])
+def test_json_into_a_closed_pipe_ends_quietly(command):
+    # `workbook gpu --json | head -1`: head exits after one line; the rest meets a closed pipe.
+    # Closing the read end first makes that certain instead of a race with the pipe's buffer.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run([sys.executable, "-m", "workbook", *command], stdout=write_end, stderr=subprocess.PIPE,
+                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+    assert done.returncode == 1
+
+
+def test_head_of_the_json_gets_its_line():
+    done = subprocess.run(f"{sys.executable} -m workbook gpu --json | head -1", shell=True, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}, timeout=300)
+    assert done.stdout == "{\n" and "Traceback" not in done.stderr, done.stderr
+
+
+def test_plan_refuses_a_safety_margin_of_nan(capsys):
+    assert cli.main(["plan", "--profile", "h200", "--mode", "generate", "--safety-margin", "nan"]) == 2
+    assert "error: --safety-margin: 'safety_margin' is nan; expected a finite number" in capsys.readouterr().err

@@ -79,6 +79,15 @@ def test_plain_papermill_with_a_params_file_works_as_a_user_runs_it(tmp_path):
 
 
 @pytest.mark.notebook
+def test_a_notebook_of_a_run_reruns_alone_from_its_parameters_file_without_warnings(cpu_run, tmp_path):
+    assert all((cpu_run.run_dir / f"{path.stem}.parameters.yaml").is_file() for path in NOTEBOOKS)
+    result = papermill(NOTEBOOKS_DIR / "00_gpu_detection.ipynb", tmp_path / "out.ipynb",
+                       "-f", cpu_run.run_dir / "00_gpu_detection.parameters.yaml", "-p", "run_dir", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Passed unknown parameter" not in result.stderr and (tmp_path / "gpu.json").is_file()
+
+
+@pytest.mark.notebook
 def test_a_typo_passed_to_papermill_fails_loudly_instead_of_doing_nothing(tmp_path):
     result = papermill(NOTEBOOKS_DIR / "00_gpu_detection.ipynb", tmp_path / "out.ipynb",
                        "-f", PARAMS_DIR / "cpu.yaml", "-p", "dtyp", "bf16", "-p", "run_dir", tmp_path)
@@ -192,9 +201,10 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
     assert len(data["claims"]) >= 8 and all(row["measured"] for row in data["claims"])
     for name in ("bench_throughput.png", "bench_memory.png", "bench_mfu.png", "bench_speedup.png"):
         assert (cpu_run.run_dir / name).stat().st_size > 10_000, name
-    # Notebook 05 ran while this run was still going: it is listed (status running), not an error.
+    # Notebook 05 ran while this run was still going: it is listed as this run (running), not a problem.
     review = json.loads((cpu_run.run_dir / "review.json").read_text())
-    mine = [row for row in review["runs"] if row["run"] == cpu_run.run_dir.name]
+    mine = [row for row in review["runs"] if row["run"] == f"{cpu_run.run_dir.name} (this run)"]
     assert mine and mine[0]["status"] == "running" and "benchmark" in mine[0]["metrics"]
+    assert mine[0]["problems"] == ""
     assert any(series["label"].startswith(cpu_run.run_dir.name) for series in review["throughput"])
     assert (cpu_run.run_dir / "review_throughput.png").stat().st_size > 10_000

@@ -153,3 +153,39 @@ def test_batch_size_lists_take_one_integer_and_refuse_anything_but_positive_inte
     for bad in ("8,x", "0,8", "8,,16", "-4"):
         with pytest.raises(params.ParamsError, match=rf"bench_batch_sizes={re.escape(bad)}: .*comma-separated positive"):
             params.parse_overrides([f"bench_batch_sizes={bad}"])
+
+
+FLOAT_KEYS = [key for key, spec in params.SCHEMA.items() if spec.kind is float]
+NOT_A_NUMBER = ["nan", ".nan", "NaN", "inf", ".inf", "-inf", "-.inf", "Infinity"]
+
+
+def test_nan_and_infinity_are_refused_for_every_float_key():
+    # NaN compares false to every bound, so a range check alone lets `top_p: .nan` through.
+    assert {"top_p", "temperature", "safety_margin", "learning_rate"} <= set(FLOAT_KEYS)
+    for key in FLOAT_KEYS:
+        for text in NOT_A_NUMBER:
+            with pytest.raises(params.ParamsError, match=rf"--set {key}={re.escape(text)}: '{key}' is .*finite"):
+                params.parse_overrides([f"{key}={text}"])
+        with pytest.raises(params.ParamsError, match=rf"'{key}' is nan; expected a finite number"):
+            params.validate_value(key, float("nan"), "t")
+
+
+@pytest.mark.parametrize("line", ["top_p: .nan", "temperature: .inf", "safety_margin: -.inf",
+                                  "learning_rate: .NaN"])
+def test_nan_and_infinity_in_a_file_name_the_line(tmp_path, line):
+    key = line.split(":")[0]
+    path = write_profile(tmp_path, **{key: line})
+    number = path.read_text().splitlines().index(line) + 1
+    with pytest.raises(params.ParamsError, match=rf"cpu.yaml:{number}: '{key}' is -?(nan|inf); expected a finite"):
+        params.load(path)
+
+
+def test_nan_passed_with_papermill_p_is_refused_by_the_notebook(tmp_path):
+    # `papermill ... -p top_p nan` injects `top_p = float('nan')`; the notebook's first cell refuses it.
+    from papermill.translators import PythonTranslator
+    from workbook import notebook
+    injected = "# Parameters\n" + PythonTranslator.codify({"top_p": float("nan"), "run_dir": str(tmp_path)})
+    namespace = {"In": ["", injected]}
+    exec(injected, namespace)
+    with pytest.raises(params.ParamsError, match=r"notebook 02_test parameters: 'top_p' is nan; expected a finite"):
+        notebook.start(namespace, "02_test")

@@ -1,12 +1,13 @@
 """The runner: notebook selection, failure reporting, exit codes."""
 
 import json
+import os
 
 import nbformat
 import pytest
 
-from workbook import cli, runner
-from workbook.paths import NOTEBOOKS_DIR
+from workbook import cli, params, runner
+from workbook.paths import NOTEBOOKS_DIR, PARAMS_DIR
 
 
 def make_notebook(path, *sources):
@@ -55,3 +56,36 @@ def test_bad_params_exit_non_zero_with_a_message(capsys):
     assert "'gpu_count' is -2; expected an integer >= 0" in capsys.readouterr().err
     assert cli.main(["run", "--params", "params/nope.yaml"]) == 2
     assert "no such parameter file" in capsys.readouterr().err
+
+
+def test_a_command_run_folder_records_its_start_end_and_resumption(tmp_path):
+    # `workbook generate|train|bench` write the manifest `workbook run` writes, so notebook 05 lists them.
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    run_dir = tmp_path / "20261121-000000-cpu"
+    run_dir.mkdir()
+    run = runner.start_job(run_dir, "generate", cpu, "params/cpu.yaml", ["seed=1", "max_examples=2"])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "running" and manifest["pid"] == os.getpid() and manifest["job"] == "generate"
+    assert manifest["command"] == "workbook generate --params params/cpu.yaml --set seed=1 max_examples=2"
+    assert manifest["params"]["seed"] == 0 and manifest["git"]["commit"]
+    (run_dir / "generations.jsonl").write_text("")
+    assert runner.finish_job(run, 1) == 1
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "incomplete" and manifest["finished_at"] and manifest["hardware"]["cpu"]
+    assert runner.job_folder(run_dir / "generations.jsonl", "generate") == run_dir
+    assert runner.job_folder(run_dir / "generations.jsonl", "train") is None
+    assert runner.job_folder(tmp_path / "elsewhere" / "out.jsonl", "generate") is None
+
+    again = runner.start_job(run_dir, "generate", cpu, "params/cpu.yaml", [])  # the same command, resumed
+    runner.finish_job(again, 2, "disk full")
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["started_at"] == run.manifest["started_at"] and len(manifest["resumed_at"]) == 1
+    assert manifest["status"] == "failed" and manifest["error"] == "disk full"
+
+
+def test_a_command_that_fails_before_writing_anything_leaves_no_folder(tmp_path):
+    (tmp_path / "run").mkdir()
+    run = runner.start_job(tmp_path / "run", "bench", params.load(PARAMS_DIR / "cpu.yaml"), "cpu", [])
+    assert runner.finish_job(run, 2, "bad prompts file") == 2
+    assert not (tmp_path / "run").exists()
+    assert runner.finish_job(None, 0) == 0  # no run folder (output_path given): nothing to record

@@ -147,3 +147,26 @@ def test_resolve_model_path_refuses_to_download(model):
         tiny_model.resolve_model_path(model)
     assert repr(model) in str(error.value)
     assert "tiny" in str(error.value)
+
+
+def test_the_recipe_hash_is_unchanged():
+    # The cache folder is tiny-<hash>: a changed hash rebuilds every cache (a minute on each machine).
+    # Change this value only together with a deliberate change of the recipe.
+    assert tiny_model.recipe_hash() == "32d8f802"
+
+
+def test_a_build_says_what_it_is_doing_instead_of_a_silent_minute(tmp_path, monkeypatch, capsys):
+    # The phases are under test, not the training: 3 steps on 64 problems, 10 held-out prompts.
+    problems, held_out = arithmetic.training_problems()[:64], arithmetic.sample_records()[:10]
+    monkeypatch.setattr(arithmetic, "training_problems", lambda: problems)
+    monkeypatch.setattr(arithmetic, "sample_records", lambda: held_out)
+    monkeypatch.setitem(tiny_model.TRAINING, "steps", 3)
+    monkeypatch.setattr(tiny_model, "_available_cpus", lambda: 1)  # 2 threads crawl on a busy 2-core machine
+    monkeypatch.setattr(tiny_model, "PROGRESS_SECONDS", 0.0)
+    tiny_model.ensure_tiny_model(tmp_path)
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.startswith("tiny model: ")]
+    phases = ["not built yet: building", "tokenizing", "training 3 steps", "step 1/3", "step 2/3",
+              "measuring held-out accuracy", "saving to", "built in"]
+    assert len(lines) == len(phases) and all(phase in line for phase, line in zip(phases, lines)), lines
+    assert captured.out == ""  # stdout stays the caller's (JSON, tables)

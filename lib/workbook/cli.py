@@ -4,8 +4,14 @@ calls the same library function the notebooks call; no logic lives here."""
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import importlib
 import json
+import os
 import sys
+import textwrap
+from pathlib import Path
 
 from workbook import params as params_module
 from workbook.runner import RunError
@@ -84,19 +90,67 @@ def _cmd_bench(args) -> int:
     return cli_main(args.params, args.set)
 
 
-# The jobs that take a params profile: name -> (handler, help). Each handler imports its job only
-# when called, so `workbook gpu` or `workbook plan` never pays for the training stack.
+# The jobs that take a params profile: name -> (handler, help, the module whose PARAMS_USED lists
+# the keys it reads). Each handler imports its job only when called, so `workbook gpu` or `workbook
+# plan` never pays for the training stack.
 JOBS = {
-    "generate": (_cmd_generate, "batched generation of teacher outputs (JSONL in, JSONL out), resumable"),
-    "train": (_cmd_train, "supervised fine-tuning on input/output JSONL"),
-    "bench": (_cmd_bench, "generation and training sweeps against the hardware's limits"),
+    "generate": (_cmd_generate, "batched generation of teacher outputs (JSONL in, JSONL out), resumable",
+                 "workbook.generation.job"),
+    "train": (_cmd_train, "supervised fine-tuning on input/output JSONL", "workbook.training.config"),
+    "bench": (_cmd_bench, "generation and training sweeps against the hardware's limits", "workbook.bench.report"),
 }
 
 
+def params_used(module: str) -> tuple[str, ...]:
+    """A job module's PARAMS_USED, read from its source when it is a literal: importing the job
+    loads torch, ten seconds on a busy machine just to print --help."""
+    source = Path(__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "PARAMS_USED" for target in node.targets):
+            with contextlib.suppress(ValueError):
+                return ast.literal_eval(node.value)
+    return importlib.import_module(module).PARAMS_USED
+
+
+def params_keys_help(keys: tuple[str, ...], width: int = 100) -> str:
+    """The keys a job reads, one per line with its meaning and accepted values (from params.SCHEMA)."""
+    lines = ["parameters this job reads (from the params file; change any with --set key=value):"]
+    name_width = max(len(key) for key in keys) + 2
+    for key in keys:
+        spec = params_module.SCHEMA[key]
+        plain_string = spec.kind is str and not spec.choices and not spec.int_list
+        text = spec.meaning + ("" if plain_string else f" [{spec.expected()}]")
+        lines += textwrap.wrap(text, width, initial_indent="  " + key.ljust(name_width),
+                               subsequent_indent=" " * (name_width + 2), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+class WorkbookParser(argparse.ArgumentParser):
+    """argparse's parser; a job's (`params_from` set) lists the params keys it reads in its --help."""
+
+    def __init__(self, *args, params_from: str | None = None, **kwargs):
+        if params_from:
+            kwargs["formatter_class"] = argparse.RawDescriptionHelpFormatter  # keep the key table's lines
+        super().__init__(*args, **kwargs)
+        self.params_from = params_from
+
+    def format_help(self) -> str:
+        if self.params_from and self.epilog is None:
+            self.epilog = params_keys_help(params_used(self.params_from))
+        return super().format_help()
+
+
+def add_set_argument(parser: argparse.ArgumentParser) -> None:
+    """`--set key=value ...`, repeatable: every --set adds to the overrides (`extend`), none replaces another."""
+    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
+                        help="override parameters, validated like the file: --set dtype=fp16 batch_size=8; "
+                             "may be repeated (every --set counts)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="workbook", description="GPU experiment workbook: detect the GPU, "
-                                     "plan memory, generate, train and benchmark; run the notebooks headless.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = WorkbookParser(prog="workbook", description="GPU experiment workbook: detect the GPU, "
+                     "plan memory, generate, train and benchmark; run the notebooks headless.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=WorkbookParser)
 
     gpu_parser = commands.add_parser("gpu", help="show the GPUs, versions and the matching params profile")
     gpu_parser.add_argument("--json", action="store_true", help="print everything as JSON")
@@ -107,8 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
                             help="'auto' (detect the GPU), a profile name (h200) or a file (params/h200.yaml)")
     run_parser.add_argument("--only", nargs="+", metavar="NOTEBOOK",
                             help="run only these notebooks, e.g. --only 00 or --only 00_gpu_detection")
-    run_parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                            help="override a parameter, e.g. --set dtype=fp16 (validated like the file)")
+    add_set_argument(run_parser)
     run_parser.set_defaults(handler=_cmd_run)
 
     plan_parser = commands.add_parser(
@@ -141,18 +194,27 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_parser.add_argument("--out", help="output folder (default outputs/reference/<profile>)")
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
 
-    for name, (handler, what) in JOBS.items():
-        job = commands.add_parser(name, help=what)
+    for name, (handler, what, params_from) in JOBS.items():
+        job = commands.add_parser(name, help=what, description=what, params_from=params_from)
         job.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
-        job.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a parameter")
+        add_set_argument(job)
         job.set_defaults(handler=handler)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return args.handler(args)
-    except (params_module.ParamsError, RunError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(argv)
+        try:
+            code = args.handler(args)
+        except (params_module.ParamsError, RunError) as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`workbook gpu --json | head -1`): nothing more to say, and no traceback.
+        # Python's recipe (library/signal.html, "Note on SIGPIPE"): point stdout at devnull so the
+        # interpreter's final flush cannot fail again, and exit 1.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

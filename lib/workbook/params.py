@@ -10,6 +10,7 @@ about a parameter that no notebook declares).
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ class Key:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         if self.int_list:
             return "comma-separated positive integers, e.g. '8,32'" + (", or 'auto' among them" if self.auto else "")
-        text = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}[self.kind]
+        text = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[self.kind]
         if self.minimum is not None:
             text += f" >= {self.minimum:g}"
         if self.maximum is not None:
@@ -197,6 +198,8 @@ def validate_value(key: str, value: Any, where: str) -> Any:
     ok = isinstance(value, spec.kind) and not (spec.kind in (int, float) and isinstance(value, bool))
     if spec.kind is float and isinstance(value, int) and not isinstance(value, bool):
         value, ok = float(value), True
+    if ok and spec.kind is float and not math.isfinite(value):
+        ok = False  # NaN passes every comparison below unnoticed; infinity is no setting either
     if ok and spec.int_list and not (_INT_OR_AUTO_LIST if spec.auto else _INT_LIST).fullmatch(value.replace(" ", "")):
         ok = False
     if ok and spec.choices and value not in spec.choices:

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from workbook.units import GiB, format_bytes
+from workbook.units import GiB, binary_unit, format_bytes
+
+# Below this fraction of the axis a bar is a few pixels or none: the figure adds a zoomed view.
+VISIBLE_FRACTION = 0.02
+
+
+def memory_name(on_gpu: bool) -> str:
+    """What a plan's capacity is: one GPU's memory, or on the cpu profile (no GPU) this machine's RAM.
+    A plan cannot tell (the planner plans the cpu profile as one device): the caller says, from the
+    profile's gpu_count."""
+    return "GPU memory" if on_gpu else "system RAM"
 
 
 def memory_overview(devices: list[dict], weights_bytes: int | None, caption: str):
@@ -23,8 +33,11 @@ def memory_overview(devices: list[dict], weights_bytes: int | None, caption: str
     axis.barh(labels, used, color="#c44e52", label="in use (read now)")
     axis.barh(labels, free, left=used, color="#8fbc8f", label="free (read now)")
     if weights_bytes:
+        smallest = min(devices, key=lambda d: d["total_bytes"])
+        share = weights_bytes / smallest["total_bytes"] if smallest["total_bytes"] else 1.0
+        unseen = f" ({share:.2%} of {smallest['label']}: at 0 on this scale)" if share < VISIBLE_FRACTION else ""
         axis.axvline(weights_bytes / GiB, color="black", linestyle="--",
-                     label=f"model weights alone: {format_bytes(weights_bytes)}")
+                     label=f"model weights alone: {format_bytes(weights_bytes)}{unseen}")
     axis.set_xlabel("GiB")
     axis.invert_yaxis()
     axis.legend(loc="lower right", fontsize=8)
@@ -38,24 +51,35 @@ TERM_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
                "#ccb974", "#64b5cd")
 
 
-def plan_breakdown(plan, axis=None):
-    """One stacked bar of the plan's terms (GiB) against the GPU's memory and the planner's budget."""
+def _stacked_terms(axis, plan, unit_bytes: int, labelled: bool) -> float:
+    """The plan's terms as one stacked bar in `unit_bytes`; returns its length."""
+    left = 0.0
+    for index, term in enumerate(plan.terms):
+        width = term.bytes / unit_bytes
+        axis.barh([0], [width], left=left, color=TERM_COLORS[index % len(TERM_COLORS)],
+                  label=f"{term.name}: {format_bytes(term.bytes)}" if labelled else None)
+        left += width
+    return left
+
+
+def plan_breakdown(plan, axis=None, on_gpu: bool = True):
+    """One stacked bar of the plan's terms (GiB) against the memory (one GPU's; with `on_gpu` False,
+    the cpu profile, this machine's RAM) and the planner's budget. A plan too small to see at that
+    scale (the tiny model in RAM) gets a zoomed view of its bar inside the axis, in its own unit."""
     figure = None
     if axis is None:
         figure, axis = plt.subplots(figsize=(9, 2.8))
-    left = 0.0
-    for index, term in enumerate(plan.terms):
-        width = term.bytes / GiB
-        axis.barh([0], [width], left=left, color=TERM_COLORS[index % len(TERM_COLORS)],
-                  label=f"{term.name}: {format_bytes(term.bytes)}")
-        left += width
+    memory = memory_name(on_gpu)
+    left = _stacked_terms(axis, plan, GiB, labelled=True)
     axis.axvline(plan.capacity_bytes / GiB, color="black", linewidth=2,
-                 label=f"GPU memory: {format_bytes(plan.capacity_bytes)}")
+                 label=f"{memory}: {format_bytes(plan.capacity_bytes)}")
     axis.axvline(plan.budget_bytes / GiB, color="black", linestyle="--",
                  label=f"budget ({plan.safety_margin:.0%} kept free)")
     axis.set_yticks([])
     axis.set_xlim(0, max(left, plan.capacity_bytes / GiB) * 1.05)
-    axis.set_xlabel("GiB per GPU (predicted by the planner from the model config)")
+    axis.set_xlabel(f"GiB{' per GPU' if on_gpu else ''} (predicted by the planner from the model config)")
+    if plan.capacity_bytes and plan.total_bytes < VISIBLE_FRACTION * plan.capacity_bytes:
+        _zoomed_bar(axis, plan, memory)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     axis.set_title(f"{plan.model}, {plan.mode}, {plan.dtype}, batch {plan.batch_size}: "
                    f"{format_bytes(plan.total_bytes)} predicted, {verdict} (max batch {plan.max_batch_size})",
@@ -66,8 +90,23 @@ def plan_breakdown(plan, axis=None):
     return figure or axis.figure
 
 
-def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title: str, axis=None):
-    """Predicted peak memory against batch size, one line per setting, with the GPU's capacity.
+def _zoomed_bar(axis, plan, memory: str) -> None:
+    """The plan's bar again, inside `axis` and in the unit that shows it (the colours of the legend)."""
+    unit_name, unit_bytes = binary_unit(plan.total_bytes)
+    inset = axis.inset_axes([0.06, 0.18, 0.55, 0.38])
+    length = _stacked_terms(inset, plan, unit_bytes, labelled=False)
+    inset.set_xlim(0, length * 1.05 or 1)
+    inset.set_yticks([])
+    inset.tick_params(labelsize=7)
+    inset.set_xlabel(unit_name, fontsize=7, labelpad=1)
+    inset.set_title(f"zoom: {format_bytes(plan.total_bytes)} predicted, {plan.total_bytes / plan.capacity_bytes:.2%}"
+                    f" of {memory}\n(too small to see at full scale)", fontsize=7)
+
+
+def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title: str, axis=None,
+                    on_gpu: bool = True):
+    """Predicted peak memory against batch size, one line per setting, with the memory's capacity
+    (one GPU's; with `on_gpu` False, the cpu profile, this machine's RAM).
 
     `curves`: {label: (batch sizes, total bytes)}.
     """
@@ -76,10 +115,11 @@ def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title:
         figure, axis = plt.subplots(figsize=(7, 4))
     for label, (batches, totals) in curves.items():
         axis.plot(batches, [t / GiB for t in totals], marker=".", label=label)
-    axis.axhline(capacity_bytes / GiB, color="black", linewidth=2, label=f"GPU memory {format_bytes(capacity_bytes)}")
+    axis.axhline(capacity_bytes / GiB, color="black", linewidth=2,
+                 label=f"{memory_name(on_gpu)} {format_bytes(capacity_bytes)}")
     axis.axhline(budget_bytes / GiB, color="black", linestyle="--", label="budget (safety margin kept free)")
-    axis.set_xlabel("batch size (sequences per GPU)")
-    axis.set_ylabel("predicted peak, GiB per GPU")
+    axis.set_xlabel("batch size (sequences per GPU)" if on_gpu else "batch size (sequences)")
+    axis.set_ylabel("predicted peak, GiB per GPU" if on_gpu else "predicted peak, GiB")
     axis.set_title(title, fontsize=10)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)

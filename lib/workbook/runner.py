@@ -9,13 +9,18 @@ notebook to open.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
+import os
+import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import yaml
 
 from workbook import gpu, notebook, params as params_module
 from workbook.paths import NOTEBOOKS_DIR, OUTPUTS_DIR, REPO_ROOT
@@ -93,6 +98,85 @@ def _write_manifest(run_dir: Path, manifest: dict) -> None:
     temporary.replace(run_dir / "manifest.json")
 
 
+def _new_manifest(params: dict, params_file: str, overrides: list[str], hardware: dict | None) -> dict:
+    """What every run folder records: the params, versions, commit, and who is writing it (the
+    process and host: notebook 05 tells a run still running from one that died)."""
+    return {
+        "profile": params["profile"],
+        "params_file": params_file,
+        "overrides": overrides,
+        "params": dict(params),
+        "git": git_state(),
+        "versions": gpu.software_versions(),
+        "hardware": hardware,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "started_at": _now(),
+        "finished_at": None,
+        "status": "running",
+        "notebooks": [],
+    }
+
+
+@dataclass
+class JobRun:
+    """A run folder a command made (`workbook generate`, `train`, `bench`) and its manifest."""
+    run_dir: Path
+    manifest: dict = field(repr=False)
+
+
+def start_job(run_dir: Path, job: str, params: dict, params_file: str, overrides: list[str]) -> JobRun:
+    """Write `manifest.json` (status 'running') into a run folder a command made, as `workbook run`
+    does, so notebook 05 lists it like any run. A folder that already has one (a resumed run)
+    keeps its first start and gets this one appended to `resumed_at`.
+
+    The hardware is read at `finish_job`: reading it here could initialise CUDA in a process that
+    is about to fork one worker per GPU.
+    """
+    run_dir = Path(run_dir)
+    command = f"workbook {job} --params {params_file}" + (" --set " + " ".join(overrides) if overrides else "")
+    manifest = {**_new_manifest(params, params_file, list(overrides), None), "job": job, "command": command}
+    with contextlib.suppress(OSError, ValueError):
+        earlier = json.loads((run_dir / "manifest.json").read_text())
+        manifest["started_at"] = earlier["started_at"]
+        manifest["resumed_at"] = earlier.get("resumed_at", []) + [_now()]
+    _write_manifest(run_dir, manifest)
+    return JobRun(run_dir, manifest)
+
+
+def finish_job(run: JobRun | None, exit_code: int, error: object = None) -> int:
+    """Record how a job ended (exit 0 'ok', 1 'incomplete': some work failed, it says where; else
+    'failed', with the error) and return `exit_code`, so a job can `return finish_job(run, code)`.
+
+    `run` None (the job made no run folder) records nothing. A job that failed before writing
+    anything (the folder holds only its manifest) leaves no folder behind.
+    """
+    if run is None:
+        return exit_code
+    if exit_code not in (0, 1) and not run.manifest.get("resumed_at") and \
+            [path.name for path in run.run_dir.iterdir()] == ["manifest.json"]:
+        (run.run_dir / "manifest.json").unlink()
+        with contextlib.suppress(OSError):
+            run.run_dir.rmdir()
+        return exit_code
+    run.manifest.update(status={0: "ok", 1: "incomplete"}.get(exit_code, "failed"), exit_code=exit_code,
+                        finished_at=_now(), hardware=gpu.detect())
+    if error:
+        run.manifest["error"] = str(error)[:2000]
+    _write_manifest(run.run_dir, run.manifest)
+    return exit_code
+
+
+def job_folder(path: Path, job: str) -> Path | None:
+    """The run folder `workbook <job>` made that holds `path` (its manifest names the job), else None:
+    rerunning a job into its own folder resumes that run's record."""
+    folder = Path(path).parent
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        if json.loads((folder / "manifest.json").read_text()).get("job") == job:
+            return folder
+    return None
+
+
 def notebook_parameters(path: Path, params: dict, run_dir: Path) -> dict:
     """The values to inject: only what the notebook declares, so papermill has nothing to warn about."""
     import papermill
@@ -101,6 +185,18 @@ def notebook_parameters(path: Path, params: dict, run_dir: Path) -> dict:
     if notebook.RUN_DIR_PARAMETER in declared:
         values[notebook.RUN_DIR_PARAMETER] = str(run_dir)
     return values
+
+
+def write_parameters_file(path: Path, parameters: dict, run_dir: Path) -> Path:
+    """`<run>/<notebook>.parameters.yaml`: what the notebook was given, and the papermill command that
+    reruns it alone with exactly that and no "Passed unknown parameter" warning (a params profile
+    holds keys this notebook does not declare; papermill warns once per such key)."""
+    target = run_dir / f"{path.stem}.parameters.yaml"
+    source = path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path
+    header = (f"# The parameters `workbook run` gave {path.name}. To rerun this notebook alone with them:\n"
+              f"#   .venv/bin/papermill {source} {run_dir / path.name} -f {target}\n")
+    target.write_text(header + yaml.safe_dump(parameters, sort_keys=False))
+    return target
 
 
 def execute(path: Path, run_dir: Path, parameters: dict) -> Path:
@@ -135,19 +231,7 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
     if not notebooks:
         raise RunError(f"no notebooks found in {notebooks_dir}")
     run_dir = notebook.new_run_dir(params["profile"], outputs_root)
-    manifest = {
-        "profile": params["profile"],
-        "params_file": params_file,
-        "overrides": overrides or [],
-        "params": dict(params),
-        "git": git_state(),
-        "versions": gpu.software_versions(),
-        "hardware": detection or gpu.detect(),
-        "started_at": _now(),
-        "finished_at": None,
-        "status": "running",
-        "notebooks": [],
-    }
+    manifest = _new_manifest(params, params_file, overrides or [], detection or gpu.detect())
     _write_manifest(run_dir, manifest)
     log(f"run folder: {run_dir}")
     for path in notebooks:
@@ -158,7 +242,9 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
         began = time.perf_counter()
         output = run_dir / path.name
         try:
-            execute(path, run_dir, notebook_parameters(path, params, run_dir))
+            parameters = notebook_parameters(path, params, run_dir)
+            entry["parameters_file"] = str(write_parameters_file(path, parameters, run_dir))
+            execute(path, run_dir, parameters)
             entry["status"] = "ok"
         except Exception as error:  # the run must record any failure before stopping
             entry.update(status="failed", **describe_failure(error, output))

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -88,6 +89,12 @@ TRAINING = {
 MAX_THREADS = 8  # torch threads for the build; more do not speed up matrices this small
 EVAL_BATCH_SIZE = 100  # prompts per greedy generate() call when measuring held-out accuracy
 MAX_NEW_TOKENS = 6  # " 198" plus end of text, with room for one stray token
+PROGRESS_SECONDS = 5.0  # a training progress line at most this often: the build is a minute of waiting
+
+
+def _progress(message: str) -> None:
+    """One line of build progress on stderr (stdout stays the caller's: JSON, tables)."""
+    print(f"tiny model: {message}", file=sys.stderr, flush=True)
 
 
 def tiny_config() -> LlamaConfig:
@@ -153,13 +160,15 @@ def build_tiny_model(path: str | Path) -> Path:
         torch.manual_seed(TRAINING["seed"])
         tokenizer = build_tokenizer()
         model = LlamaForCausalLM(tiny_config())
-        final_loss = _train(model, tokenizer)
+        final_loss = _train(model, tokenizer, threads)
         train_seconds = time.perf_counter() - started
         model.generation_config = GenerationConfig(
             bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
         )
         records = arithmetic.sample_records()
+        _progress(f"measuring held-out accuracy on {len(records)} prompts")
         held_out_accuracy = arithmetic.accuracy(records, greedy_answers(model, tokenizer, records))
+    _progress(f"saving to {path}")
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
@@ -180,12 +189,18 @@ def build_tiny_model(path: str | Path) -> Path:
         "torch_version": torch.__version__,
     }
     (path / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    _progress(f"built in {info['build_seconds']:.0f} s: held-out accuracy {held_out_accuracy:.0%}, "
+              f"final loss {info['final_loss']}")
     return path
 
 
-def _train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> float:
+def _train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, threads: int) -> float:
     """Train on every non-held-out problem; returns the mean loss over the last 20 steps."""
+    _progress("tokenizing the training problems")
     input_ids, labels = _training_tensors(tokenizer)
+    steps = TRAINING["steps"]
+    _progress(f"training {steps} steps of {TRAINING['batch_size']} examples on {threads} CPU thread(s) "
+              f"({len(input_ids):,} problems)")
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=TRAINING["learning_rate"],
@@ -197,8 +212,9 @@ def _train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> float
     order = torch.randperm(len(input_ids), generator=generator)
     cursor = 0
     recent_losses = collections.deque(maxlen=20)
+    began = last_report = time.perf_counter()
     model.train()
-    for _ in range(TRAINING["steps"]):
+    for step in range(1, steps + 1):
         if cursor + TRAINING["batch_size"] > len(order):  # next epoch, new shuffle
             order = torch.randperm(len(input_ids), generator=generator)
             cursor = 0
@@ -211,6 +227,12 @@ def _train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> float
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         recent_losses.append(loss.item())
+        now = time.perf_counter()
+        if now - last_report >= PROGRESS_SECONDS and step < steps:
+            last_report = now
+            left = (now - began) / step * (steps - step)
+            _progress(f"step {step}/{steps}, loss {sum(recent_losses) / len(recent_losses):.3f}, "
+                      f"{now - began:.0f} s so far, about {left:.0f} s left")
     model.eval()
     return sum(recent_losses) / len(recent_losses)
 
@@ -264,6 +286,7 @@ def ensure_tiny_model(cache_root: str | Path | None = None) -> Path:
         return _check_complete(final)
     cache_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=cache_root))
+    _progress(f"not built yet: building {final} once (about a minute on 2 CPU cores; later runs reuse it)")
     try:
         build_tiny_model(staging)
     except BaseException:  # Ctrl-C included: never leave a half-written model behind

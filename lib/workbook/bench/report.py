@@ -146,13 +146,16 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    run = None  # the run folder, recorded in its manifest.json like any run (notebook 05 lists it)
     try:
-        params = runner.resolve_params(params_arg, overrides, log=say)[0]
-        run_dir = notebook.new_run_dir(f"bench-{params['profile']}")
+        params, params_file, _ = runner.resolve_params(params_arg, overrides, log=say)
+        run = runner.start_job(notebook.new_run_dir(f"bench-{params['profile']}"), "bench", params, params_file,
+                               overrides)
+        run_dir = run.run_dir
         report = run_benchmark(params, run_dir, log=say)
     except (params_module.ParamsError, BenchError, GenerationError, DoesNotFitError) as error:
         say(f"error: {error}")
-        return 2
+        return runner.finish_job(run, 2, error)
     report["command"] = "workbook bench --params " + params_arg + (" --set " + " ".join(overrides) if overrides else "")
     (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     from workbook import plots  # matplotlib only for the figures
@@ -165,4 +168,4 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     (run_dir / "benchmark.md").write_text(f"`{report['command']}`\n\n{text}\n")
     print(text)
     print(f"wrote {run_dir / 'benchmark.json'}, {run_dir / 'benchmark.md'} and the PNGs")
-    return 0
+    return runner.finish_job(run, 0)

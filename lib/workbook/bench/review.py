@@ -1,14 +1,17 @@
 """Every run side by side: the logic behind notebook 05.
 
-A run is a folder under ``outputs/`` (``workbook run`` writes ``manifest.json`` there; ``workbook
-bench`` writes only ``benchmark.json``) or under the committed ``outputs/reference/<gpu>/``. A run
-may be incomplete, failed or still running, and a JSON file may be half written or broken: such a
-run is listed with what is wrong, never an exception.
+A run is a folder under ``outputs/`` (``workbook run``, ``generate``, ``train`` and ``bench`` write
+``manifest.json`` there; older ``workbook bench`` folders hold only ``benchmark.json``) or under the
+committed ``outputs/reference/<gpu>/``. A run may be incomplete, failed, still running or stopped
+(killed mid-run: its manifest says "running" but its process is gone), and a JSON file may be half
+written or broken: such a run is listed with what is wrong, never an exception.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,10 +33,12 @@ class Run:
     manifest: dict | None = None
     metrics: dict = field(default_factory=dict)  # name in METRIC_FILES -> parsed JSON
     problems: list[str] = field(default_factory=list)  # unreadable files, a failed or unfinished run
+    stopped: bool = False  # the manifest says running, but the process that wrote it is gone
+    this_run: bool = False  # the run doing the reviewing (notebook 05's own, still running)
 
     @property
     def label(self) -> str:
-        return ("reference/" if self.reference else "") + self.path.name
+        return ("reference/" if self.reference else "") + self.path.name + (" (this run)" if self.this_run else "")
 
     @property
     def profile(self) -> str | None:
@@ -51,6 +56,8 @@ class Run:
 
     @property
     def status(self) -> str:
+        if self.stopped:
+            return "stopped"
         if self.manifest:
             return str(self.manifest.get("status", "unknown"))
         return "no manifest" if self.metrics else "empty"
@@ -83,14 +90,48 @@ def _read_json(path: Path, problems: list[str]) -> dict | None:
     return value
 
 
-def load_run(path: Path, reference: bool = False) -> Run:
-    run = Run(Path(path), reference)
+def process_alive(manifest: dict) -> bool | None:
+    """Whether the process that wrote a manifest still runs: None when that cannot be told from here
+    (another host, or a manifest that does not name its process)."""
+    pid = manifest.get("pid")
+    if not isinstance(pid, int) or manifest.get("host") != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+def _manifest_problem(run: Run) -> str | None:
+    """What is wrong with the run by its manifest, or None: ok, or still running."""
+    status = run.manifest.get("status")
+    if status in ("ok", None):
+        return None
+    if status == "running":
+        alive = None if run.this_run else process_alive(run.manifest)
+        if run.this_run or alive:
+            return None
+        if alive is False:
+            run.stopped = True
+            return (f"stopped before finishing: process {run.manifest['pid']} is gone (killed or crashed)"
+                    + ("; rerun the same command to resume" if run.manifest.get("job") == "generate" else ""))
+        return "status running (its process cannot be checked from this host)"
+    failed = [n["name"] for n in run.manifest.get("notebooks", []) if n.get("status") == "failed"]
+    error = run.manifest.get("error")
+    return f"status {status}" + (f": {', '.join(failed)} failed" if failed else "") + (f": {error}" if error else "")
+
+
+def load_run(path: Path, reference: bool = False, this_run: bool = False) -> Run:
+    run = Run(Path(path), reference, this_run=this_run)
     manifest_path = run.path / "manifest.json"
     if manifest_path.is_file():
         run.manifest = _read_json(manifest_path, run.problems)
-        if run.manifest is not None and run.manifest.get("status") not in ("ok", None):
-            failed = [n["name"] for n in run.manifest.get("notebooks", []) if n.get("status") == "failed"]
-            run.problems.append(f"status {run.manifest.get('status')}" + (f": {', '.join(failed)} failed" if failed else ""))
+        problem = _manifest_problem(run) if run.manifest is not None else None
+        if problem:
+            run.problems.append(problem)
     for name, file_name in METRIC_FILES.items():
         if (run.path / file_name).is_file():
             value = _read_json(run.path / file_name, run.problems)
@@ -99,9 +140,11 @@ def load_run(path: Path, reference: bool = False) -> Run:
     return run
 
 
-def load_runs(outputs_dir: Path = OUTPUTS_DIR, reference_dir: Path | None = None) -> list[Run]:
+def load_runs(outputs_dir: Path = OUTPUTS_DIR, reference_dir: Path | None = None,
+              this_run: Path | None = None) -> list[Run]:
     """Every run folder under ``outputs_dir`` (newest first) and under the reference folder
-    (default ``outputs_dir/reference``); folders holding neither a manifest nor a metric file are skipped."""
+    (default ``outputs_dir/reference``); folders holding neither a manifest nor a metric file are skipped.
+    ``this_run``, the reviewing run's own folder, is marked as such and not a problem while it runs."""
     outputs_dir = Path(outputs_dir)
     reference_dir = Path(reference_dir) if reference_dir is not None else outputs_dir / REFERENCE_FOLDER
     runs = []
@@ -111,7 +154,8 @@ def load_runs(outputs_dir: Path = OUTPUTS_DIR, reference_dir: Path | None = None
         for folder in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
             if not is_reference and folder.resolve() == reference_dir.resolve():
                 continue
-            run = load_run(folder, is_reference)
+            own = this_run is not None and folder.resolve() == Path(this_run).resolve()
+            run = load_run(folder, is_reference, this_run=own)
             if run.manifest is not None or run.metrics or run.problems:
                 runs.append(run)
     return runs

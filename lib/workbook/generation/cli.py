@@ -4,6 +4,7 @@ and the end-of-run report in words."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from workbook import arithmetic, jsonl, notebook, params as params_module, runner, runtime
 from workbook.generation.engine import GenerationError
@@ -56,31 +57,35 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    run = None  # the run folder this command records itself in (manifest.json), when it made one
     try:
-        params = runner.resolve_params(params_arg, overrides, log=say)[0]
+        params, params_file, _ = runner.resolve_params(params_arg, overrides, log=say)
         output_path = None
         if not params["output_path"] and runtime.launched_processes() == 1:
-            output_path = resolve_output_path("", notebook.new_run_dir(params["profile"]))
+            run = runner.start_job(notebook.new_run_dir(params["profile"]), "generate", params, params_file, overrides)
+            output_path = resolve_output_path("", run.run_dir)
             settings = " ".join(overrides)
             say(f"writing to {output_path}; to resume after an interruption: workbook generate --params "
                 f"{params_arg} --set {settings + ' ' if settings else ''}output_path={output_path}")
+        elif runtime.launched_processes() == 1 and runner.job_folder(Path(params["output_path"]), "generate"):
+            run = runner.start_job(Path(params["output_path"]).parent, "generate", params, params_file, overrides)
         summary = launch(params, output_path, log=say)
     except (params_module.ParamsError, jsonl.DataError, GenerationError, DoesNotFitError) as error:
         say(f"error: {error}")
-        return 2
+        return runner.finish_job(run, 2, error)
     if summary is None:
         return 0
     for line in summary_lines(summary):
         print(line)
-    return 0 if summary["in_failures"] == 0 and summary["unaccounted"] == 0 else 1
+    return runner.finish_job(run, 0 if summary["in_failures"] == 0 and summary["unaccounted"] == 0 else 1)
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-    parser = argparse.ArgumentParser(prog="python -m workbook.generation",
-                                     description="Batched generation of teacher outputs: JSONL in, JSONL out, resumable.")
+    from workbook.cli import WorkbookParser, add_set_argument
+    parser = WorkbookParser(prog="python -m workbook.generation", params_from="workbook.generation.job",
+                            description="Batched generation of teacher outputs: JSONL in, JSONL out, resumable.")
     parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE", help="override a parameter")
+    add_set_argument(parser)
     args = parser.parse_args(argv)
     return cli_main(args.params, args.set)
 
