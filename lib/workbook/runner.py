@@ -26,6 +26,8 @@ from workbook import gpu, notebook, params as params_module
 from workbook.paths import NOTEBOOKS_DIR, OUTPUTS_DIR, REPO_ROOT
 
 
+MANIFEST_FILE = "manifest.json"  # a run folder's record: params, versions, status (notebook 05 reads it)
+
 class RunError(RuntimeError):
     """The run could not start (bad params, unknown notebook) or a notebook failed."""
 
@@ -93,9 +95,9 @@ def _now() -> str:
 
 def _write_manifest(run_dir: Path, manifest: dict) -> None:
     # Write-then-rename: a reader (notebook 05, a user's `cat`) never sees half a manifest.
-    temporary = run_dir / "manifest.json.tmp"
+    temporary = run_dir / f"{MANIFEST_FILE}.tmp"
     temporary.write_text(json.dumps(manifest, indent=2, default=str) + "\n")
-    temporary.replace(run_dir / "manifest.json")
+    temporary.replace(run_dir / MANIFEST_FILE)
 
 
 def _new_manifest(params: dict, params_file: str, overrides: list[str], hardware: dict | None) -> dict:
@@ -137,7 +139,7 @@ def start_job(run_dir: Path, job: str, params: dict, params_file: str, overrides
     command = f"workbook {job} --params {params_file}" + (" --set " + " ".join(overrides) if overrides else "")
     manifest = {**_new_manifest(params, params_file, list(overrides), None), "job": job, "command": command}
     with contextlib.suppress(OSError, ValueError):
-        earlier = json.loads((run_dir / "manifest.json").read_text())
+        earlier = json.loads((run_dir / MANIFEST_FILE).read_text())
         manifest["started_at"] = earlier["started_at"]
         manifest["resumed_at"] = earlier.get("resumed_at", []) + [_now()]
     _write_manifest(run_dir, manifest)
@@ -154,8 +156,8 @@ def finish_job(run: JobRun | None, exit_code: int, error: object = None) -> int:
     if run is None:
         return exit_code
     if exit_code not in (0, 1) and not run.manifest.get("resumed_at") and \
-            [path.name for path in run.run_dir.iterdir()] == ["manifest.json"]:
-        (run.run_dir / "manifest.json").unlink()
+            [path.name for path in run.run_dir.iterdir()] == [MANIFEST_FILE]:
+        (run.run_dir / MANIFEST_FILE).unlink()
         with contextlib.suppress(OSError):
             run.run_dir.rmdir()
         return exit_code
@@ -172,7 +174,7 @@ def job_folder(path: Path, job: str) -> Path | None:
     rerunning a job into its own folder resumes that run's record."""
     folder = Path(path).parent
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        if json.loads((folder / "manifest.json").read_text()).get("job") == job:
+        if json.loads((folder / MANIFEST_FILE).read_text()).get("job") == job:
             return folder
     return None
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbook.paths import OUTPUTS_DIR
+from workbook.runner import MANIFEST_FILE
 
 # The metric files the notebooks and commands write, by the name a run's ``metrics`` uses.
 METRIC_FILES = {"gpu": "gpu.json", "memory_plan": "memory_plan.json", "generation": "generation.json",
@@ -126,7 +127,7 @@ def _manifest_problem(run: Run) -> str | None:
 
 def load_run(path: Path, reference: bool = False, this_run: bool = False) -> Run:
     run = Run(Path(path), reference, this_run=this_run)
-    manifest_path = run.path / "manifest.json"
+    manifest_path = run.path / MANIFEST_FILE
     if manifest_path.is_file():
         run.manifest = _read_json(manifest_path, run.problems)
         problem = _manifest_problem(run) if run.manifest is not None else None

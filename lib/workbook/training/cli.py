@@ -33,11 +33,11 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     one the same command left unfinished (or train_output_dir); train_processes > 1 forks that many
     processes here (one per GPU)."""
     params = runner.resolve_params(params_arg, overrides, log=lambda line: print(line, file=sys.stderr))[0]
+    return _train_in_chosen_folder(params, params_arg, overrides)
+
+
+def _train_in_chosen_folder(params, params_arg: str, overrides: list[str]) -> int:
     command = shlex.join(["workbook", "train", "--params", params_arg] + (["--set", *overrides] if overrides else []))
-    return _train_in_chosen_folder(params, command)
-
-
-def _train_in_chosen_folder(params, command: str) -> int:
     try:
         folder = run_folder.choose(params, command)
     except TrainError as error:
@@ -48,10 +48,12 @@ def _train_in_chosen_folder(params, command: str) -> int:
               "set train_output_dir to a writable folder", file=sys.stderr)
         return 2
     print(folder.note, flush=True)
+    job = runner.start_job(folder.path, "train", params, params_arg, overrides)  # notebook 05 lists the run
     try:
         code = _run_and_report(params, folder.path)
     finally:
         folder.release()
+    runner.finish_job(job, code)
     if code != 0:
         folder.discard()  # leaves no folder behind for a run that never started
     return code

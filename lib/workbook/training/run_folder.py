@@ -22,7 +22,7 @@ import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbook import notebook
+from workbook import notebook, runner
 from workbook.paths import OUTPUTS_DIR
 from workbook.training import checkpoints
 from workbook.training.config import PARAMS_USED, RESULT_FILE, TRAINING_DIR_NAME, TrainError
@@ -139,10 +139,10 @@ def _remove_new(folder: Path) -> None:
     """Remove a run folder this command made, if only our own files are in it. (A lock file elsewhere,
     in an explicit train_output_dir, stays: unlinking a lock file others may open is a race.)"""
     training_dir = folder / TRAINING_DIR_NAME
-    ours = {training_dir, training_dir / LOCK_FILE, folder / COMMAND_FILE}
+    ours = {training_dir, training_dir / LOCK_FILE, folder / COMMAND_FILE, folder / runner.MANIFEST_FILE}
     if any(path not in ours for path in folder.rglob("*")):
         return  # the run got further: keep what it wrote
-    for leftover in (training_dir / LOCK_FILE, folder / COMMAND_FILE):
+    for leftover in (training_dir / LOCK_FILE, folder / COMMAND_FILE, folder / runner.MANIFEST_FILE):
         leftover.unlink(missing_ok=True)
     for empty in (training_dir, folder):
         with contextlib.suppress(OSError):
