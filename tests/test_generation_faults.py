@@ -118,6 +118,7 @@ print("in_output", summary["in_output"])
 """
 
 
+@pytest.mark.multiprocess
 def test_a_second_job_on_the_same_output_is_refused_naming_the_first(tmp_path, capsys):
     records_in = arithmetic.sample_records()[:6]
     prompts = write_prompts(tmp_path / "in.jsonl", records_in)
@@ -145,6 +146,26 @@ def test_a_second_job_on_the_same_output_is_refused_naming_the_first(tmp_path, c
     assert first.returncode == 0, err[-3000:]
     assert "in_output 6" in out and ids_in(output) == [r["id"] for r in records_in]
     assert not lock.exists()  # released and removed
+
+
+@pytest.mark.multiprocess
+def test_sibling_processes_of_one_job_share_its_lock_and_all_stop_when_another_job_holds_it(tmp_path):
+    # torchrun starts the processes side by side, as accelerate launch does: none is the other's parent.
+    records_in = arithmetic.sample_records()[:12]
+    prompts = write_prompts(tmp_path / "in.jsonl", records_in)
+    output = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "workbook.generation", "--params", "cpu", "--set", f"prompts_path={prompts}",
+               f"output_path={output}", "batch_size=4", "log_every_batches=0", "interactive=false"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}
+    with runtime.ExclusiveLock(tmp_path / "out.lock"):  # another job's
+        refused = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and refused.stderr.count(f"error: another job is writing {output}") >= 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl"]  # no process wrote anything
+    done = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert ids_in(output) == [r["id"] for r in records_in]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl", "out.summary.json"]
 
 
 def test_a_lock_left_by_a_killed_job_blocks_nothing_and_is_refused_only_while_held(tmp_path):

@@ -125,7 +125,7 @@ def written_outputs(files: OutputFiles) -> dict[Any, Written]:
     for path in [files.output, *files.output_parts()]:
         for number, _, record in jsonl.read_complete_lines(path):
             metadata = record.get("metadata")
-            if not isinstance(metadata, dict) or "example_id" not in metadata or not isinstance(record.get("input"), str):
+            if not (isinstance(metadata, dict) and "example_id" in metadata and isinstance(record.get("input"), str)):
                 raise GenerationError(f"{path}:{number} is not an output record (no metadata.example_id), so "
                                       f"output_path {files.output} names a file this job did not write (the prompts "
                                       "file?); set output_path to a new file.")

@@ -108,8 +108,8 @@ def output_settings(params) -> dict:
     resume is checked before the model loads): the model, its dtype, the chat template's use and
     the decoding settings as recorded (the model's own token ids follow from the model)."""
     decoding = DecodingSettings(max_new_tokens=params["max_new_tokens"], eos_token_ids=(), pad_token_id=0,
-                                do_sample=params["do_sample"], temperature=params["temperature"],
-                                top_p=params["top_p"], seed=params["seed"])
+                                do_sample=params["do_sample"], temperature=float(params["temperature"]),
+                                top_p=float(params["top_p"]), seed=params["seed"])  # float: 1 and 1.0 alike
     return {"teacher_model": params["model"], "dtype": params["dtype"],
             "use_chat_template": params["use_chat_template"], "generation_params": decoding.recorded()}
 
@@ -283,7 +283,8 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
                 failures.write([failure(prompt, "generation", error) for prompt, error in outcome.failed]
                                + [failure(prompt, "write", error) for prompt, error in unwritten])
                 # The batch's statistics then count an unwritten record as failed, not generated.
-                outcome.completed = [pair for position, pair in enumerate(outcome.completed) if position not in rejected]
+                outcome.completed = [pair for position, pair in enumerate(outcome.completed)
+                                     if position not in rejected]
                 outcome.failed += unwritten
 
             return run_batches(share.backend, share.prompts, write=write, sort_by_length=sort_by_length,
