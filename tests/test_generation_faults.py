@@ -332,11 +332,15 @@ def test_resume_refuses_an_edited_prompt_or_other_settings_by_name(tmp_path, tin
                                                          r"output_path to a new file, or delete those ids' lines"):
         run(tiny, prompts, output, max_new_tokens=4)
     write_prompts(prompts, good)
-    for change in (dict(max_new_tokens=5), dict(do_sample=True, temperature=0.7, max_new_tokens=4),
-                   dict(use_chat_template=False, max_new_tokens=4)):
+    changes = {"'max_new_tokens': 5": dict(max_new_tokens=5),
+               "this run: tiny with {'temperature': 0.7": dict(do_sample=True, temperature=0.7, max_new_tokens=4),
+               "so dtype or use_chat_template differ": dict(use_chat_template=False, max_new_tokens=4)}
+    for shown, change in changes.items():
         with pytest.raises(generation.GenerationError, match=r"out.jsonl holds 6 output\(s\) made with other "
-                                                             r"settings than this run's.*new file for these settings"):
+                                                             r"settings than this run's.*new file for these settings"
+                           ) as refused:
             run(tiny, prompts, output, **change)
+        assert shown in str(refused.value)
     assert output.read_text() == written  # nothing was mixed in
     assert run(tiny, prompts, output, max_new_tokens=4)["generated"] == 0
 

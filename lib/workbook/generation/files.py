@@ -147,12 +147,16 @@ def check_resume(files: OutputFiles, written: dict[Any, Written], examples, prom
     other_settings = [example_id for example_id, entry in written.items() if not same_settings(entry)]
     if other_settings:
         first = written[other_settings[0]]
+        now = f"{teacher_model} with {generation_params}"
+        if (first.teacher_model, first.generation_params) == (teacher_model, generation_params):
+            how = f"the same model and decoding ({now}), so dtype or use_chat_template differ"
+        else:
+            how = f"{first.teacher_model} with {first.generation_params}; this run: {now}"
         raise GenerationError(
             f"{files.output} holds {len(other_settings)} output(s) made with other settings than this run's (model, "
-            f"dtype, use_chat_template or decoding), e.g. id {other_settings[0]!r}: {first.teacher_model} with "
-            f"{first.generation_params}; this run: {teacher_model} with {generation_params}. Resuming would mix "
-            f"them in one file: set output_path to a new file for these settings, or move {files.output.name} (and "
-            "its part files) away to start again.")
+            f"dtype, use_chat_template or decoding), e.g. id {other_settings[0]!r}: {how}. Resuming would mix them "
+            f"in one file: set output_path to a new file for these settings, or move {files.output.name} (and its "
+            "part files) away to start again.")
     changed = [e.example_id for e in examples
                if e.example_id in written and written[e.example_id].prompt_digest != prompt_digest(e.prompt)]
     if changed:
