@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from workbook import arithmetic, cli, generation, jsonl, runtime
-from workbook.generation import files as output_files, job, records
+from workbook.generation import job, records
 from workbook.paths import REPO_ROOT
 
 from test_generate import job_params, read_records, write_prompts

@@ -5,6 +5,7 @@ Writing so that a crash loses nothing and duplicates nothing::
 
     appender = LineAppender("out.jsonl")       # first cuts a torn last line left by a crash
     appender.write([record, ...])               # whole lines, then flush + fsync
+    appender.write_encodable([record, ...])     # the same, but a record UTF-8 cannot hold fails alone
     done = scan_ids(["out.jsonl"], id_of)       # a rerun skips these
     merge_parts("out.jsonl", ["out.part-0.jsonl", ...], id_of=id_of, order=positions)
 

@@ -300,10 +300,10 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
 def _write_failed_text(error: OSError, files: OutputFiles, total: int) -> str:
     safe = len(jsonl.scan_ids([files.output, *files.output_parts()], records.output_record_id))
     where = f"{files.output}" + (" and its part files" if files.output_parts() else "")
-    problem = "the disk is full" if jsonl.is_disk_full(error) else "cannot write"
-    return (f"{problem} ({error.strerror}: {error.filename}): stopped with {safe} of {total} outputs safely written "
-            f"to {where}. {'Free some space' if jsonl.is_disk_full(error) else 'Fix that'} and rerun the same command: "
-            "it resumes after them.")
+    full = jsonl.is_disk_full(error)
+    return (f"{'the disk is full' if full else 'cannot write'} ({error.strerror}: {error.filename or files.output}): "
+            f"stopped with {safe} of {total} outputs safely written to {where}. "
+            f"{'Free some space' if full else 'Fix that'} and rerun the same command: it resumes after them.")
 
 
 def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log: Callable[[str], None] = print,
