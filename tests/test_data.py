@@ -6,7 +6,7 @@ import re
 import pytest
 
 from workbook import jsonl, params
-from workbook.generation import records
+from workbook.generation import files as generation_files, records
 
 
 def write_lines(path, *lines):
@@ -38,6 +38,9 @@ BAD_LINES = [
     ('{"id": {"x": 1}, "input": "a"}', "expected a string or an integer"),
     ('{"id": "dup", "input": "again"}', "id 'dup' already appeared on line 1"),
     ('{"input": "caf\xe9"}', "not UTF-8 text (byte 15)"),
+    ('{"input": "half a pair \\ud83d"}', "field 'input' holds an unpaired surrogate escape"),
+    ('{"input": "ok", "source": {"tags": ["a", "\\udc80"]}}', "field 'source.tags[1]' holds an unpaired surrogate"),
+    ('{"input": "ok", "\\ud800": 1}', "the key '\\ud800' holds an unpaired surrogate"),
 ]
 
 
@@ -49,6 +52,20 @@ def test_a_bad_line_fails_with_file_and_line_or_is_skipped_and_reported(tmp_path
     examples, bad = records.load_examples(path, on_bad_line="skip")
     assert [e.line for e in examples] == [1, 3]
     assert len(bad) == 1 and bad[0].line == 2 and reason in bad[0].reason
+
+
+def test_an_explicit_id_equal_to_another_lines_line_number_is_refused_with_both_lines(tmp_path):
+    # Line 3 has no id, so it is known as 3: the explicit integer id 3 on line 1 would collide with it.
+    path = write_lines(tmp_path / "in.jsonl", '{"id": 3, "input": "a"}', '{"input": "b"}', '{"input": "c"}')
+    with pytest.raises(jsonl.DataError, match=r"in.jsonl:3: this line has no 'id', so its id is its line number, "
+                                              r"3, but line 1 gives 'id': 3; .*give this line an 'id' of its own"):
+        records.load_examples(path)
+    path = write_lines(tmp_path / "in.jsonl", '{"input": "a"}', '{"id": 1, "input": "b"}')
+    with pytest.raises(jsonl.DataError, match=r"in.jsonl:2: id 1 is already the id of line 1, which has no 'id' and "
+                                              r"so is known by its line number; .*give line 1 an 'id'"):
+        records.load_examples(path)
+    examples, bad = records.load_examples(path, on_bad_line="skip")
+    assert [e.example_id for e in examples] == [1] and [b.line for b in bad] == [2]
 
 
 def test_max_examples_stops_reading_before_later_bad_lines(tmp_path):
@@ -70,13 +87,15 @@ def test_output_record_has_seed_format_and_audit_fields():
                                                        "source": "book", "metadata": {"page": 3}})
     record = records.output_record(example, output=" 5", prompt_field="auto", teacher_model="tiny",
                                 generation_params={"temperature": None, "top_p": None, "max_new_tokens": 8},
-                                prompt_tokens=15, output_tokens=3, finish_reason="eos")
+                                prompt_tokens=15, output_tokens=3, finish_reason="eos",
+                                settings_fingerprint="0123abcd")
     assert list(record)[:5] == ["input", "output", "difficulty", "domain", "metadata"]
     assert record["input"] == "What is 2 + 3?" and record["output"] == " 5"
     assert record["metadata"] == {
         "original_output": "5", "example_id": "q1", "teacher_model": "tiny",
         "generation_params": {"temperature": None, "top_p": None, "max_new_tokens": 8},
-        "prompt_tokens": 15, "output_tokens": 3, "finish_reason": "eos", "source_fields": {"metadata": {"page": 3}}}
+        "prompt_tokens": 15, "output_tokens": 3, "finish_reason": "eos", "settings_fingerprint": "0123abcd",
+        "source_fields": {"metadata": {"page": 3}}}
     assert record["source"] == "book" and record["id"] == "q1"
     assert records.output_record_id(json.loads(json.dumps(record))) == "q1"
 
@@ -92,6 +111,16 @@ def test_appender_writes_whole_lines_and_cuts_a_torn_tail(tmp_path):
         assert appender.repaired_bytes == len('{"n": 3, "text": "cut off by kill -')
         appender.write([{"n": 3}])
     assert path.read_text() == '{"n": 1}\n{"n": 2}\n{"n": 3}\n'
+
+
+def test_a_record_that_cannot_be_encoded_is_rejected_alone_or_stops_a_strict_write(tmp_path):
+    path = tmp_path / "out.jsonl"
+    with jsonl.LineAppender(path) as appender:
+        rejected = appender.write_encodable([{"n": 1}, {"n": 2, "text": "split \udc80"}, {"n": 3}])
+        assert [position for position, _ in rejected] == [1] and "field 'text'" in rejected[0][1]
+        with pytest.raises(ValueError, match=r"record 1 of the batch cannot be written: .*not valid Unicode"):
+            appender.write([{"n": "\ud800"}, {"n": 4}])
+    assert path.read_text() == '{"n": 1}\n{"n": 3}\n'  # the strict write wrote nothing
 
 
 def test_a_torn_line_longer_than_the_read_chunk_and_a_file_with_only_a_torn_line(tmp_path):
@@ -125,3 +154,22 @@ def test_merge_orders_deduplicates_excludes_and_removes_parts(tmp_path):
     assert json.loads(last.read_text()) == {"id": "a", "v": 2}
     assert jsonl.merge_parts(last, [], id_of=lambda r: r["id"], order={}, exclude={"a"}) == 0
     assert not last.exists()  # an empty result leaves no empty file behind
+
+
+def test_a_merge_with_nothing_to_change_does_not_rewrite_and_clears_a_killed_merge(tmp_path):
+    target = write_lines(tmp_path / "out.jsonl", '{"id": "a"}', '{"id": "b"}')
+    (tmp_path / "out.jsonl.merging").write_text('{"id": "a"}\n')  # a merge killed mid-copy
+    with target.open("a") as handle:
+        handle.write('{"id": "c"')  # and a torn last line
+    inode = target.stat().st_ino
+    assert jsonl.merge_parts(target, [], id_of=lambda r: r["id"], order={"a": 0, "b": 1}) == 2
+    assert target.stat().st_ino == inode and target.read_text() == '{"id": "a"}\n{"id": "b"}\n'  # cut, not copied
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.jsonl"]
+
+
+def test_outputs_left_in_parts_are_read_with_the_output(tmp_path):
+    write_lines(tmp_path / "out.jsonl", '{"n": 1}')
+    write_lines(tmp_path / "out.part-1.jsonl", '{"n": 2}')
+    write_lines(tmp_path / "out.failures.part-0.jsonl", '{"n": 3}')
+    assert [r["n"] for r in generation_files.read_outputs(tmp_path / "out.jsonl")] == [1, 2]
+    assert [r["n"] for r in generation_files.read_outputs(tmp_path / "out.failures.jsonl")] == [3]

@@ -5,6 +5,7 @@ Writing so that a crash loses nothing and duplicates nothing::
 
     appender = LineAppender("out.jsonl")       # first cuts a torn last line left by a crash
     appender.write([record, ...])               # whole lines, then flush + fsync
+    appender.write_encodable([record, ...])     # the same, but a record UTF-8 cannot hold fails alone
     done = scan_ids(["out.jsonl"], id_of)       # a rerun skips these
     merge_parts("out.jsonl", ["out.part-0.jsonl", ...], id_of=id_of, order=positions)
 
@@ -15,6 +16,7 @@ off before writing, so the example it held is generated again, exactly once.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass
@@ -24,6 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 FAIL, SKIP = "fail", "skip"
 BAD_LINE_POLICIES = (FAIL, SKIP)  # the params schema offers the same two (on_bad_line, on_long_prompt)
 TAIL_CHUNK_BYTES = 1 << 16  # how far back at a time the torn-line check reads from the end of a file
+DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # no space left, or the user's quota is used up
 
 
 class DataError(ValueError):
@@ -44,8 +47,9 @@ class BadLine:
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | BadLine]]:
-    """Yield (line number, JSON object) for each line of ``path``; a line that is not a JSON object
-    yields a BadLine instead. Blank lines are not records and are passed over."""
+    """Yield (line number, JSON object) for each line of ``path``; a line that is not a JSON object,
+    or holds text that is not valid Unicode, yields a BadLine instead. Blank lines are not records
+    and are passed over."""
     path = Path(path)
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
@@ -65,7 +69,39 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | BadLine]]:
             if not isinstance(value, dict):
                 yield number, BadLine(str(path), number, f"a JSON {type(value).__name__}, not an object", number)
                 continue
+            # JSON may escape half of a UTF-16 pair ("\ud800"): valid JSON, but not text that a
+            # tokenizer reads or UTF-8 can write, so it would fail its whole batch, on every rerun.
+            where = unencodable_path(value) if "\\u" in line else None
+            if where is not None:
+                yield number, BadLine(str(path), number, f"{where} holds an unpaired surrogate escape (\\ud800 to "
+                                      "\\udfff), which is not valid Unicode text", number)
+                continue
             yield number, value
+
+
+def unencodable_path(value: Any, path: str = "") -> str | None:
+    """Where in a JSON value a string (or key) cannot be encoded as UTF-8, e.g. "field 'meta.tags[1]'";
+    None when every string can. Lone surrogates are the only str that UTF-8 refuses."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"field '{path}'" if path else "the value"
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = key.encode("utf-8", "backslashreplace").decode("utf-8")  # printable even when bad itself
+            child = f"{path}.{name}" if path else name
+            if unencodable_path(key) is not None:
+                return f"the key '{child}'"
+            found = unencodable_path(item, child)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = unencodable_path(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def read_jsonl(path: str | Path, *, on_bad_line: str = FAIL) -> tuple[list[tuple[int, dict]], list[BadLine]]:
@@ -86,6 +122,10 @@ def handle_bad_line(bad_line: BadLine, policy: str, policy_key: str) -> BadLine:
         raise DataError(f"{bad_line.describe()}. Fix or remove that line, or set {policy_key}: skip to go on "
                         "without it (skipped lines are listed in the failures file).")
     return bad_line
+
+
+def is_disk_full(error: BaseException) -> bool:
+    return isinstance(error, OSError) and error.errno in DISK_FULL_ERRNOS
 
 
 def check_policy(key: str, policy: str) -> None:
@@ -148,15 +188,39 @@ class LineAppender:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def write(self, records: Iterable[dict]) -> int:
-        """Append ``records`` (one JSON line each) and make them durable; returns the count."""
-        lines = [json.dumps(record, ensure_ascii=False) + "\n" for record in records]
+        """Append ``records`` (one JSON line each) and make them durable; returns the count. A record
+        that cannot be encoded raises ValueError, and nothing of the call is written."""
+        lines, rejected = encode_lines(records)
+        if rejected:
+            position, reason = rejected[0]
+            raise ValueError(f"{self.path}: record {position + 1} of the batch cannot be written: {reason}")
+        return self._append(lines)
+
+    def write_encodable(self, records: Iterable[dict]) -> list[tuple[int, str]]:
+        """Append the records that can be encoded, as ``write``; returns (position, reason) of each
+        one that cannot, so that it fails alone instead of taking its whole batch with it."""
+        lines, rejected = encode_lines(records)
+        self._append(lines)
+        return rejected
+
+    def _append(self, lines: list[str]) -> int:
         if not lines:
             return 0
         view = memoryview("".join(lines).encode("utf-8"))
-        while view:
-            written = os.write(self._fd, view)
-            view = view[written:]
-        os.fsync(self._fd)
+        start = os.fstat(self._fd).st_size
+        try:
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+            os.fsync(self._fd)
+        except OSError as error:
+            # A full disk can take part of the buffer: cut it back, so the file ends on a whole line
+            # (freeing space needs none), and name the file, which os.write's error does not.
+            try:
+                os.ftruncate(self._fd, start)
+            except OSError:
+                pass  # the torn remainder is cut by the next appender instead
+            raise OSError(error.errno, error.strerror, str(self.path)) from error
         return len(lines)
 
     def close(self) -> None:
@@ -171,6 +235,26 @@ class LineAppender:
         self.close()
 
 
+def encode_lines(records: Iterable[dict]) -> tuple[list[str], list[tuple[int, str]]]:
+    """The JSON line of each record that can be encoded as UTF-8, and (position, reason) of those
+    that cannot (text that is not valid Unicode, a value JSON has no form for)."""
+    lines, rejected = [], []
+    for position, record in enumerate(records):
+        try:
+            line = json.dumps(record, ensure_ascii=False) + "\n"
+            line.encode("utf-8")
+        except UnicodeEncodeError:
+            where = unencodable_path(record) or "a string"
+            rejected.append((position, f"{where} holds an unpaired surrogate (not valid Unicode), which UTF-8 "
+                                       "cannot encode"))
+            continue
+        except (TypeError, ValueError) as error:
+            rejected.append((position, f"not JSON: {type(error).__name__}: {error}"))
+            continue
+        lines.append(line)
+    return lines, rejected
+
+
 def read_complete_lines(path: str | Path) -> Iterator[tuple[int, str, dict]]:
     """(line number, line text, record) for each complete line of a file this module wrote.
 
@@ -180,14 +264,15 @@ def read_complete_lines(path: str | Path) -> Iterator[tuple[int, str, dict]]:
     path = Path(path)
     if not path.exists():
         return
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.endswith("\n"):
+    with path.open("rb") as lines:
+        for number, raw in enumerate(lines, start=1):
+            if not raw.endswith(b"\n"):
                 return  # torn by a killed write; the example is generated again
             try:
+                line = raw.decode("utf-8")
                 record = json.loads(line)
-            except json.JSONDecodeError as error:
-                record = error
+            except ValueError as error:  # not UTF-8, or not JSON
+                line, record = "", error
             if not isinstance(record, dict):
                 raise DataError(f"{path}:{number}: not a JSON object, but this file is written one object per "
                                 "line; it was edited or damaged. Remove that line (its example is then generated "
@@ -207,15 +292,21 @@ def merge_parts(target: str | Path, parts: Iterable[str | Path], *, id_of: Calla
 
     ``keep`` says which record of an id wins ("first" or "last" read; ``target`` is read first);
     ids in ``exclude`` are left out. The new file replaces the old atomically (written beside it,
-    fsynced, renamed), so a kill during the merge leaves the old files intact; a target left empty
-    is removed. Lines are copied byte for byte. Returns the number of records written.
+    fsynced, renamed), so a kill or a full disk during the merge leaves the old files intact (and
+    no temporary file); a target that is already the result is left as it is, so a rerun needs no
+    space for a second copy. A target left empty is removed. Lines are copied byte for byte.
+    Returns the number of records written.
     """
     target = Path(target)
     parts = [Path(part) for part in parts if Path(part) != target]
+    _temporary(target).unlink(missing_ok=True)  # left by a merge that was killed
+    target_lines: list[str] = []
     chosen: dict[Any, tuple[int, str]] = {}
     sequence = 0
     for path in [target, *parts]:
         for _, line, record in read_complete_lines(path):
+            if path == target:
+                target_lines.append(line)
             record_id = id_of(record)
             if exclude and record_id in exclude:
                 continue
@@ -226,7 +317,9 @@ def merge_parts(target: str | Path, parts: Iterable[str | Path], *, id_of: Calla
     unknown = len(order) + 1
     lines = [line for record_id, (sequence, line) in
              sorted(chosen.items(), key=lambda item: (order.get(item[0], unknown), item[1][0]))]
-    if lines:
+    if lines and lines == target_lines:
+        repair_torn_tail(target)  # the only change left; cutting needs no space
+    elif lines:
         _replace_atomically(target, "".join(lines))
     elif target.exists():
         target.unlink()
@@ -235,13 +328,21 @@ def merge_parts(target: str | Path, parts: Iterable[str | Path], *, id_of: Calla
     return len(lines)
 
 
+def _temporary(path: Path) -> Path:
+    return path.with_name(path.name + ".merging")
+
+
 def _replace_atomically(path: Path, text: str) -> None:
-    temporary = path.with_name(path.name + ".merging")
-    with temporary.open("w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    temporary = _temporary(path)
+    try:
+        with temporary.open("w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)  # a full disk must not keep a half copy taking its space
+        raise
     # The rename itself is durable only once the directory entry is synced.
     directory = os.open(path.parent, os.O_RDONLY)
     try:

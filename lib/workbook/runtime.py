@@ -1,4 +1,5 @@
-"""The process and its device: launcher detection, a free port, synchronizing, and peak memory.
+"""The process and its device: launcher detection, a free port, synchronizing, peak memory, and an
+exclusive lock on a file.
 
 One rule each, so generation, training, the batch finder and the benchmarks agree on what
 "launched", "the device" and "peak memory" mean.
@@ -6,10 +7,14 @@ One rule each, so generation, training, the batch finder and the benchmarks agre
 
 from __future__ import annotations
 
+import datetime as dt
+import fcntl
 import gc
+import json
 import os
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -78,3 +83,85 @@ def peak_memory(device: torch.device) -> PeakMemory | None:
     free, total = torch.cuda.mem_get_info(device)
     return PeakMemory(torch.cuda.max_memory_reserved(device), torch.cuda.max_memory_allocated(device),
                       total - free - torch.cuda.memory_reserved(device))
+
+
+class LockHeldError(RuntimeError):
+    """Another process holds the lock; ``holder`` says who, as that process wrote it."""
+
+    def __init__(self, path: Path, holder: str):
+        super().__init__(f"{path} is held by {holder}")
+        self.path, self.holder = path, holder
+
+
+class ExclusiveLock:
+    """An advisory, exclusive lock on a sidecar file (``flock``), held while the ``with`` block runs.
+
+    flock rather than a pid file: the kernel releases it when its process dies, so a job killed
+    with kill -9 leaves nothing that blocks the next one; it also holds over NFS (Linux emulates it
+    with byte-range locks there). The file records the holder's pid, host and start time, so the
+    refused process can name it. Children forked while it is held share it (same open file).
+    """
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._fd: int | None = None
+
+    def acquire(self) -> "ExclusiveLock":
+        """Take the lock, or raise LockHeldError at once (never waits)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise LockHeldError(self.path, holder) from None
+            except BaseException:
+                os.close(fd)
+                raise
+            # The holder before us removes the file as it releases it; if that happened between our
+            # open and our flock, we hold a file no one else opens: start again on the path.
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)
+        self._fd = fd
+        note = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "since": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")})
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, note.encode() + b"\n")
+        except OSError:
+            pass  # e.g. a full disk: the lock holds all the same, only the note naming us is missing
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        # Removed while still held: a process that opened it a moment ago finds, once it has the
+        # lock, that the path is gone, and starts again on a new file (see acquire).
+        if _same_file(self._fd, self.path):
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> "ExclusiveLock":
+        return self if self._fd is not None else self.acquire()
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        on_path, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (on_path.st_dev, on_path.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        note = json.loads(os.pread(fd, 4096, 0).decode("utf-8"))
+        return f"process {note['pid']} on host {note['host']} (since {note['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has only just started (it has not written its pid yet)"

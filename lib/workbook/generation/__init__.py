@@ -20,7 +20,16 @@ What it does, and why each way:
   with one stop the run: that is a broken setup, not a bad example.
 - Each batch's records are appended as whole lines, flushed and fsynced before the next batch; a
   rerun with the same output skips every id already written (``workbook.jsonl`` explains the torn
-  last line a kill can leave). At the end the output is rewritten ordered by input position.
+  last line a kill can leave). At the end the output is rewritten ordered by input position (not
+  when it already is, so a rerun needs no room for a second copy; a full disk leaves the parts in
+  place, read like the output, and says so).
+- One job per output: an exclusive lock on ``<output stem>.lock`` (flock, released by the kernel
+  if the job is killed); a second job on the same output stops at once, naming the holder.
+- Before any model loads: the output must be writable, hold only this job's records, and those
+  made from the same prompts (by id) and settings (``metadata.settings_fingerprint``: model,
+  dtype, chat template use, decoding), else one error naming the file, ids and the way out.
+- Text that is not valid Unicode is a bad line when read; a record that still cannot be written
+  fails alone (stage "write"); a full disk stops the run with what is safe and how to resume.
 - Data parallel: N processes, each with the whole model on its own GPU, take every N-th prompt of
   the length-sorted list, write their own part, and the first merges the parts (deduplicated,
   ordered). The launcher is accelerate's ``notebook_launcher`` (or ``accelerate launch``), so

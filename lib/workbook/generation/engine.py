@@ -191,7 +191,9 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
                 progress=None, log: Callable[[str], None] = print, log_every_batches: int = 0,
                 rank: int = 0) -> list[BatchStats]:
     """Generate for every prompt in batches of ``backend.prompts_per_call``; ``write`` receives each
-    batch's outcome before the next batch starts. Returns one BatchStats per batch.
+    batch's outcome before the next batch starts, and may move a completed prompt to ``failed``
+    (its record could not be written): the batch's statistics count it there. Returns one
+    BatchStats per batch.
 
     ``progress`` is a tqdm bar (or None); a log line every ``log_every_batches`` batches (0: none).
     ``sort_by_length=False`` keeps input order (the benchmark's comparison).

@@ -1,15 +1,16 @@
 """The generation job: from params to outputs on disk, for one process or one of several.
 
-Read and check the prompts, load the model, skip what is written, take this process's share,
-generate it through the engine, write each batch, and (first process) merge and audit::
+Lock the output, read and check the prompts and what the output already holds (all before any
+model loads), load the model, skip what is written, take this process's share, generate it
+through the engine, write each batch, and (first process) merge and audit::
 
     summary = run_job(params, "out/teacher.jsonl")
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import json
 import os
 import sys
 import time
@@ -25,7 +26,9 @@ from workbook.generation.backends import make_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
 )
-from workbook.generation.files import OutputFiles, merge_and_audit, resolve_input_path
+from workbook.generation.files import (
+    OutputFiles, check_resume, lock_output, merge_and_audit, resolve_input_path, write_summary, written_outputs,
+)
 from workbook.planner import profile
 
 # The params keys this job reads; notebook 02 declares them all in its parameters cell.
@@ -100,6 +103,90 @@ def decoding_settings(params, model, tokenizer) -> DecodingSettings:
                             temperature=params["temperature"], top_p=params["top_p"], seed=params["seed"])
 
 
+def output_settings(params) -> dict:
+    """Everything besides its prompt that makes an output what it is, from params alone (so that a
+    resume is checked before the model loads): the model, its dtype, the chat template's use and
+    the decoding settings as recorded (the model's own token ids follow from the model)."""
+    decoding = DecodingSettings(max_new_tokens=params["max_new_tokens"], eos_token_ids=(), pad_token_id=0,
+                                do_sample=params["do_sample"], temperature=float(params["temperature"]),
+                                top_p=float(params["top_p"]), seed=params["seed"])  # float: 1 and 1.0 alike
+    return {"teacher_model": params["model"], "dtype": params["dtype"],
+            "use_chat_template": params["use_chat_template"], "generation_params": decoding.recorded()}
+
+
+@dataclass
+class Inputs:
+    """The prompts as read, checked against what the output already holds."""
+
+    prompts_path: Path
+    examples: list[records.Example]
+    bad_lines: list[jsonl.BadLine]
+    done: set  # ids already in the output or its parts
+
+
+def read_inputs(params, files: OutputFiles, *, record_skipped: bool) -> Inputs:
+    """Read the prompts and check them against the output, before any model loads: no prompt at all,
+    output_path naming the prompts (or any file this job did not write), and outputs made from
+    other prompts or settings each stop with one GenerationError. ``record_skipped``: this process
+    (the first) lists the skipped lines in the failures file when no prompt is left."""
+    prompts_path = resolve_input_path(params["prompts_path"])
+    examples, bad_lines = records.load_examples(prompts_path, prompt_field=params["prompt_field"],
+                                                on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
+    if any(path.exists() and path.samefile(prompts_path) for path in (files.output, files.failures)):
+        raise GenerationError(f"output_path {files.output} would overwrite the prompts file {prompts_path}; set "
+                              "output_path to another file (the outputs are written and resumed there).")
+    if not examples:
+        raise GenerationError(_no_prompts_text(prompts_path, bad_lines, files, record_skipped))
+    settings = output_settings(params)
+    written = written_outputs(files)
+    check_resume(files, written, examples, prompts_path, settings_fingerprint=records.settings_fingerprint(settings),
+                 teacher_model=settings["teacher_model"], generation_params=settings["generation_params"])
+    return Inputs(prompts_path, examples, bad_lines, set(written))
+
+
+def _no_prompts_text(prompts_path: Path, bad_lines: list[jsonl.BadLine], files: OutputFiles, record: bool) -> str:
+    if bad_lines:
+        if record:
+            with jsonl.LineAppender(files.failures) as failures:
+                failures.write(_bad_line_failure(bad) for bad in bad_lines)
+            jsonl.merge_parts(files.failures, [], id_of=lambda r: r["line"], order={}, keep="last")  # one per line
+        what = f"all {len(bad_lines)} of its lines are bad and were skipped (listed in {files.failures})"
+    else:
+        what = "the file is empty" if prompts_path.stat().st_size == 0 else "it holds only blank lines"
+    return (f"no prompts to generate in {prompts_path}: {what}. prompts_path must name a JSONL file with one JSON "
+            'object per line holding the prompt, e.g. {"id": "q1", "input": "What is 2 + 3?"}.')
+
+
+def _bad_line_failure(bad: jsonl.BadLine) -> dict:
+    return records.failure_record(example_id=bad.example_id, line=bad.line, stage="input", error=bad.reason)
+
+
+@contextlib.contextmanager
+def output_locked(files: OutputFiles, rank: Rank, *, held_by_parent: bool):
+    """The output's lock, held by one process for the whole job. Under ``notebook_launcher`` the
+    parent took it before forking the processes (``held_by_parent``), which then share it. Under
+    ``accelerate launch`` or torchrun the processes are siblings: the first takes it, since it
+    lives longest (it merges once the others are done); every process learns through a gather
+    whether it got it, so that the processes of a refused job all stop before writing anything."""
+    if held_by_parent:
+        yield
+        return
+    lock = refusal = None
+    if rank.index == 0:
+        try:
+            lock = lock_output(files)
+        except GenerationError as error:
+            refusal = str(error)
+    refusals = [text for text in rank.gather(refusal) if text]
+    try:
+        if refusals:
+            raise GenerationError(refusals[0])
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
 def progress_bar(total: int, interactive: bool):
     """tqdm: the notebook widget when ``interactive`` (JupyterLab), else text on stderr (terminals,
     papermill), redrawn at most once a second so a saved notebook stays small."""
@@ -127,12 +214,10 @@ class Share:
     prompts_path: Path
 
 
-def prepare_share(params, files: OutputFiles, rank: Rank, *, model=None, tokenizer=None,
+def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, model=None, tokenizer=None,
                   log: Callable[[str], None] = print) -> Share:
-    """Read and check the prompts, load the model, skip what is written, and pick this process's share."""
-    prompts_path = resolve_input_path(params["prompts_path"])
-    examples, bad_lines = records.load_examples(prompts_path, prompt_field=params["prompt_field"],
-                                                on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
+    """Load the model, tokenize, skip what is written, and pick this process's share."""
+    prompts_path, examples, bad_lines = inputs.prompts_path, inputs.examples, inputs.bad_lines
     if model is None:
         if rank.device.type == "cpu" and rank.count > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.count))
@@ -141,8 +226,7 @@ def prepare_share(params, files: OutputFiles, rank: Rank, *, model=None, tokeniz
     batch_size = profile.resolve_batch_size(params, "generate")
     backend = make_backend(params["backend"], model, settings, batch_size)
     token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], params["use_chat_template"])
-    done = jsonl.scan_ids([files.output, *files.output_parts()], records.output_record_id)
-    pending = [i for i in range(len(examples)) if examples[i].example_id not in done]
+    pending = [i for i in range(len(examples)) if examples[i].example_id not in inputs.done]
     room = _room_check(params, model, examples, token_ids, pending, prompts_path)
     # Every process sorts all prompts alike and takes every count-th: shares of equal length mix,
     # fixed by the input alone, so a process never takes an example another one owns.
@@ -166,66 +250,93 @@ def prepare_share(params, files: OutputFiles, rank: Rank, *, model=None, tokeniz
 
 def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log: Callable[[str], None] = print,
                    sort_by_length: bool = True, show_progress: bool = True) -> list[BatchStats]:
-    """Generate this process's prompts into its part of the output; failures into its failures part."""
+    """Generate this process's prompts into its part of the output; failures into its failures part.
+    A record that cannot be written fails alone (stage "write"); a full disk stops the job with
+    what is safe and how to resume."""
     examples, teacher, generation_params = share.examples, params["model"], share.settings.recorded()
+    fingerprint = records.settings_fingerprint(output_settings(params))
     if params["do_sample"]:
         torch.manual_seed(share.settings.seed + rank.index)
-    with jsonl.LineAppender(files.output_part(rank)) as outputs, \
-            jsonl.LineAppender(files.failures_part(rank)) as failures:
-        if rank.index == 0:
-            failures.write(records.failure_record(example_id=bad.example_id, line=bad.line, stage="input",
-                                               error=bad.reason) for bad in share.bad_lines)
-        failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,
-                                           stage="prompt_too_long",
-                                           error=_too_long_text(share.token_ids[i], share.model))
-                       for i in share.too_long)
+    bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
+    try:
+        with jsonl.LineAppender(files.output_part(rank)) as outputs, \
+                jsonl.LineAppender(files.failures_part(rank)) as failures:
+            if rank.index == 0:
+                failures.write(_bad_line_failure(bad) for bad in share.bad_lines)
+            failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,
+                                                  stage="prompt_too_long",
+                                                  error=_too_long_text(share.token_ids[i], share.model))
+                           for i in share.too_long)
 
-        def write(outcome: Outcome) -> None:
-            outputs.write(_output_record(examples[prompt.index], completion, share.tokenizer, params, teacher,
-                                         generation_params, len(prompt.token_ids))
-                          for prompt, completion in outcome.completed)
-            failures.write(records.failure_record(example_id=examples[prompt.index].example_id,
-                                               line=examples[prompt.index].line, stage="generation", error=error)
-                           for prompt, error in outcome.failed)
+            def failure(prompt: Prompt, stage: str, error: str) -> dict:
+                example = examples[prompt.index]
+                return records.failure_record(example_id=example.example_id, line=example.line, stage=stage,
+                                              error=error)
 
-        bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
-        try:
+            def write(outcome: Outcome) -> None:
+                made = [_output_record(examples[prompt.index], completion, share.tokenizer, params, teacher,
+                                       generation_params, len(prompt.token_ids), fingerprint)
+                        for prompt, completion in outcome.completed]
+                rejected = dict(outputs.write_encodable(made))  # position -> why; its neighbours are written
+                unwritten = [(outcome.completed[position][0], f"cannot write its output record: {reason}")
+                             for position, reason in rejected.items()]
+                failures.write([failure(prompt, "generation", error) for prompt, error in outcome.failed]
+                               + [failure(prompt, "write", error) for prompt, error in unwritten])
+                # The batch's statistics then count an unwritten record as failed, not generated.
+                outcome.completed = [pair for position, pair in enumerate(outcome.completed)
+                                     if position not in rejected]
+                outcome.failed += unwritten
+
             return run_batches(share.backend, share.prompts, write=write, sort_by_length=sort_by_length,
                                progress=bar, log=log, log_every_batches=params["log_every_batches"],
                                rank=rank.index)
-        finally:
-            if bar is not None:
-                bar.close()
+    except OSError as error:  # from the appenders, which name the file: a full disk, or one gone read-only
+        raise GenerationError(_write_failed_text(error, files, len(examples))) from None
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _write_failed_text(error: OSError, files: OutputFiles, total: int) -> str:
+    safe = len(jsonl.scan_ids([files.output, *files.output_parts()], records.output_record_id))
+    where = f"{files.output}" + (" and its part files" if files.output_parts() else "")
+    full = jsonl.is_disk_full(error)
+    return (f"{'the disk is full' if full else 'cannot write'} ({error.strerror}: {error.filename or files.output}): "
+            f"stopped with {safe} of {total} outputs safely written to {where}. "
+            f"{'Free some space' if full else 'Fix that'} and rerun the same command: it resumes after them.")
 
 
 def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log: Callable[[str], None] = print,
-            sort_by_length: bool = True, show_progress: bool = True) -> dict | None:
+            sort_by_length: bool = True, show_progress: bool = True, lock_held_by_parent: bool = False) -> dict | None:
     """This process's share of the job (all of it when alone). Returns the job's summary in the
     first process (which merges the parts and writes ``<output>.summary.json``), None in the others.
 
     ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests, the benchmark).
+    ``lock_held_by_parent``: the process that started this one holds the output's lock (``launch``).
     """
     require_keys(params)
     rank = current_rank()
     files = OutputFiles(Path(output_path))
     began = time.perf_counter()
-    share = prepare_share(params, files, rank, model=model, tokenizer=tokenizer, log=log)
-    engine_began = time.perf_counter()
-    batches = generate_share(params, share, files, rank, log=log, sort_by_length=sort_by_length,
-                             show_progress=show_progress)
-    counts = {"rank": rank.index, **summarize(batches, time.perf_counter() - engine_began),
-              "too_long": len(share.too_long), "setup_seconds": round(engine_began - began, 3),
-              "batch_list": [dataclasses.asdict(b) for b in batches]}
-    # A collective: the first process passes it only when every process has closed its part.
-    every_process = rank.gather(counts)
-    if rank.index != 0:
-        return None
-    summary = merge_and_audit(files, share.examples, share.bad_lines, every_process)
-    summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
-                   model=params["model"], prompts_path=str(share.prompts_path),
-                   generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
-    files.summary.write_text(json.dumps(summary, indent=2) + "\n")
-    return summary
+    with output_locked(files, rank, held_by_parent=lock_held_by_parent):
+        inputs = read_inputs(params, files, record_skipped=rank.index == 0)
+        share = prepare_share(params, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
+        engine_began = time.perf_counter()
+        batches = generate_share(params, share, files, rank, log=log, sort_by_length=sort_by_length,
+                                 show_progress=show_progress)
+        counts = {"rank": rank.index, **summarize(batches, time.perf_counter() - engine_began),
+                  "too_long": len(share.too_long), "setup_seconds": round(engine_began - began, 3),
+                  "batch_list": [dataclasses.asdict(b) for b in batches]}
+        # A collective: the first process passes it only when every process has closed its part.
+        every_process = rank.gather(counts)
+        if rank.index != 0:
+            return None
+        summary = merge_and_audit(files, share.examples, share.bad_lines, every_process, log=log)
+        summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
+                       model=params["model"], prompts_path=str(share.prompts_path),
+                       generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
+        write_summary(files, summary, log=log)
+        return summary
 
 
 def require_keys(params) -> None:
@@ -256,9 +367,10 @@ def _too_long_text(ids: list[int], model) -> str:
 
 
 def _output_record(example, completion: Completion, tokenizer, params, teacher, generation_params,
-                   prompt_tokens: int) -> dict:
+                   prompt_tokens: int, settings_fingerprint: str) -> dict:
     ids = completion.token_ids[:-1] if completion.finish_reason == FINISH_EOS else completion.token_ids
     text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
     return records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
                               generation_params=generation_params, prompt_tokens=prompt_tokens,
-                              output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason)
+                              output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
+                              settings_fingerprint=settings_fingerprint)

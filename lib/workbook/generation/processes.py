@@ -15,14 +15,14 @@ from typing import Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from workbook import runtime
-from workbook.generation import job, records
+from workbook.generation import job
 from workbook.generation.engine import GenerationError
-from workbook.generation.files import OutputFiles, resolve_input_path, resolve_output_path
+from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
 
 
 @record  # a failing process's traceback reaches the launcher's error instead of "see the logs"
 def _process_entry(params: dict, output_path: str) -> None:
-    job.run_job(params, output_path)
+    job.run_job(params, output_path, lock_held_by_parent=True)
 
 
 def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path | None = None,
@@ -44,20 +44,25 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
     processes = params["data_parallel_processes"]
     if processes > 1 and not runtime.inside_launcher():
         from accelerate import notebook_launcher
-        # Read the prompts here first: a bad line then fails with its message, not as a crashed process.
-        records.load_examples(resolve_input_path(params["prompts_path"]), prompt_field=params["prompt_field"],
-                              on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
-        summary_file = OutputFiles(output_path).summary
-        summary_file.unlink(missing_ok=True)
-        log(f"starting {processes} processes (accelerate notebook_launcher)")
-        try:
-            notebook_launcher(_process_entry, args=(dict(params), str(output_path)), num_processes=processes,
-                              use_port=str(runtime.free_port()))
-        except Exception as error:  # torch elastic's ChildFailedError, or the launcher's RuntimeError
-            raise GenerationError(f"a generation process failed (its traceback is printed above): "
-                                  f"{_root_cause(error)}. Everything written so far is kept; rerun with the "
-                                  "same output_path to resume.") from error
-        return json.loads(summary_file.read_text())
+        files = OutputFiles(output_path)
+        # This process holds the output's lock for its children (forked, they share it), and reads
+        # the prompts and the output first: a bad line or a stale output then fails with its
+        # message, not as a crashed process.
+        with lock_output(files):
+            job.read_inputs(params, files, record_skipped=True)
+            files.summary.unlink(missing_ok=True)
+            log(f"starting {processes} processes (accelerate notebook_launcher)")
+            try:
+                notebook_launcher(_process_entry, args=(dict(params), str(output_path)), num_processes=processes,
+                                  use_port=str(runtime.free_port()))
+            except Exception as error:  # torch elastic's ChildFailedError, or the launcher's RuntimeError
+                raise GenerationError(f"a generation process failed (its traceback is printed above): "
+                                      f"{_root_cause(error)}. Everything written so far is kept; rerun with the "
+                                      "same output_path to resume.") from error
+        if not files.summary.exists():  # write_summary warned why (a full disk)
+            raise GenerationError(f"the processes finished but {files.summary} was not written (see the warning "
+                                  f"above); the outputs are safe in {files.output}: free some space and rerun.")
+        return json.loads(files.summary.read_text())
     if runtime.inside_launcher() and runtime.launched_processes() != processes:
         log(f"note: running as {runtime.launched_processes()} processes (the launcher's count), not "
             f"data_parallel_processes={processes}")

@@ -8,6 +8,8 @@ the output record in seed 000's format, and the failures file's record. One func
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,19 +59,19 @@ def load_examples(path: str | Path, *, prompt_field: str = AUTO_PROMPT_FIELD, on
             bad_lines.append(handle_bad_line(problem, on_bad_line, "on_bad_line"))
             continue
         example_id = value.get(ID_FIELD, number)
-        first_line_of[example_id] = number
+        first_line_of[example_id] = (number, ID_FIELD in value)
         examples.append(Example(example_id, number, _prompt_of(value, prompt_field)[1], value))
     return examples, bad_lines
 
 
 def _example_problem(path: Path, number: int, value: dict, prompt_field: str,
-                     first_line_of: dict[Any, int]) -> BadLine | None:
+                     first_line_of: dict[Any, tuple[int, bool]]) -> BadLine | None:
     example_id = value.get(ID_FIELD, number)
     if isinstance(example_id, bool) or not isinstance(example_id, (str, int)):
         return BadLine(str(path), number, f"'{ID_FIELD}' is {example_id!r}; expected a string or an integer", number)
     if example_id in first_line_of:
-        return BadLine(str(path), number, f"id {example_id!r} already appeared on line {first_line_of[example_id]}; "
-                       "ids must be unique (outputs are matched to prompts by id)", example_id)
+        return BadLine(str(path), number, _duplicate_id_text(example_id, ID_FIELD in value, *first_line_of[example_id]),
+                       example_id)
     field, prompt = _prompt_of(value, prompt_field)
     if field is None:
         wanted = " or ".join(PROMPT_FIELDS) if prompt_field == AUTO_PROMPT_FIELD else prompt_field
@@ -79,6 +81,20 @@ def _example_problem(path: Path, number: int, value: dict, prompt_field: str,
     if not prompt.strip():
         return BadLine(str(path), number, f"'{field}' is empty", example_id)
     return None
+
+
+def _duplicate_id_text(example_id, explicit: bool, first_line: int, first_explicit: bool) -> str:
+    """Why an id is refused as seen before. A line without "id" is known by its line number, which
+    an explicit integer id elsewhere can equal: that is refused too, rather than giving implicit
+    ids another form, so the ids of outputs already written stay what they are."""
+    unique = "ids must be unique (outputs are matched to prompts by id)"
+    if not explicit:
+        return (f"this line has no '{ID_FIELD}', so its id is its line number, {example_id}, but line {first_line} "
+                f"gives '{ID_FIELD}': {example_id!r}; {unique}: give this line an '{ID_FIELD}' of its own")
+    if not first_explicit:
+        return (f"id {example_id!r} is already the id of line {first_line}, which has no '{ID_FIELD}' and so is known "
+                f"by its line number; {unique}: give line {first_line} an '{ID_FIELD}', or this line another one")
+    return f"id {example_id!r} already appeared on line {first_line}; {unique}"
 
 
 def _prompt_of(record: dict, prompt_field: str) -> tuple[str | None, Any]:
@@ -99,8 +115,16 @@ def prompt_field_of(record: dict, prompt_field: str) -> str | None:
 # The records written: one function for each format.
 
 
+def settings_fingerprint(settings: dict) -> str:
+    """16 hex digits of SHA-256 over the settings that change an output besides its prompt (the
+    model, its dtype, the chat template's use, the decoding settings): a resume compares them."""
+    text = json.dumps(settings, sort_keys=True, ensure_ascii=True)
+    return hashlib.sha256(text.encode("ascii")).hexdigest()[:16]
+
+
 def output_record(example: Example, *, output: str, prompt_field: str, teacher_model: str,
-                  generation_params: dict, prompt_tokens: int, output_tokens: int, finish_reason: str) -> dict:
+                  generation_params: dict, prompt_tokens: int, output_tokens: int, finish_reason: str,
+                  settings_fingerprint: str) -> dict:
     """One output line in seed 000's format, plus what an audit needs.
 
     ``input`` is the prompt as read (before any chat template), ``output`` the generated text;
@@ -108,7 +132,9 @@ def output_record(example: Example, *, output: str, prompt_field: str, teacher_m
     input line's own ``output`` (e.g. a reference answer). ``metadata`` adds ``prompt_tokens`` (as
     fed to the model, template included), ``output_tokens`` (generated, the end-of-sequence token
     included) and ``finish_reason`` ("eos": the model ended it; "length": max_new_tokens or the
-    model's context ended it). Every other input field is carried through at the top level.
+    model's context ended it) and ``settings_fingerprint`` (of everything besides the prompt that
+    made this output; a resume refuses to mix outputs of different settings in one file). Every
+    other input field is carried through at the top level.
     """
     consumed = {prompt_field_of(example.record, prompt_field), "output", "difficulty", "domain"}
     record = {
@@ -124,6 +150,7 @@ def output_record(example: Example, *, output: str, prompt_field: str, teacher_m
             "prompt_tokens": prompt_tokens,
             "output_tokens": output_tokens,
             "finish_reason": finish_reason,
+            "settings_fingerprint": settings_fingerprint,
         },
     }
     clashing = {}
@@ -146,8 +173,10 @@ def output_record_id(record: dict) -> Any:
 def failure_record(*, example_id: Any, line: int, stage: str, error: str) -> dict:
     """One line of the failures file: which example, where it came from, at which stage and why.
 
-    Stages: "input" (a bad line), "prompt_too_long", "generation" (failed alone, even at batch 1).
+    Stages: "input" (a bad line), "prompt_too_long", "generation" (failed alone, even at batch 1),
+    "write" (its output record could not be encoded).
     """
+    error = error.encode("utf-8", "backslashreplace").decode("utf-8")  # an error may quote text that is not Unicode
     return {"example_id": example_id, "line": line, "stage": stage, "error": error,
             "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
