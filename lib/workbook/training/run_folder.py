@@ -15,14 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import fcntl
 import json
-import os
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbook import notebook, runner
+from workbook import notebook, runner, runtime
 from workbook.paths import OUTPUTS_DIR
 from workbook.training import checkpoints
 from workbook.training.config import PARAMS_USED, RESULT_FILE, TRAINING_DIR_NAME, TrainError
@@ -38,12 +35,10 @@ class RunFolder:
     path: Path
     created: bool  # made by this command: removed again if its run never starts
     note: str  # what the console says about the choice
-    lock_fd: int  # the open lock file; closing it releases the lock
+    lock: runtime.ExclusiveLock  # held on the training folder while this command trains there
 
     def release(self) -> None:
-        if self.lock_fd >= 0:
-            os.close(self.lock_fd)
-            self.lock_fd = -1  # a second close could close another file that reused the number
+        self.lock.release()
 
     def discard(self) -> None:
         """Release the lock; remove a folder this command made for a run that never started (only if
@@ -67,39 +62,41 @@ def choose(params, command: str) -> RunFolder:
     if params["train_output_dir"]:
         folder = _new_folder(params, command, settings)
         training_dir = Path(params["train_output_dir"])
-        lock_fd = _lock(training_dir)
-        if lock_fd is None:
+        try:
+            lock = _lock(training_dir)
+        except runtime.LockHeldError as held:
             _remove_new(folder)
-            raise TrainError(f"train_output_dir {training_dir} is in use by {_holder(training_dir)} (it holds "
-                             f"{training_dir / LOCK_FILE}): wait for that run to end or stop it, or set another "
-                             "train_output_dir")
+            raise TrainError(f"train_output_dir {training_dir} is in use by {held.holder} (it holds "
+                             f"{held.path}): wait for that run to end or stop it, or set another "
+                             "train_output_dir") from None
         note = (f"train_output_dir is set: training in {training_dir} (its last checkpoint is resumed if it holds "
                 f"one); metrics go to {folder}")
-        return RunFolder(folder, True, note, lock_fd)
+        return RunFolder(folder, True, note, lock)
     notes = []
     for folder in _runs_started_with(settings):
         training_dir = folder / TRAINING_DIR_NAME
         if not _resumable(training_dir):
             continue
-        lock_fd = _lock(training_dir)
-        if lock_fd is None:
-            notes.append(f"{folder} was started by the same settings but is still training ({_holder(training_dir)}): "
+        try:
+            lock = _lock(training_dir)
+        except runtime.LockHeldError as held:
+            notes.append(f"{folder} was started by the same settings but is still training ({held.holder}): "
                          "not resumed")
             continue
         if not _resumable(training_dir):  # it finished while we looked
-            os.close(lock_fd)
+            lock.release()
             continue
         step = checkpoints.saved_state(checkpoints.latest_checkpoint(training_dir))["step"]
         notes.append(f"resuming {folder}: started by the same settings and interrupted before it finished; "
                      f"continuing from its checkpoint at step {step}, metrics go there")
-        return RunFolder(folder, False, "\n".join(notes), lock_fd)
+        return RunFolder(folder, False, "\n".join(notes), lock)
     folder = _new_folder(params, command, settings)
-    lock_fd = _lock(folder / TRAINING_DIR_NAME)  # nobody else knows this folder yet
+    lock = _lock(folder / TRAINING_DIR_NAME)  # nobody else knows this folder yet
     every = params["save_every_steps"]
     notes.append(f"new run folder {folder}" + (
         f" (a checkpoint every {every} step(s): if this run is interrupted, the same command resumes it)" if every else
         " (save_every_steps is 0, no checkpoints: an interrupted run starts over; set it to make a rerun resume)"))
-    return RunFolder(folder, True, "\n".join(notes), lock_fd)
+    return RunFolder(folder, True, "\n".join(notes), lock)
 
 
 def _runs_started_with(settings: dict) -> list[Path]:
@@ -149,23 +146,7 @@ def _remove_new(folder: Path) -> None:
             empty.rmdir()
 
 
-def _lock(training_dir: Path) -> int | None:
-    """An open, exclusively locked LOCK_FILE in ``training_dir`` (created), or None when another
-    process holds it."""
+def _lock(training_dir: Path) -> runtime.ExclusiveLock:
+    """The training folder's lock (the folder made if need be); LockHeldError names who holds it."""
     training_dir.mkdir(parents=True, exist_ok=True)
-    lock_fd = os.open(training_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(lock_fd)
-        return None
-    os.ftruncate(lock_fd, 0)
-    os.write(lock_fd, f"process {os.getpid()} on {socket.gethostname()}\n".encode())
-    return lock_fd
-
-
-def _holder(training_dir: Path) -> str:
-    try:
-        return (training_dir / LOCK_FILE).read_text().strip() or "another process"
-    except OSError:
-        return "another process"
+    return runtime.ExclusiveLock(training_dir / LOCK_FILE).acquire()
