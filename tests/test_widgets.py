@@ -85,6 +85,8 @@ def test_the_line_under_the_verdict_says_what_to_change_or_what_is_left(tuner):
     assert "of the budget left per GPU" in tuner.advice.value
     tuner.batch_size.value = tuner.plan.max_batch_size + 1
     assert f"the largest batch that fits is {tuner.plan.max_batch_size}" in tuner.advice.value
+    tuner.profile.value = "cpu"  # plans this machine's RAM: no "per GPU" anywhere
+    assert "budget" in tuner.verdict.value and "per GPU" not in tuner.verdict.value
 
 
 def test_a_preset_given_in_another_case_is_listed_once(tuner):

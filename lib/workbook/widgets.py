@@ -189,14 +189,15 @@ class PlannerTuner:
 
     def _show_verdict(self) -> None:
         plan = self.plan
+        per = " per GPU" if self.settings()["gpu_count"] > 0 else ""  # the cpu profile plans this machine's RAM
         color, word = ("#1a7f37", "FITS") if plan.fits else ("#b00", "DOES NOT FIT")
         self.verdict.value = (f"<span style='font-size:1.2em;color:{color}'><b>{word}</b></span> "
                               f"batch {plan.batch_size} ({plan.mode}): {format_bytes(plan.total_bytes)} predicted of "
-                              f"{format_bytes(plan.budget_bytes)} budget per GPU&nbsp;&nbsp;")
+                              f"{format_bytes(plan.budget_bytes)} budget{per}&nbsp;&nbsp;")
         self.max_batch.value = f"<span style='font-size:1.2em'>max batch: <b>{plan.max_batch_size}</b></span>"
         # Always one line (the spare memory when it fits), so the plot below does not jump when the
         # verdict flips.
-        spare = f"{format_bytes(plan.budget_bytes - plan.total_bytes)} of the budget left per GPU."
+        spare = f"{format_bytes(plan.budget_bytes - plan.total_bytes)} of the budget left{per}."
         notes = [plan.advice() or spare, *plan.notes]
         self.advice.value = "<br>".join(f"<span style='color:#555'>{html.escape(n)}</span>" for n in notes)
         # The slider spans twice the largest batch that fits (as the curve does), so the interesting
@@ -210,16 +211,17 @@ class PlannerTuner:
         totals = [profile.plan(settings, mode=mode, batch_size=b).total_bytes for b in batches]
         figure, (bar_axis, curve_axis) = plt.subplots(1, 2, figsize=FIGURE_INCHES, width_ratios=(1, 1.15),
                                                       layout="constrained")
-        plots.plan_breakdown(plan, axis=bar_axis)
+        on_gpu = settings["gpu_count"] > 0
+        plots.plan_breakdown(plan, axis=bar_axis, on_gpu=on_gpu)
         # Half a figure wide, the bar has no room for the legend beside it: legend under, a shorter title.
         bar_axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=7, frameon=False)
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         bar_axis.set_title(f"{mode}, {plan.dtype}, batch {plan.batch_size}: {format_bytes(plan.total_bytes)}, "
                            f"{verdict}", fontsize=9.5, color="black" if plan.fits else "#b00")
-        bar_axis.set_xlabel("GiB per GPU (predicted from the model config)", fontsize=8.5)
+        bar_axis.set_xlabel(f"GiB{' per GPU' if on_gpu else ''} (predicted from the model config)", fontsize=8.5)
         plots.memory_vs_batch({f"{settings['model']}, {plan.dtype}": (batches, totals)}, plan.capacity_bytes,
                               plan.budget_bytes, f"predicted peak vs batch (red dot: batch {plan.batch_size}, "
-                                                 f"max {plan.max_batch_size})", axis=curve_axis)
+                                                 f"max {plan.max_batch_size})", axis=curve_axis, on_gpu=on_gpu)
         curve_axis.plot([plan.batch_size], [plan.total_bytes / GiB], "o", color="red", markersize=8)
         with self.output:
             clear_output(wait=True)

@@ -7,7 +7,6 @@ resumes the run it interrupted, otherwise a new folder; the console says which.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -83,11 +82,11 @@ def _run_and_report(params, run_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`python -m workbook.training`: the entry point for `accelerate launch` and `torchrun`, one
     process per GPU; every process gets the same --run-dir."""
-    parser = argparse.ArgumentParser(prog="python -m workbook.training",
-                                     description="Supervised fine-tuning on input/output JSONL.")
+    from workbook.cli import WorkbookParser, add_set_argument
+    parser = WorkbookParser(prog="python -m workbook.training", params_from="workbook.training.config",
+                            description="Supervised fine-tuning on input/output JSONL.")
     parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
-    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help="override a parameter (repeatable: every --set counts)")
+    add_set_argument(parser)
     parser.add_argument("--run-dir", help="run folder shared by all processes (required with several processes)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
