@@ -46,7 +46,7 @@ def test_batch_size_accepts_auto_or_a_positive_integer_only():
     for bad in (0, "Auto", "32", 2.5):
         with pytest.raises(params.ParamsError, match="expected an integer >= 1 or 'auto'"):
             params.validate_value("batch_size", bad, "t")
-    with pytest.raises(params.ParamsError, match=r"'safety_margin' is 0.9; expected a number >= 0 and <= 0.5"):
+    with pytest.raises(params.ParamsError, match=r"'safety_margin' is 0.9; expected a finite number >= 0 and <= 0.5"):
         params.validate_value("safety_margin", 0.9, "t")
 
 

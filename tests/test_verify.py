@@ -21,7 +21,8 @@ def candidate(example_id, output, reference=None, sample_index=0, prompt="What i
     example = output_records.Example(example_id, 1, prompt, source)
     record = output_records.output_record(
         example, output=output, prompt_field="question", teacher_model="tiny",
-        generation_params={"do_sample": True}, prompt_tokens=3, output_tokens=3, finish_reason="eos")
+        generation_params={"do_sample": True}, prompt_tokens=3, output_tokens=3, finish_reason="eos",
+        settings_fingerprint="test")
     record["metadata"]["sample_index"] = sample_index
     return record
 

@@ -33,6 +33,9 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append(f"failures: {summary['failures_path']} ({summary['in_failures']} lines: "
                      f"{summary['bad_input_lines']} bad input, {summary['too_long']} too long, "
                      f"{summary['failed']} failed alone in this run); rerunning retries the generation failures")
+    if not summary.get("merged", True):
+        lines.append(f"warning: the disk was full at the end, so {summary['output_path']} is not merged into input "
+                     "order: every output is safe in it and its part files; free space and rerun to merge")
     if summary["unaccounted"]:
         lines.append(f"ERROR: {summary['unaccounted']} examples are neither in the output nor in the failures "
                      f"file, e.g. {summary['unaccounted_ids'][:5]}; please report this")
