@@ -132,6 +132,13 @@ def test_batched_generation_notebook_generates_every_prompt_and_reports_throughp
     assert 0 <= data["accuracy"]["accuracy"] <= 1
     assert data["sample"][0]["metadata"]["teacher_model"] == cpu.model
     assert (cpu_run.run_dir / "generation_timeline.png").stat().st_size > 10_000
+    # The cpu profile verifies (final_number): the accepted file holds exactly the right answers.
+    verification = data["verification"]
+    assert verification["candidates"] == summary["examples"] and verification["verifier_errors"] == 0
+    right = round(data["accuracy"]["accuracy"] * summary["examples"])
+    assert verification["accepted_candidates"] == right == len(
+        (cpu_run.run_dir / "generations.accepted.jsonl").read_text().splitlines())
+    assert (cpu_run.run_dir / "verification_pass_rates.png").stat().st_size > 10_000
 
 
 @pytest.mark.notebook
@@ -139,8 +146,8 @@ def test_training_notebook_fine_tunes_on_the_run_and_reports_what_it_measured(cp
     data = json.loads((cpu_run.run_dir / "training_metrics.json").read_text())
     cpu = params.load(PARAMS_DIR / "cpu.yaml")
     assert data["status"] == "finished" and data["steps"]["reached"] == data["steps"]["total"] > 0
-    # Notebook 02's teacher outputs in the same run folder are the default training data.
-    assert data["data"]["source"].startswith(str(cpu_run.run_dir / "generations.jsonl"))
+    # The teacher outputs notebook 02's verifier accepted, in the same run folder, are the default training data.
+    assert data["data"]["source"].startswith(str(cpu_run.run_dir / "generations.accepted.jsonl"))
     lengths = data["data"]["token_lengths"]
     assert data["data"]["max_seq_length"] % 64 == 0 and lengths["max"] <= data["data"]["max_seq_length"]
     assert data["data"]["truncation"]["truncated"] == 0 and 0 <= data["plan"]["padding_fraction"] < 0.5

@@ -6,8 +6,10 @@ import textwrap
 
 import pytest
 
-from workbook import training
+from workbook import arithmetic, cli, generation, params, training
 from workbook.generation import records as output_records
+from workbook.paths import PARAMS_DIR
+from workbook.training.config import resolve_data_path
 from workbook.generation.verify import (
     VerifyError, exact_match, final_number_matches, load_verifier, select, verify_output,
 )
@@ -100,3 +102,41 @@ def test_verify_output_writes_the_accepted_file_the_trainer_reads_as_it_is(tmp_p
     assert len(prepared.train) == 2 and prepared.tokenize_report["skipped"] == 0
     with pytest.raises(VerifyError, match="no such output"):
         verify_output(tmp_path / "missing.jsonl", "final_number")
+
+
+def cpu_job(prompts_path, output_path, **changes):
+    values = params.load(PARAMS_DIR / "cpu.yaml")
+    values.update(prompts_path=str(prompts_path), output_path=str(output_path), log_every_batches=0, **changes)
+    return values
+
+
+def test_the_job_verifies_after_generating_and_a_mistyped_verifier_stops_it_first(tmp_path, tiny_model_path):
+    prompts = write(tmp_path / "prompts.jsonl", arithmetic.sample_records()[:12])
+    output = tmp_path / "teacher.jsonl"
+    summary = generation.run_job(cpu_job(prompts, output, verifier="final_number"), output, show_progress=False)
+    right = round(generation.task_accuracy(generation.read_outputs(output))["accuracy"] * 12)
+    assert summary["verification"]["accepted_candidates"] == right == summary["verification"]["written"]
+    assert len((tmp_path / "teacher.accepted.jsonl").read_text().splitlines()) == right
+    other = tmp_path / "other.jsonl"
+    with pytest.raises(generation.GenerationError, match="verifier 'final_numbr'"):
+        generation.run_job(cpu_job(prompts, other, verifier="final_numbr"), other, show_progress=False)
+    assert not other.exists()  # stopped before generating anything
+
+
+def test_workbook_verify_checks_an_existing_output_again(tmp_path, capsys):
+    output = write(tmp_path / "teacher.jsonl", [candidate("a", " 4", "4"), candidate("b", " 5", "4")])
+    assert cli.main(["verify", "--params", "cpu", "--set", f"output_path={output}", "verifier=exact_match"]) == 0
+    assert "1 of 2 outputs accepted (50.0%); 1 of 2 prompts have at least one" in capsys.readouterr().out
+    assert cli.main(["verify", "--params", "cpu", "--set", f"output_path={output}", "verifier=nowhere:f"]) == 2
+    assert "cannot import 'nowhere'" in capsys.readouterr().err
+    assert cli.main(["verify", "--params", "cpu"]) == 2
+    assert "output_path is ''" in capsys.readouterr().err
+
+
+def test_training_takes_the_accepted_outputs_when_notebook_02_verified(tmp_path):
+    write(tmp_path / "generations.jsonl", [candidate("a", " 4", "4"), candidate("b", " 5", "4")])
+    assert resolve_data_path("", "", tmp_path)[0] == str(tmp_path / "generations.jsonl")
+    assert resolve_data_path("", "", tmp_path, verified=True)[0] == str(tmp_path / "generations.jsonl")  # none yet
+    verify_output(tmp_path / "generations.jsonl", "final_number")
+    path, description = resolve_data_path("", "", tmp_path, verified=True)
+    assert path == str(tmp_path / "generations.accepted.jsonl") and "verifier accepted" in description

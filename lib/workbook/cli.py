@@ -85,6 +85,11 @@ def _cmd_train(args) -> int:
     return cli_main(args.params, args.set)
 
 
+def _cmd_verify(args) -> int:
+    from workbook.generation.cli import verify_main
+    return verify_main(args.params, args.set)
+
+
 def _cmd_bench(args) -> int:
     from workbook.bench.report import cli_main
     return cli_main(args.params, args.set)
@@ -98,6 +103,8 @@ JOBS = {
                  "workbook.generation.job"),
     "train": (_cmd_train, "supervised fine-tuning on input/output JSONL", "workbook.training.config"),
     "bench": (_cmd_bench, "generation and training sweeps against the hardware's limits", "workbook.bench.report"),
+    "verify": (_cmd_verify, "check an existing output with a verifier; the right ones go to <output>.accepted.jsonl",
+               "workbook.generation.verify"),
 }
 
 

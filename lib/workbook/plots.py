@@ -378,3 +378,15 @@ def runs_side_by_side(series: list[dict], x_label: str, y_label: str, title: str
     axis.set_title(title, fontsize=10)
     figure.tight_layout()
     return figure
+
+
+def pass_rates(rates: list[float], title: str):
+    """How many prompts had each share of their samples accepted by the verifier (0: none right)."""
+    figure, axis = plt.subplots(figsize=(7, 3.5))
+    bins = [i / 10 for i in range(11)]
+    axis.hist(rates, bins=bins, color="#4c72b0", edgecolor="white")
+    axis.set_xlabel("share of a prompt's samples the verifier accepted")
+    axis.set_ylabel("prompts")
+    axis.set_title(title, fontsize=10)
+    axis.set_xlim(0, 1)
+    return figure

@@ -36,6 +36,9 @@ def summary_lines(summary: dict) -> list[str]:
     if not summary.get("merged", True):
         lines.append(f"warning: the disk was full at the end, so {summary['output_path']} is not merged into input "
                      "order: every output is safe in it and its part files; free space and rerun to merge")
+    if summary.get("verification"):
+        from workbook.generation import verify
+        lines += verify.summary_lines(summary["verification"])
     if summary["unaccounted"]:
         lines.append(f"ERROR: {summary['unaccounted']} examples are neither in the output nor in the failures "
                      f"file, e.g. {summary['unaccounted_ids'][:5]}; please report this")
@@ -81,6 +84,22 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     for line in summary_lines(summary):
         print(line)
     return runner.finish_job(run, 0 if summary["in_failures"] == 0 and summary["unaccounted"] == 0 else 1)
+
+
+def verify_main(params_arg: str, overrides: list[str]) -> int:
+    """`workbook verify --params FILE --set output_path=... verifier=...`: check an existing output
+    again (another rule, another cap) without generating; exit 2 when it cannot run."""
+    from workbook.generation import verify
+    try:
+        params = runner.resolve_params(params_arg, overrides, log=lambda line: print(line, file=sys.stderr))[0]
+        if not params["output_path"]:
+            raise verify.VerifyError("output_path is '': set it to the output to verify (--set output_path=...)")
+        summary = verify.verify_output(params["output_path"], params["verifier"], params["max_accepted_per_prompt"])
+    except (params_module.ParamsError, jsonl.DataError, verify.VerifyError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    print("\n".join(verify.summary_lines(summary)))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from workbook import jsonl, models, runtime
-from workbook.generation import records
+from workbook.generation import records, verify
 from workbook.generation.backends import make_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
@@ -36,7 +36,7 @@ PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt
                "gpu_count", "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path",
                "prompt_field", "output_path", "backend", "do_sample", "temperature", "top_p", "seed",
                "max_examples", "on_bad_line", "on_long_prompt", "use_chat_template", "log_every_batches",
-               "data_parallel_processes")
+               "data_parallel_processes", "verifier", "max_accepted_per_prompt")
 
 
 
@@ -315,6 +315,7 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
     ``lock_held_by_parent``: the process that started this one holds the output's lock (``launch``).
     """
     require_keys(params)
+    verifier = _verifier(params)  # a mistyped verifier stops the job before hours of generation
     rank = current_rank()
     files = OutputFiles(Path(output_path))
     began = time.perf_counter()
@@ -335,8 +336,18 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
+        if verifier is not None:
+            summary["verification"] = verify.verify_output(files.output, params["verifier"],
+                                                           params["max_accepted_per_prompt"], verifier=verifier)
         write_summary(files, summary, log=log)
         return summary
+
+
+def _verifier(params):
+    try:
+        return verify.load_verifier(params["verifier"])
+    except verify.VerifyError as error:
+        raise GenerationError(str(error)) from None
 
 
 def require_keys(params) -> None:

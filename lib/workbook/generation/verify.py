@@ -24,8 +24,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from workbook import jsonl
-from workbook.generation.files import OutputFiles
+from workbook.generation.files import OutputFiles, read_outputs
 
+# The params keys ``workbook verify`` reads (the generation job reads the last two as well).
+PARAMS_USED = ("profile", "output_path", "verifier", "max_accepted_per_prompt")
 ERROR_TEXT_LIMIT = 500  # characters of a verifier's error kept per record
 # Where the reference answer of a record is looked for, in order: the input line's own "output"
 # (kept as metadata.original_output), then the GSM8K-style "answer" and a generic "reference"
@@ -191,7 +193,7 @@ def verify_output(output_path: str | Path, verifier_spec: str, max_accepted_per_
         raise VerifyError("verifier is '' (none): set verifier to final_number, exact_match or module:function")
     if not files.output.is_file():
         raise VerifyError(f"{files.output}: no such output to verify; generate first or fix output_path")
-    records = [record for _, _, record in jsonl.read_complete_lines(files.output)]
+    records = read_outputs(files.output)  # its unmerged parts too, when a full disk left some
     selection = select(records, verifier, max_accepted_per_prompt)
     _write_whole(files.accepted, selection.accepted)
     if selection.errors:
@@ -211,3 +213,16 @@ def _write_whole(path: Path, records: list[dict]) -> None:
     with jsonl.LineAppender(temporary) as appender:
         appender.write(records)
     os.replace(temporary, path)
+
+
+def summary_lines(summary: dict) -> list[str]:
+    """The verification in words (``workbook verify``, ``workbook generate``)."""
+    rate = summary["acceptance_rate"]
+    lines = [f"verifier {summary['verifier']}: {summary['accepted_candidates']} of {summary['candidates']} outputs "
+             f"accepted ({'n/a' if rate is None else f'{rate:.1%}'}); {summary['prompts_with_an_accepted_sample']} of "
+             f"{summary['prompts']} prompts have at least one",
+             f"accepted: {summary['accepted_path']} ({summary['written']} records; {summary['duplicates_dropped']} "
+             f"identical and {summary['capped']} over max_accepted_per_prompt left out)"]
+    if summary["verify_errors_path"]:
+        lines.append(f"the verifier raised on {summary['verifier_errors']} records: {summary['verify_errors_path']}")
+    return lines

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbook import arithmetic
-from workbook.generation.files import resolve_output_path
+from workbook.generation.files import OutputFiles, resolve_output_path
 from workbook.params import AUTO
 from workbook.planner.profile import Budget
 
@@ -24,6 +24,7 @@ PARAMS_USED = (
     "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps",
     "train_output_dir", "train_processes",
     "output_path",  # where notebook 02 wrote its outputs: the default training data
+    "verifier",  # set: notebook 02 verified its outputs, and the accepted ones are the default training data
 )
 TRAINING_DIR_NAME = "training"  # train_output_dir '' -> <run folder>/training/
 RESULT_FILE = "training_result.json"
@@ -92,7 +93,8 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
         raise TrainError(f"training needs the parameter(s) {', '.join(missing)}; declare them in the notebook's "
                          "parameters cell or add them to the params file")
     run_dir = Path(run_dir)
-    data_path, description = resolve_data_path(params["train_data_path"], params["output_path"], run_dir)
+    data_path, description = resolve_data_path(params["train_data_path"], params["output_path"], run_dir,
+                                               verified=bool(params["verifier"]))
     output_dir = Path(params["train_output_dir"]) if params["train_output_dir"] else run_dir / TRAINING_DIR_NAME
     return TrainConfig(
         model=params["model"], data_path=data_path, data_description=description, output_dir=str(output_dir),
@@ -115,9 +117,11 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
     )
 
 
-def resolve_data_path(train_data_path: str, output_path: str, run_dir: Path) -> tuple[str, str]:
+def resolve_data_path(train_data_path: str, output_path: str, run_dir: Path,
+                      verified: bool = False) -> tuple[str, str]:
     """(path, description). '' means notebook 02's teacher outputs (its ``output_path``, or
-    generations.jsonl in this run folder) when they exist, else the shipped arithmetic sample
+    generations.jsonl in this run folder) when they exist: the ones its verifier accepted when
+    ``verified`` (rejection sampling), else all of them; without them the shipped arithmetic sample
     (built in memory if the file is absent)."""
     if train_data_path:
         path = Path(train_data_path).expanduser()
@@ -126,6 +130,9 @@ def resolve_data_path(train_data_path: str, output_path: str, run_dir: Path) -> 
                              "input/output records, or leave it '' for notebook 02's outputs / the shipped sample.")
         return str(path), f"{path} (train_data_path)"
     teacher = resolve_output_path(output_path, run_dir)
+    accepted = OutputFiles(teacher).accepted
+    if verified and accepted.is_file():
+        return str(accepted), f"{accepted} (notebook 02's teacher outputs its verifier accepted)"
     if teacher.is_file():
         return str(teacher), f"{teacher} (notebook 02's teacher outputs)"
     if arithmetic.SAMPLE_PROMPTS_PATH.is_file():
