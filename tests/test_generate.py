@@ -30,7 +30,8 @@ def write_prompts(path, records):
 def job_params(prompts_path, output_path, **changes):
     """The cpu profile pointed at test files, with validated changes."""
     values = params.load(PARAMS_DIR / "cpu.yaml")
-    values.update(prompts_path=str(prompts_path), output_path=str(output_path), log_every_batches=0)
+    values.update(prompts_path=str(prompts_path), output_path=str(output_path), log_every_batches=0,
+                  verifier="")  # the cpu profile verifies; these tests are about generation (test_verify.py)
     for key, value in changes.items():
         values[key] = params.validate_value(key, value, "test")
     return values
@@ -344,7 +345,7 @@ def test_cli_generates_and_reports_errors_with_exit_codes(tmp_path, capsys):
 
 def run_cli(*settings, **kwargs):
     command = [sys.executable, "-m", "workbook.generation", "--params", "cpu", "--set", "log_every_batches=0",
-               "interactive=false", *settings]
+               "interactive=false", "verifier=", *settings]  # generation only: test_verify.py verifies
     return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **kwargs)
 

@@ -156,7 +156,7 @@ def test_sibling_processes_of_one_job_share_its_lock_and_all_stop_when_another_j
     output = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "workbook.generation", "--params", "cpu", "--set", f"prompts_path={prompts}",
-               f"output_path={output}", "batch_size=4", "log_every_batches=0", "interactive=false"]
+               f"output_path={output}", "batch_size=4", "log_every_batches=0", "interactive=false", "verifier="]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}
     with runtime.ExclusiveLock(tmp_path / "out.lock"):  # another job's
         refused = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -336,11 +336,24 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
-        if verifier is not None:
-            summary["verification"] = verify.verify_output(files.output, params["verifier"],
-                                                           params["max_accepted_per_prompt"], verifier=verifier)
+        if verifier is not None and summary["in_output"]:
+            summary["verification"] = _verify(files, params, verifier, log)
         write_summary(files, summary, log=log)
         return summary
+
+
+def _verify(files: OutputFiles, params, verifier, log: Callable[[str], None]) -> dict | None:
+    """The verification of a finished job; a full disk makes it a warning (every output is safe, and
+    `workbook verify` redoes it), not the job's failure."""
+    try:
+        return verify.verify_output(files.output, params["verifier"], params["max_accepted_per_prompt"],
+                                    verifier=verifier)
+    except OSError as error:
+        if not jsonl.is_disk_full(error):
+            raise
+        log(f"warning: the disk is full ({error.strerror}), so the verified outputs were not written; free some "
+            f"space and run: workbook verify --params ... --set output_path={files.output} verifier={params['verifier']}")
+        return None
 
 
 def _verifier(params):
