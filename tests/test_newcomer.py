@@ -22,8 +22,9 @@ from workbook.paths import NOTEBOOKS_DIR, PARAMS_DIR, REPO_ROOT
 def make_lab_command() -> list[str]:
     """The command `make lab` runs with this venv, read with `make -n` (the set-up step left out)."""
     venv = Path(sys.executable).parent.parent
-    printed = subprocess.run(["make", "-n", "-o", f"{venv}/.installed", "lab", f"VENV={venv}"], cwd=REPO_ROOT,
-                             capture_output=True, text=True, check=True).stdout
+    # --no-print-directory: under `make test` (CI) this make is nested and would print "Leaving directory".
+    printed = subprocess.run(["make", "--no-print-directory", "-n", "-o", f"{venv}/.installed", "lab", f"VENV={venv}"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     return shlex.split(printed.strip().splitlines()[-1])
 
 
