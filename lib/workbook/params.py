@@ -107,6 +107,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("verifier", str, "checks each output after generation and keeps the right ones in <output>.accepted.jsonl: "
         "'' (none), final_number, exact_match, or module:function (your own, importable)"),
     Key("max_accepted_per_prompt", int, "accepted outputs kept per prompt (identical ones once); 0: no cap", minimum=0),
+    Key("system_prompt", str, "a system prompt the teacher sees and the training input does not (prompt "
+        "distillation): the text, or @path to a file; '' for none"),
     # Training (notebook 03, `workbook train`); model, dtype, micro_batch_size, grad_checkpointing,
     # lora_rank and use_chat_template above. Choices mirror workbook.planner (checked by tests/test_train.py).
     Key("train_data_path", str, "JSONL of input/output pairs; '' = notebook 02's output (output_path, or "

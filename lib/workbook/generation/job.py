@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import os
 import sys
 import time
@@ -36,7 +37,7 @@ PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt
                "gpu_count", "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path",
                "prompt_field", "output_path", "backend", "do_sample", "temperature", "top_p", "seed",
                "max_examples", "on_bad_line", "on_long_prompt", "use_chat_template", "log_every_batches",
-               "data_parallel_processes", "verifier", "max_accepted_per_prompt")
+               "data_parallel_processes", "verifier", "max_accepted_per_prompt", "system_prompt")
 
 
 
@@ -77,15 +78,19 @@ def load_model(model: str, dtype: str, device) -> tuple[Any, Any]:
         raise GenerationError(str(error)) from None
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], use_chat_template: bool) -> list[list[int]]:
+def tokenize_prompts(tokenizer, prompts: list[str], use_chat_template: bool,
+                     system_prompt: str = "") -> list[list[int]]:
     """Token ids of each prompt: as one user turn of the chat template, or as plain text (with the
-    special tokens the tokenizer adds, e.g. BOS)."""
+    special tokens the tokenizer adds, e.g. BOS); a ``system_prompt`` goes first, as the template's
+    system turn or, in plain text, as its own paragraph."""
     if not use_chat_template:
-        return [list(ids) for ids in tokenizer(prompts)["input_ids"]]
+        texts = [f"{system_prompt}\n\n{prompt}" if system_prompt else prompt for prompt in prompts]
+        return [list(ids) for ids in tokenizer(texts)["input_ids"]]
     if not getattr(tokenizer, "chat_template", None):
         raise GenerationError(f"use_chat_template is true but the tokenizer ({tokenizer.name_or_path}) has no chat "
                               "template; set use_chat_template: false (plain prompts, e.g. for a base model).")
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    texts = [tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}], tokenize=False,
                                            add_generation_prompt=True) for prompt in prompts]
     # The rendered template already holds BOS and the other special tokens.
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -110,8 +115,31 @@ def output_settings(params) -> dict:
     decoding = DecodingSettings(max_new_tokens=params["max_new_tokens"], eos_token_ids=(), pad_token_id=0,
                                 do_sample=params["do_sample"], temperature=float(params["temperature"]),
                                 top_p=float(params["top_p"]), seed=params["seed"])  # float: 1 and 1.0 alike
-    return {"teacher_model": params["model"], "dtype": params["dtype"],
-            "use_chat_template": params["use_chat_template"], "generation_params": decoding.recorded()}
+    settings = {"teacher_model": params["model"], "dtype": params["dtype"],
+                "use_chat_template": params["use_chat_template"], "generation_params": decoding.recorded()}
+    if params["system_prompt"]:  # only when set: outputs written without one keep their fingerprint
+        settings["system_prompt"] = system_prompt_record(params)
+    return settings
+
+
+def system_prompt_text(params) -> str:
+    """The system prompt the teacher sees (prompt distillation): params' text, or the file it names
+    as ``@path`` (relative: the working directory, else the repository root); '' for none."""
+    value = params["system_prompt"]
+    if not value.startswith("@"):
+        return value
+    path = resolve_input_path(value[1:])
+    if not path.is_file():
+        raise GenerationError(f"system_prompt {value!r}: no such file; give the text itself or @path to a file")
+    return path.read_text(encoding="utf-8").strip()
+
+
+def system_prompt_record(params) -> dict:
+    """What each output records of its system prompt: where it came from and a digest, never the
+    text in ``input`` (the student is trained on the input without it)."""
+    text = system_prompt_text(params)
+    source = params["system_prompt"] if params["system_prompt"].startswith("@") else "inline (params)"
+    return {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:16], "source": source, "characters": len(text)}
 
 
 @dataclass
@@ -225,7 +253,8 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     settings = decoding_settings(params, model, tokenizer)
     batch_size = profile.resolve_batch_size(params, "generate")
     backend = make_backend(params["backend"], model, settings, batch_size)
-    token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], params["use_chat_template"])
+    token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], params["use_chat_template"],
+                                 system_prompt_text(params))
     pending = [i for i in range(len(examples)) if examples[i].example_id not in inputs.done]
     room = _room_check(params, model, examples, token_ids, pending, prompts_path)
     # Every process sorts all prompts alike and takes every count-th: shares of equal length mix,
@@ -352,7 +381,8 @@ def _verify(files: OutputFiles, params, verifier, log: Callable[[str], None]) ->
         if not jsonl.is_disk_full(error):
             raise
         log(f"warning: the disk is full ({error.strerror}), so the verified outputs were not written; free some "
-            f"space and run: workbook verify --params ... --set output_path={files.output} verifier={params['verifier']}")
+            f"space and run: workbook verify --params ... --set output_path={files.output} "
+            f"verifier={params['verifier']}")
         return None
 
 
@@ -394,7 +424,10 @@ def _output_record(example, completion: Completion, tokenizer, params, teacher, 
                    prompt_tokens: int, settings_fingerprint: str) -> dict:
     ids = completion.token_ids[:-1] if completion.finish_reason == FINISH_EOS else completion.token_ids
     text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-    return records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
-                              generation_params=generation_params, prompt_tokens=prompt_tokens,
-                              output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
-                              settings_fingerprint=settings_fingerprint)
+    record = records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
+                                   generation_params=generation_params, prompt_tokens=prompt_tokens,
+                                   output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
+                                   settings_fingerprint=settings_fingerprint)
+    if params["system_prompt"]:
+        record["metadata"]["system_prompt"] = system_prompt_record(params)
+    return record

@@ -1,0 +1,52 @@
+"""Prompt distillation: the teacher sees a system prompt, the records and the student's input do not."""
+
+import pytest
+
+from test_generate import job_params, read_records, write_prompts
+from workbook import arithmetic, generation, models, training
+
+SYSTEM_PROMPT = "You add numbers."
+
+
+def test_the_teacher_sees_the_system_prompt_and_the_training_input_does_not(tmp_path, tiny_model_path):
+    tokenizer = models.load_tokenizer(str(tiny_model_path))
+    question = "What is 2 + 3?"
+    plain, = generation.tokenize_prompts(tokenizer, [question], use_chat_template=True)
+    taught, = generation.tokenize_prompts(tokenizer, [question], use_chat_template=True, system_prompt=SYSTEM_PROMPT)
+    assert SYSTEM_PROMPT in tokenizer.decode(taught) and SYSTEM_PROMPT not in tokenizer.decode(plain)
+
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:4])
+    (tmp_path / "system.txt").write_text(SYSTEM_PROMPT + "\n")
+    runs = {}
+    for name, value in (("without", ""), ("inline", SYSTEM_PROMPT), ("file", f"@{tmp_path / 'system.txt'}")):
+        output = tmp_path / f"{name}.jsonl"
+        generation.run_job(job_params(prompts, output, system_prompt=value), output, show_progress=False,
+                           log=lambda line: None)
+        runs[name] = read_records(output)
+    for name in ("inline", "file"):
+        for taught_record, plain_record in zip(runs[name], runs["without"]):
+            assert taught_record["input"] == plain_record["input"]  # the prompt as read, never the system prompt
+            recorded = taught_record["metadata"]["system_prompt"]
+            assert recorded["characters"] == len(SYSTEM_PROMPT) and len(recorded["sha256"]) == 16
+            # The teacher's prompt held the system turn: its text and the template's newline after it.
+            assert (taught_record["metadata"]["prompt_tokens"]
+                    == plain_record["metadata"]["prompt_tokens"] + len(SYSTEM_PROMPT) + 1)
+    digests = {name: runs[name][0]["metadata"]["system_prompt"]["sha256"] for name in ("inline", "file")}
+    assert digests["inline"] == digests["file"]  # the same text, whichever way it was given
+    assert runs["file"][0]["metadata"]["system_prompt"]["source"].startswith("@")
+    assert "system_prompt" not in runs["without"][0]["metadata"]
+
+    config = training.TrainConfig(model=str(tiny_model_path), data_path=str(tmp_path / "inline.jsonl"),
+                                  data_description="distilled", output_dir=str(tmp_path / "train"),
+                                  use_chat_template=True, validation_fraction=0.0)
+    prepared = training.prepare_data(config, tokenizer)
+    assert all(SYSTEM_PROMPT not in tokenizer.decode(example.input_ids) for example in prepared.train)
+
+
+def test_a_system_prompt_file_that_is_missing_stops_the_job_before_it_generates(tmp_path):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:2])
+    output = tmp_path / "out.jsonl"
+    with pytest.raises(generation.GenerationError, match=r"system_prompt '@.*nowhere.txt': no such file"):
+        generation.run_job(job_params(prompts, output, system_prompt=f"@{tmp_path / 'nowhere.txt'}"), output,
+                           show_progress=False, log=lambda line: None)
+    assert not output.exists()
