@@ -104,6 +104,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("log_every_batches", int, "print a progress line every N batches; 0: never", minimum=0),
     Key("data_parallel_processes", int, "processes sharing the job, one per GPU, each holding the whole model",
         minimum=1),
+    Key("samples_per_prompt", int, "outputs per prompt, each its own record (metadata.sample_index); > 1 needs "
+        "do_sample (rejection sampling: sample, verify, keep the right ones); batch_size counts outputs", minimum=1),
     Key("verifier", str, "checks each output after generation and keeps the right ones in <output>.accepted.jsonl: "
         "'' (none), final_number, exact_match, or module:function (your own, importable)"),
     Key("max_accepted_per_prompt", int, "accepted outputs kept per prompt (identical ones once); 0: no cap", minimum=0),

@@ -21,7 +21,10 @@ def summary_lines(summary: dict) -> list[str]:
         f"examples/min, {summary['output_tokens_per_second']} output tokens/s"
         + (f", padding waste {waste:.1%}" if waste is not None else "")
         + f" ({summary['backend']}, batch {summary['batch_size']}, {summary['processes']} process(es))",
-        f"output: {summary['output_path']} ({summary['in_output']} of {summary['examples']} examples)",
+        f"output: {summary['output_path']} ({summary['in_output']} of {summary['examples']} examples)"
+        if summary.get("samples_per_prompt", 1) == 1 else
+        f"output: {summary['output_path']} ({summary['in_output']} of {summary['candidates']} outputs: "
+        f"{summary['examples']} examples x {summary['samples_per_prompt']} samples)",
     ]
     longest = sorted(batch["longest_output_tokens"] for batch in summary["batch_list"])
     if longest:

@@ -74,6 +74,7 @@ class Prompt:
     index: int  # position in the input (ties in the length sort keep input order)
     token_ids: list[int]
     max_new_tokens: int  # min(max_new_tokens, room left in the model's context)
+    sample: int = 0  # which of the prompt's samples_per_prompt candidates this is
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ class Outcome:
 
 
 def sort_longest_first(prompts: list[Prompt]) -> list[Prompt]:
-    return sorted(prompts, key=lambda p: (-len(p.token_ids), p.index))
+    return sorted(prompts, key=lambda p: (-len(p.token_ids), p.index, p.sample))
 
 
 def generate_with_split(backend, prompts: list[Prompt], log: Callable[[str], None] = print) -> Outcome:

@@ -127,8 +127,8 @@ def prompt_digest(prompt: str) -> bytes:
     return hashlib.sha256(prompt.encode("utf-8")).digest()[:8]  # 64 bits: no accidental match in practice
 
 
-def written_outputs(files: OutputFiles) -> dict[Any, Written]:
-    """Id -> Written for every complete record of the output and its parts. A line that is not an
+def written_outputs(files: OutputFiles) -> dict[tuple[Any, int], Written]:
+    """(id, sample) -> Written for every complete record of the output and its parts. A line that is not an
     output record of this job (output_path naming another file, e.g. the prompts) stops by name."""
     written = {}
     for path in [files.output, *files.output_parts()]:
@@ -138,13 +138,14 @@ def written_outputs(files: OutputFiles) -> dict[Any, Written]:
                 raise GenerationError(f"{path}:{number} is not an output record (no metadata.example_id), so "
                                       f"output_path {files.output} names a file this job did not write (the prompts "
                                       "file?); set output_path to a new file.")
-            written[metadata["example_id"]] = Written(prompt_digest(record["input"]),
-                                                      metadata.get("settings_fingerprint", ""),
-                                                      metadata.get("teacher_model"), metadata.get("generation_params"))
+            written[records.output_record_key(record)] = Written(prompt_digest(record["input"]),
+                                                                 metadata.get("settings_fingerprint", ""),
+                                                                 metadata.get("teacher_model"),
+                                                                 metadata.get("generation_params"))
     return written
 
 
-def check_resume(files: OutputFiles, written: dict[Any, Written], examples, prompts_path: Path, *,
+def check_resume(files: OutputFiles, written: dict[tuple[Any, int], Written], examples, prompts_path: Path, *,
                  settings_fingerprint: str, teacher_model: str, generation_params: dict) -> None:
     """Resume matches more than ids: outputs made with other settings, or from a prompt that has
     changed since under the same id, stop the job by name instead of staying in the output."""
@@ -153,9 +154,9 @@ def check_resume(files: OutputFiles, written: dict[Any, Written], examples, prom
             return entry.settings == settings_fingerprint
         return (entry.teacher_model, entry.generation_params) == (teacher_model, generation_params)  # older outputs
 
-    other_settings = [example_id for example_id, entry in written.items() if not same_settings(entry)]
+    other_settings = [example_id for (example_id, _), entry in written.items() if not same_settings(entry)]
     if other_settings:
-        first = written[other_settings[0]]
+        first = next(entry for entry in written.values() if not same_settings(entry))
         now = f"{teacher_model} with {generation_params}"
         if (first.teacher_model, first.generation_params) == (teacher_model, generation_params):
             how = f"the same model and decoding ({now}), so dtype or use_chat_template differ"
@@ -166,8 +167,9 @@ def check_resume(files: OutputFiles, written: dict[Any, Written], examples, prom
             f"dtype, use_chat_template or decoding), e.g. id {other_settings[0]!r}: {how}. Resuming would mix them "
             f"in one file: set output_path to a new file for these settings, or move {files.output.name} (and its "
             "part files) away to start again.")
+    digests = {example_id: entry.prompt_digest for (example_id, _), entry in written.items()}
     changed = [e.example_id for e in examples
-               if e.example_id in written and written[e.example_id].prompt_digest != prompt_digest(e.prompt)]
+               if e.example_id in digests and digests[e.example_id] != prompt_digest(e.prompt)]
     if changed:
         shown = ", ".join(repr(i) for i in changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5 else "")
         raise GenerationError(
@@ -176,50 +178,58 @@ def check_resume(files: OutputFiles, written: dict[Any, Written], examples, prom
             f"ids' lines from {files.output.name} (and its part files) so that they are generated again.")
 
 
-def merge_and_audit(files: OutputFiles, examples, bad_lines, per_process: list[dict], *,
+def merge_and_audit(files: OutputFiles, examples, bad_lines, per_process: list[dict], *, samples: int = 1,
                     log: Callable[[str], None] = print) -> dict:
     """Merge the parts into the output (ordered by input position) and the failures file (ordered
-    by line, minus examples that succeeded since), then check that every example is accounted for.
+    by line, minus examples that succeeded since), then check that every candidate (example and
+    sample, ``samples`` per example) is accounted for.
 
     A merge the disk has no room for is not a failure: every record is safe in the output and its
     parts (the resume scan and ``read_outputs`` read them too); it is reported, and a rerun with
     space merges them."""
-    positions = {example.example_id: i for i, example in enumerate(examples)}
+    positions = {(example.example_id, sample): i * samples + sample
+                 for i, example in enumerate(examples) for sample in range(samples)}
+    line_of = {example.example_id: example.line for example in examples}
     every_line = {e.line for e in examples} | {b.line for b in bad_lines}
+    failure_order = {(line, sample): line * samples + sample for line in every_line for sample in range(samples)}
     merge_error = None
     try:
-        jsonl.merge_parts(files.output, files.output_parts(), id_of=records.output_record_id, order=positions)
+        jsonl.merge_parts(files.output, files.output_parts(), id_of=records.output_record_key, order=positions)
     except OSError as error:
         if not jsonl.is_disk_full(error):
             raise
         merge_error = error
-    output_ids = jsonl.scan_ids([files.output, *files.output_parts()], records.output_record_id)
-    succeeded_lines = {examples[positions[i]].line for i in output_ids if i in positions}
+    output_keys = jsonl.scan_ids([files.output, *files.output_parts()], records.output_record_key)
+    succeeded = {(line_of[example_id], sample) for example_id, sample in output_keys if example_id in line_of}
     try:
-        jsonl.merge_parts(files.failures, files.failure_parts(), id_of=lambda r: r["line"],
-                          order={line: line for line in every_line}, keep="last", exclude=succeeded_lines)
+        jsonl.merge_parts(files.failures, files.failure_parts(), id_of=records.failure_record_key,
+                          order=failure_order, keep="last", exclude=succeeded)
     except OSError as error:
         if not jsonl.is_disk_full(error):
             raise
         merge_error = merge_error or error
-    failed_lines = {r["line"] for path in [files.failures, *files.failure_parts()]
-                    for _, _, r in jsonl.read_complete_lines(path)} - succeeded_lines
+    failed = {records.failure_record_key(r) for path in [files.failures, *files.failure_parts()]
+              for _, _, r in jsonl.read_complete_lines(path)} - succeeded
     if merge_error is not None:
         log(f"warning: the disk is full ({merge_error.strerror}), so {files.output.name} could not be merged and put "
-            f"in input order; all {len(output_ids)} outputs are safe in {files.output} and its part files, which "
+            f"in input order; all {len(output_keys)} outputs are safe in {files.output} and its part files, which "
             "reruns and read_outputs also read. Free some space and rerun the same command to merge them.")
-    unaccounted = [e.example_id for e in examples if e.example_id not in output_ids and e.line not in failed_lines]
+    unaccounted = [e.example_id if samples == 1 else [e.example_id, sample] for e in examples
+                   for sample in range(samples)
+                   if (e.example_id, sample) not in output_keys and (e.line, sample) not in failed]
     seconds = max((counts["seconds"] for counts in per_process), default=0.0)
     batches = [batch for counts in per_process for batch in counts["batch_list"]]
     combined = summarize([BatchStats(**batch) for batch in batches], seconds)
     return {
         "output_path": str(files.output),
-        "failures_path": str(files.failures) if failed_lines else None,
+        "failures_path": str(files.failures) if failed else None,
         "examples": len(examples),
+        "samples_per_prompt": samples,
+        "candidates": len(examples) * samples,
         "bad_input_lines": len(bad_lines),
-        "in_output": len(output_ids),
-        "in_failures": len(failed_lines),
-        # Examples neither written nor listed as failed: must be 0 (nothing lost).
+        "in_output": len(output_keys),
+        "in_failures": len(failed),
+        # Candidates neither written nor listed as failed: must be 0 (nothing lost).
         "unaccounted": len(unaccounted),
         "unaccounted_ids": unaccounted[:20],
         # False when a full disk left the output in parts, unordered (see the warning above).

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import hashlib
 import os
 import sys
 import time
@@ -27,8 +26,9 @@ from workbook.generation.backends import make_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
 )
-from workbook.generation.files import (
-    OutputFiles, check_resume, lock_output, merge_and_audit, resolve_input_path, write_summary, written_outputs,
+from workbook.generation.files import OutputFiles, lock_output, merge_and_audit, write_summary
+from workbook.generation.inputs import (
+    Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_record, system_prompt_text,
 )
 from workbook.planner import profile
 
@@ -37,7 +37,8 @@ PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt
                "gpu_count", "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path",
                "prompt_field", "output_path", "backend", "do_sample", "temperature", "top_p", "seed",
                "max_examples", "on_bad_line", "on_long_prompt", "use_chat_template", "log_every_batches",
-               "data_parallel_processes", "verifier", "max_accepted_per_prompt", "system_prompt")
+               "data_parallel_processes", "verifier", "max_accepted_per_prompt", "system_prompt",
+               "samples_per_prompt")
 
 
 
@@ -108,87 +109,6 @@ def decoding_settings(params, model, tokenizer) -> DecodingSettings:
                             temperature=params["temperature"], top_p=params["top_p"], seed=params["seed"])
 
 
-def output_settings(params) -> dict:
-    """Everything besides its prompt that makes an output what it is, from params alone (so that a
-    resume is checked before the model loads): the model, its dtype, the chat template's use and
-    the decoding settings as recorded (the model's own token ids follow from the model)."""
-    decoding = DecodingSettings(max_new_tokens=params["max_new_tokens"], eos_token_ids=(), pad_token_id=0,
-                                do_sample=params["do_sample"], temperature=float(params["temperature"]),
-                                top_p=float(params["top_p"]), seed=params["seed"])  # float: 1 and 1.0 alike
-    settings = {"teacher_model": params["model"], "dtype": params["dtype"],
-                "use_chat_template": params["use_chat_template"], "generation_params": decoding.recorded()}
-    if params["system_prompt"]:  # only when set: outputs written without one keep their fingerprint
-        settings["system_prompt"] = system_prompt_record(params)
-    return settings
-
-
-def system_prompt_text(params) -> str:
-    """The system prompt the teacher sees (prompt distillation): params' text, or the file it names
-    as ``@path`` (relative: the working directory, else the repository root); '' for none."""
-    value = params["system_prompt"]
-    if not value.startswith("@"):
-        return value
-    path = resolve_input_path(value[1:])
-    if not path.is_file():
-        raise GenerationError(f"system_prompt {value!r}: no such file; give the text itself or @path to a file")
-    return path.read_text(encoding="utf-8").strip()
-
-
-def system_prompt_record(params) -> dict:
-    """What each output records of its system prompt: where it came from and a digest, never the
-    text in ``input`` (the student is trained on the input without it)."""
-    text = system_prompt_text(params)
-    source = params["system_prompt"] if params["system_prompt"].startswith("@") else "inline (params)"
-    return {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:16], "source": source, "characters": len(text)}
-
-
-@dataclass
-class Inputs:
-    """The prompts as read, checked against what the output already holds."""
-
-    prompts_path: Path
-    examples: list[records.Example]
-    bad_lines: list[jsonl.BadLine]
-    done: set  # ids already in the output or its parts
-
-
-def read_inputs(params, files: OutputFiles, *, record_skipped: bool) -> Inputs:
-    """Read the prompts and check them against the output, before any model loads: no prompt at all,
-    output_path naming the prompts (or any file this job did not write), and outputs made from
-    other prompts or settings each stop with one GenerationError. ``record_skipped``: this process
-    (the first) lists the skipped lines in the failures file when no prompt is left."""
-    prompts_path = resolve_input_path(params["prompts_path"])
-    examples, bad_lines = records.load_examples(prompts_path, prompt_field=params["prompt_field"],
-                                                on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
-    if any(path.exists() and path.samefile(prompts_path) for path in (files.output, files.failures)):
-        raise GenerationError(f"output_path {files.output} would overwrite the prompts file {prompts_path}; set "
-                              "output_path to another file (the outputs are written and resumed there).")
-    if not examples:
-        raise GenerationError(_no_prompts_text(prompts_path, bad_lines, files, record_skipped))
-    settings = output_settings(params)
-    written = written_outputs(files)
-    check_resume(files, written, examples, prompts_path, settings_fingerprint=records.settings_fingerprint(settings),
-                 teacher_model=settings["teacher_model"], generation_params=settings["generation_params"])
-    return Inputs(prompts_path, examples, bad_lines, set(written))
-
-
-def _no_prompts_text(prompts_path: Path, bad_lines: list[jsonl.BadLine], files: OutputFiles, record: bool) -> str:
-    if bad_lines:
-        if record:
-            with jsonl.LineAppender(files.failures) as failures:
-                failures.write(_bad_line_failure(bad) for bad in bad_lines)
-            jsonl.merge_parts(files.failures, [], id_of=lambda r: r["line"], order={}, keep="last")  # one per line
-        what = f"all {len(bad_lines)} of its lines are bad and were skipped (listed in {files.failures})"
-    else:
-        what = "the file is empty" if prompts_path.stat().st_size == 0 else "it holds only blank lines"
-    return (f"no prompts to generate in {prompts_path}: {what}. prompts_path must name a JSONL file with one JSON "
-            'object per line holding the prompt, e.g. {"id": "q1", "input": "What is 2 + 3?"}.')
-
-
-def _bad_line_failure(bad: jsonl.BadLine) -> dict:
-    return records.failure_record(example_id=bad.example_id, line=bad.line, stage="input", error=bad.reason)
-
-
 @contextlib.contextmanager
 def output_locked(files: OutputFiles, rank: Rank, *, held_by_parent: bool):
     """The output's lock, held by one process for the whole job. Under ``notebook_launcher`` the
@@ -232,8 +152,8 @@ class Share:
     examples: list[records.Example]  # every example of the input (all processes read them all)
     bad_lines: list[jsonl.BadLine]
     token_ids: list[list[int]]  # per example
-    prompts: list[Prompt]  # this process's, still to generate
-    too_long: list[int]  # this process's examples that leave no room in the model's context
+    prompts: list[Prompt]  # this process's candidates (example, sample), still to generate
+    too_long: list[tuple[int, int]]  # this process's candidates whose prompt leaves no room in the context
     backend: Any
     batch_size: int
     model: Any
@@ -255,26 +175,34 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     backend = make_backend(params["backend"], model, settings, batch_size)
     token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], params["use_chat_template"],
                                  system_prompt_text(params))
-    pending = [i for i in range(len(examples)) if examples[i].example_id not in inputs.done]
-    room = _room_check(params, model, examples, token_ids, pending, prompts_path)
-    # Every process sorts all prompts alike and takes every count-th: shares of equal length mix,
-    # fixed by the input alone, so a process never takes an example another one owns.
-    by_length = sorted(range(len(examples)), key=lambda i: (-len(token_ids[i]), i))
+    # A candidate is one sample of one example; batch_size counts candidates (sequences), so a batch
+    # holds batch_size / samples_per_prompt prompts. Each is its own row: no backend here shares a
+    # prompt's prefill between its samples (generate's num_return_sequences copies the prompt
+    # before prefill too), which costs prefill compute, not memory the planner did not count.
+    samples = params["samples_per_prompt"]
+    pending = [(i, s) for i in range(len(examples)) for s in range(samples)
+               if (examples[i].example_id, s) not in inputs.done]
+    room = _room_check(params, model, examples, token_ids, sorted({i for i, _ in pending}), prompts_path)
+    # Every process sorts all candidates alike and takes every count-th: shares of equal length mix,
+    # fixed by the input alone, so a process never takes a candidate another one owns.
+    by_length = sorted(((i, s) for i in range(len(examples)) for s in range(samples)),
+                       key=lambda candidate: (-len(token_ids[candidate[0]]), *candidate))
     pending_set = set(pending)
-    mine = [i for i in by_length[rank.index::rank.count] if i in pending_set]
-    longest = max((len(token_ids[i]) for i in pending), default=0)
+    mine = [candidate for candidate in by_length[rank.index::rank.count] if candidate in pending_set]
+    longest = max((len(token_ids[i]) for i, _ in pending), default=0)
     if params["batch_size"] == "auto" and longest > params["prompt_len"]:
         log(f"note: the longest prompt has {longest} tokens but batch_size 'auto' was planned for prompt_len "
             f"{params['prompt_len']}; a batch that runs out of memory is split and retried (nothing is lost), "
             "but raising prompt_len gives a batch size that fits from the start.")
     if rank.index == 0:
-        log(f"{len(examples)} examples in {prompts_path}; {len(examples) - len(pending)} already in {files.output}; "
-            f"{len(pending)} to generate with {params['model']} ({backend.name}, batch {batch_size}, {rank.count} "
-            f"process{'es' if rank.count > 1 else ''}); {len(bad_lines)} bad input lines skipped")
+        each = f" x {samples} samples" if samples > 1 else ""
+        log(f"{len(examples)} examples{each} in {prompts_path}; {len(examples) * samples - len(pending)} already in "
+            f"{files.output}; {len(pending)} to generate with {params['model']} ({backend.name}, batch {batch_size}, "
+            f"{rank.count} process{'es' if rank.count > 1 else ''}); {len(bad_lines)} bad input lines skipped")
     return Share(examples, bad_lines, token_ids,
-                 prompts=[Prompt(i, token_ids[i], room[i]) for i in mine if room[i] > 0],
-                 too_long=[i for i in mine if room[i] <= 0], backend=backend, batch_size=batch_size, model=model,
-                 tokenizer=tokenizer, settings=settings, prompts_path=prompts_path)
+                 prompts=[Prompt(i, token_ids[i], room[i], s) for i, s in mine if room[i] > 0],
+                 too_long=[(i, s) for i, s in mine if room[i] <= 0], backend=backend, batch_size=batch_size,
+                 model=model, tokenizer=tokenizer, settings=settings, prompts_path=prompts_path)
 
 
 def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log: Callable[[str], None] = print,
@@ -284,6 +212,10 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
     what is safe and how to resume."""
     examples, teacher, generation_params = share.examples, params["model"], share.settings.recorded()
     fingerprint = records.settings_fingerprint(output_settings(params))
+
+    def sample_index(sample: int) -> int | None:  # recorded only with several samples: one-sample records unchanged
+        return sample if params["samples_per_prompt"] > 1 else None
+
     if params["do_sample"]:
         torch.manual_seed(share.settings.seed + rank.index)
     bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
@@ -291,20 +223,21 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
         with jsonl.LineAppender(files.output_part(rank)) as outputs, \
                 jsonl.LineAppender(files.failures_part(rank)) as failures:
             if rank.index == 0:
-                failures.write(_bad_line_failure(bad) for bad in share.bad_lines)
+                failures.write(bad_line_failure(bad) for bad in share.bad_lines)
             failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,
-                                                  stage="prompt_too_long",
+                                                  stage="prompt_too_long", sample_index=sample_index(s),
                                                   error=_too_long_text(share.token_ids[i], share.model))
-                           for i in share.too_long)
+                           for i, s in share.too_long)
 
             def failure(prompt: Prompt, stage: str, error: str) -> dict:
                 example = examples[prompt.index]
                 return records.failure_record(example_id=example.example_id, line=example.line, stage=stage,
-                                              error=error)
+                                              error=error, sample_index=sample_index(prompt.sample))
 
             def write(outcome: Outcome) -> None:
                 made = [_output_record(examples[prompt.index], completion, share.tokenizer, params, teacher,
-                                       generation_params, len(prompt.token_ids), fingerprint)
+                                       generation_params, len(prompt.token_ids), fingerprint,
+                                       sample_index(prompt.sample))
                         for prompt, completion in outcome.completed]
                 rejected = dict(outputs.write_encodable(made))  # position -> why; its neighbours are written
                 unwritten = [(outcome.completed[position][0], f"cannot write its output record: {reason}")
@@ -361,7 +294,8 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         every_process = rank.gather(counts)
         if rank.index != 0:
             return None
-        summary = merge_and_audit(files, share.examples, share.bad_lines, every_process, log=log)
+        summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
+                                  samples=params["samples_per_prompt"], log=log)
         summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
@@ -421,13 +355,13 @@ def _too_long_text(ids: list[int], model) -> str:
 
 
 def _output_record(example, completion: Completion, tokenizer, params, teacher, generation_params,
-                   prompt_tokens: int, settings_fingerprint: str) -> dict:
+                   prompt_tokens: int, settings_fingerprint: str, sample_index: int | None) -> dict:
     ids = completion.token_ids[:-1] if completion.finish_reason == FINISH_EOS else completion.token_ids
     text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
     record = records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
                                    generation_params=generation_params, prompt_tokens=prompt_tokens,
                                    output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
-                                   settings_fingerprint=settings_fingerprint)
+                                   settings_fingerprint=settings_fingerprint, sample_index=sample_index)
     if params["system_prompt"]:
         record["metadata"]["system_prompt"] = system_prompt_record(params)
     return record

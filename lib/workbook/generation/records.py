@@ -124,7 +124,7 @@ def settings_fingerprint(settings: dict) -> str:
 
 def output_record(example: Example, *, output: str, prompt_field: str, teacher_model: str,
                   generation_params: dict, prompt_tokens: int, output_tokens: int, finish_reason: str,
-                  settings_fingerprint: str) -> dict:
+                  settings_fingerprint: str, sample_index: int | None = None) -> dict:
     """One output line in seed 000's format, plus what an audit needs.
 
     ``input`` is the prompt as read (before any chat template), ``output`` the generated text;
@@ -133,8 +133,10 @@ def output_record(example: Example, *, output: str, prompt_field: str, teacher_m
     fed to the model, template included), ``output_tokens`` (generated, the end-of-sequence token
     included) and ``finish_reason`` ("eos": the model ended it; "length": max_new_tokens or the
     model's context ended it) and ``settings_fingerprint`` (of everything besides the prompt that
-    made this output; a resume refuses to mix outputs of different settings in one file). Every
-    other input field is carried through at the top level.
+    made this output; a resume refuses to mix outputs of different settings in one file). With
+    several samples per prompt, ``metadata.sample_index`` (0 to N - 1) says which candidate this is;
+    (example_id, sample_index) is then what a resume and a merge count. Every other input field is
+    carried through at the top level.
     """
     consumed = {prompt_field_of(example.record, prompt_field), "output", "difficulty", "domain"}
     record = {
@@ -145,6 +147,7 @@ def output_record(example: Example, *, output: str, prompt_field: str, teacher_m
         "metadata": {
             "original_output": example.record.get("output"),
             "example_id": example.example_id,
+            **({} if sample_index is None else {"sample_index": sample_index}),
             "teacher_model": teacher_model,
             "generation_params": generation_params,
             "prompt_tokens": prompt_tokens,
@@ -170,16 +173,26 @@ def output_record_id(record: dict) -> Any:
     return record["metadata"]["example_id"]
 
 
-def failure_record(*, example_id: Any, line: int, stage: str, error: str) -> dict:
+def failure_record(*, example_id: Any, line: int, stage: str, error: str, sample_index: int | None = None) -> dict:
     """One line of the failures file: which example, where it came from, at which stage and why.
 
     Stages: "input" (a bad line), "prompt_too_long", "generation" (failed alone, even at batch 1),
     "write" (its output record could not be encoded).
     """
     error = error.encode("utf-8", "backslashreplace").decode("utf-8")  # an error may quote text that is not Unicode
-    return {"example_id": example_id, "line": line, "stage": stage, "error": error,
-            "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    return {"example_id": example_id, "line": line, **({} if sample_index is None else {"sample_index": sample_index}),
+            "stage": stage, "error": error, "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
 
 
 def failure_record_id(record: dict) -> Any:
     return record["example_id"]
+
+
+def output_record_key(record: dict) -> tuple[Any, int]:
+    """(example id, sample index) of an output record: the unit a resume and a merge count once."""
+    return record["metadata"]["example_id"], record["metadata"].get("sample_index", 0)
+
+
+def failure_record_key(record: dict) -> tuple[int, int]:
+    """(input line, sample index) of a failure record."""
+    return record["line"], record.get("sample_index", 0)

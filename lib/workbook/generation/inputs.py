@@ -1,0 +1,98 @@
+"""What the generation job reads before any model loads: the prompts (checked against what the
+output already holds), the settings that make an output what it is, and the system prompt."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbook import jsonl
+from workbook.generation import records
+from workbook.generation.engine import DecodingSettings, GenerationError
+from workbook.generation.files import OutputFiles, check_resume, resolve_input_path, written_outputs
+
+
+def output_settings(params) -> dict:
+    """Everything besides its prompt that makes an output what it is, from params alone (so that a
+    resume is checked before the model loads): the model, its dtype, the chat template's use and
+    the decoding settings as recorded (the model's own token ids follow from the model)."""
+    decoding = DecodingSettings(max_new_tokens=params["max_new_tokens"], eos_token_ids=(), pad_token_id=0,
+                                do_sample=params["do_sample"], temperature=float(params["temperature"]),
+                                top_p=float(params["top_p"]), seed=params["seed"])  # float: 1 and 1.0 alike
+    settings = {"teacher_model": params["model"], "dtype": params["dtype"],
+                "use_chat_template": params["use_chat_template"], "generation_params": decoding.recorded()}
+    if params["system_prompt"]:  # only when set: outputs written without one keep their fingerprint
+        settings["system_prompt"] = system_prompt_record(params)
+    return settings
+
+
+def system_prompt_text(params) -> str:
+    """The system prompt the teacher sees (prompt distillation): params' text, or the file it names
+    as ``@path`` (relative: the working directory, else the repository root); '' for none."""
+    value = params["system_prompt"]
+    if not value.startswith("@"):
+        return value
+    path = resolve_input_path(value[1:])
+    if not path.is_file():
+        raise GenerationError(f"system_prompt {value!r}: no such file; give the text itself or @path to a file")
+    return path.read_text(encoding="utf-8").strip()
+
+
+def system_prompt_record(params) -> dict:
+    """What each output records of its system prompt: where it came from and a digest, never the
+    text in ``input`` (the student is trained on the input without it)."""
+    text = system_prompt_text(params)
+    source = params["system_prompt"] if params["system_prompt"].startswith("@") else "inline (params)"
+    return {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:16], "source": source, "characters": len(text)}
+
+
+@dataclass
+class Inputs:
+    """The prompts as read, checked against what the output already holds."""
+
+    prompts_path: Path
+    examples: list[records.Example]
+    bad_lines: list[jsonl.BadLine]
+    done: set  # (id, sample) of every output already in the output or its parts
+
+
+def read_inputs(params, files: OutputFiles, *, record_skipped: bool) -> Inputs:
+    """Read the prompts and check them against the output, before any model loads: no prompt at all,
+    output_path naming the prompts (or any file this job did not write), and outputs made from
+    other prompts or settings each stop with one GenerationError. ``record_skipped``: this process
+    (the first) lists the skipped lines in the failures file when no prompt is left."""
+    if params["samples_per_prompt"] > 1 and not params["do_sample"]:
+        raise GenerationError(f"samples_per_prompt is {params['samples_per_prompt']} but do_sample is false: greedy "
+                              "decoding would write the same output every time; set do_sample: true (with a "
+                              "temperature) or samples_per_prompt: 1")
+    prompts_path = resolve_input_path(params["prompts_path"])
+    examples, bad_lines = records.load_examples(prompts_path, prompt_field=params["prompt_field"],
+                                                on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
+    if any(path.exists() and path.samefile(prompts_path) for path in (files.output, files.failures)):
+        raise GenerationError(f"output_path {files.output} would overwrite the prompts file {prompts_path}; set "
+                              "output_path to another file (the outputs are written and resumed there).")
+    if not examples:
+        raise GenerationError(_no_prompts_text(prompts_path, bad_lines, files, record_skipped))
+    settings = output_settings(params)
+    written = written_outputs(files)
+    check_resume(files, written, examples, prompts_path, settings_fingerprint=records.settings_fingerprint(settings),
+                 teacher_model=settings["teacher_model"], generation_params=settings["generation_params"])
+    return Inputs(prompts_path, examples, bad_lines, set(written))
+
+
+def _no_prompts_text(prompts_path: Path, bad_lines: list[jsonl.BadLine], files: OutputFiles, record: bool) -> str:
+    if bad_lines:
+        if record:
+            with jsonl.LineAppender(files.failures) as failures:
+                failures.write(bad_line_failure(bad) for bad in bad_lines)
+            jsonl.merge_parts(files.failures, [], id_of=lambda r: r["line"], order={}, keep="last")  # one per line
+        what = f"all {len(bad_lines)} of its lines are bad and were skipped (listed in {files.failures})"
+    else:
+        what = "the file is empty" if prompts_path.stat().st_size == 0 else "it holds only blank lines"
+    return (f"no prompts to generate in {prompts_path}: {what}. prompts_path must name a JSONL file with one JSON "
+            'object per line holding the prompt, e.g. {"id": "q1", "input": "What is 2 + 3?"}.')
+
+
+def bad_line_failure(bad: jsonl.BadLine) -> dict:
+    return records.failure_record(example_id=bad.example_id, line=bad.line, stage="input", error=bad.reason)
