@@ -84,3 +84,43 @@ def test_two_processes_share_the_samples_and_merge_them_exactly_once(tmp_path):
     assert keys(output) == [(r["id"], s) for r in records for s in range(2)]
     summary = json.loads((tmp_path / "two.summary.json").read_text())
     assert summary["processes"] == 2 and [share["generated"] for share in summary["per_process"]] == [12, 12]
+
+
+@pytest.mark.multiprocess
+def test_a_killed_data_parallel_run_resumes_with_every_id_and_sample_exactly_once(tmp_path):
+    records = arithmetic.sample_records()[:40]
+    prompts = write_prompts(tmp_path / "in.jsonl", records)
+    output = tmp_path / "two.jsonl"
+    settings = (f"prompts_path={prompts}", f"output_path={output}", "batch_size=2", "samples_per_prompt=2",
+                "do_sample=true", "data_parallel_processes=2")
+    process = run_cli(*settings, start_new_session=True)  # its own process group: the workers die with it
+
+    def written() -> int:
+        return sum(complete_lines(part) for part in tmp_path.glob("two.part-*.jsonl"))
+
+    deadline = time.monotonic() + 180
+    while written() < 12 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process.poll() is None, "the run ended before it could be killed"
+    os.killpg(process.pid, signal.SIGKILL)
+    process.communicate()
+    assert 0 < written() < 2 * len(records)
+    finished = run_cli(*settings)
+    out, err = finished.communicate(timeout=300)
+    assert finished.returncode == 0, err[-3000:]
+    assert keys(output) == [(r["id"], s) for r in records for s in range(2)]
+    assert not list(tmp_path.glob("two.part-*"))  # merged away
+
+
+def test_the_planners_batch_counts_sequences_so_n_samples_fill_it_like_n_times_the_prompts(tmp_path,
+                                                                                         tiny_model_path):
+    quiet = {"show_progress": False, "log": lambda line: None}
+    records = arithmetic.sample_records()[:32]
+    few = write_prompts(tmp_path / "few.jsonl", records[:8])
+    many = write_prompts(tmp_path / "many.jsonl", records)
+    sampled = generation.run_job(job_params(few, tmp_path / "a.jsonl", batch_size="auto", samples_per_prompt=4,
+                                            **SAMPLING), tmp_path / "a.jsonl", **quiet)
+    single = generation.run_job(job_params(many, tmp_path / "b.jsonl", batch_size="auto"), tmp_path / "b.jsonl",
+                                **quiet)
+    assert sampled["batch_size"] == single["batch_size"]  # the planner's answer, in sequences
+    assert [b["examples"] for b in sampled["batch_list"]] == [b["examples"] for b in single["batch_list"]]
