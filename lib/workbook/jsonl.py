@@ -328,6 +328,11 @@ def merge_parts(target: str | Path, parts: Iterable[str | Path], *, id_of: Calla
     return len(lines)
 
 
+def write_whole(path: str | Path, records: Iterable[dict]) -> None:
+    """Replace ``path`` with ``records`` as JSON lines, atomically: a reader sees the old file or the new."""
+    _replace_atomically(Path(path), "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
+
+
 def _temporary(path: Path) -> Path:
     return path.with_name(path.name + ".merging")
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from workbook import arithmetic, jsonl, notebook, params as params_module, runner, runtime
+from workbook.generation import verify
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import resolve_output_path
 from workbook.generation.processes import launch
@@ -40,7 +41,6 @@ def summary_lines(summary: dict) -> list[str]:
         lines.append(f"warning: the disk was full at the end, so {summary['output_path']} is not merged into input "
                      "order: every output is safe in it and its part files; free space and rerun to merge")
     if summary.get("verification"):
-        from workbook.generation import verify
         lines += verify.summary_lines(summary["verification"])
     if summary["unaccounted"]:
         lines.append(f"ERROR: {summary['unaccounted']} examples are neither in the output nor in the failures "
@@ -92,7 +92,6 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
 def verify_main(params_arg: str, overrides: list[str]) -> int:
     """`workbook verify --params FILE --set output_path=... verifier=...`: check an existing output
     again (another rule, another cap) without generating; exit 2 when it cannot run."""
-    from workbook.generation import verify
     try:
         params = runner.resolve_params(params_arg, overrides, log=lambda line: print(line, file=sys.stderr))[0]
         if not params["output_path"]:

@@ -28,7 +28,7 @@ from workbook.generation.engine import (
 )
 from workbook.generation.files import OutputFiles, lock_output, merge_and_audit, write_summary
 from workbook.generation.inputs import (
-    Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_record, system_prompt_text,
+    Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_text,
 )
 from workbook.planner import profile
 
@@ -211,7 +211,8 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
     A record that cannot be written fails alone (stage "write"); a full disk stops the job with
     what is safe and how to resume."""
     examples, teacher, generation_params = share.examples, params["model"], share.settings.recorded()
-    fingerprint = records.settings_fingerprint(output_settings(params))
+    settings = output_settings(params)  # once: with system_prompt '@path' it reads that file
+    fingerprint, system_prompt = records.settings_fingerprint(settings), settings.get("system_prompt")
 
     def sample_index(sample: int) -> int | None:  # recorded only with several samples: one-sample records unchanged
         return sample if params["samples_per_prompt"] > 1 else None
@@ -237,7 +238,7 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
             def write(outcome: Outcome) -> None:
                 made = [_output_record(examples[prompt.index], completion, share.tokenizer, params, teacher,
                                        generation_params, len(prompt.token_ids), fingerprint,
-                                       sample_index(prompt.sample))
+                                       sample_index(prompt.sample), system_prompt)
                         for prompt, completion in outcome.completed]
                 rejected = dict(outputs.write_encodable(made))  # position -> why; its neighbours are written
                 unwritten = [(outcome.completed[position][0], f"cannot write its output record: {reason}")
@@ -355,13 +356,14 @@ def _too_long_text(ids: list[int], model) -> str:
 
 
 def _output_record(example, completion: Completion, tokenizer, params, teacher, generation_params,
-                   prompt_tokens: int, settings_fingerprint: str, sample_index: int | None) -> dict:
+                   prompt_tokens: int, settings_fingerprint: str, sample_index: int | None,
+                   system_prompt: dict | None) -> dict:
     ids = completion.token_ids[:-1] if completion.finish_reason == FINISH_EOS else completion.token_ids
     text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
     record = records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
                                    generation_params=generation_params, prompt_tokens=prompt_tokens,
                                    output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
                                    settings_fingerprint=settings_fingerprint, sample_index=sample_index)
-    if params["system_prompt"]:
-        record["metadata"]["system_prompt"] = system_prompt_record(params)
+    if system_prompt is not None:
+        record["metadata"]["system_prompt"] = system_prompt
     return record

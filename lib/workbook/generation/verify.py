@@ -195,24 +195,15 @@ def verify_output(output_path: str | Path, verifier_spec: str, max_accepted_per_
         raise VerifyError(f"{files.output}: no such output to verify; generate first or fix output_path")
     records = read_outputs(files.output)  # its unmerged parts too, when a full disk left some
     selection = select(records, verifier, max_accepted_per_prompt)
-    _write_whole(files.accepted, selection.accepted)
+    jsonl.write_whole(files.accepted, selection.accepted)
     if selection.errors:
-        _write_whole(files.verify_errors, selection.errors)
+        jsonl.write_whole(files.verify_errors, selection.errors)
     else:
         files.verify_errors.unlink(missing_ok=True)
     return {"verifier": verifier_spec, "max_accepted_per_prompt": max_accepted_per_prompt,
             "accepted_path": str(files.accepted),
             "verify_errors_path": str(files.verify_errors) if selection.errors else None,
             **selection.summary()}
-
-
-def _write_whole(path: Path, records: list[dict]) -> None:
-    """Write ``records`` beside ``path`` and rename over it: a reader sees the old file or the new."""
-    temporary = path.with_name(path.name + ".writing")
-    temporary.unlink(missing_ok=True)
-    with jsonl.LineAppender(temporary) as appender:
-        appender.write(records)
-    os.replace(temporary, path)
 
 
 def summary_lines(summary: dict) -> list[str]:
