@@ -125,6 +125,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
         "(similar lengths batched, padded to the longest)", choices=("packing", "length_grouped")),
     Key("validation_fraction", float, "fraction of the examples held out for validation loss and accuracy",
         minimum=0, maximum=0.5),
+    Key("eval_prompts_path", str, "held-out arithmetic questions answered greedily before and after training and "
+        "scored against their true answers (a rejection-sampling round's proof); '' scores the validation split"),
     Key("learning_rate", float, "peak learning rate (linear warmup, cosine decay to 10%)", minimum=0),
     Key("lr_scaling", str, "heuristic applied when the effective batch differs from base_batch",
         choices=("none", "linear", "sqrt")),
