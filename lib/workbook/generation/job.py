@@ -38,7 +38,7 @@ PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt
                "prompt_field", "output_path", "backend", "do_sample", "temperature", "top_p", "seed",
                "max_examples", "on_bad_line", "on_long_prompt", "use_chat_template", "log_every_batches",
                "data_parallel_processes", "verifier", "max_accepted_per_prompt", "system_prompt",
-               "samples_per_prompt")
+               "samples_per_prompt", "tensor_parallel_size")
 
 
 

@@ -1,0 +1,77 @@
+"""Tensor parallelism (issue 12): the planner plans T x D layouts the engine runs, and the engine
+shards a model over T processes with transformers' own tensor parallelism (gloo on CPU)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workbook import cli, params
+from workbook.paths import PARAMS_DIR, REPO_ROOT
+from workbook.planner import layout, profile
+from workbook.planner.formulas import weights_bytes
+from workbook.presets import load_config
+
+
+def h100x8(**changes):
+    values = params.load(PARAMS_DIR / "h100x8.yaml")
+    values.update(changes)
+    return values
+
+
+def weights_term(plan) -> int:
+    return next(term.bytes for term in plan.terms if term.name == "weights")
+
+
+def test_a_70b_teacher_on_8_h100s_is_sharded_with_each_gpu_holding_a_share_of_the_weights():
+    plan = profile.plan(h100x8(tensor_parallel_size="auto"), mode="generate", model="llama-3.1-70b")
+    tensor, data = plan.tensor_parallel_size, plan.data_parallel_size
+    assert tensor >= 2 and tensor * data == 8 and plan.fits
+    # Every projection and the embedding of Llama-3.1-70B divide evenly; the norms (replicated) are
+    # the only parameters not split, a rounding error at this size: the plan counts them whole.
+    total = weights_bytes(load_config("llama-3.1-70b"), "bf16")
+    assert weights_term(plan) == pytest.approx(total / tensor, rel=1e-4) and weights_term(plan) > total // tensor
+    assert any(note.startswith(f"layout T={tensor} x D={data}") for note in plan.notes)
+
+
+def test_an_8b_teacher_on_8_h100s_stays_whole_on_each_gpu():
+    plan = profile.plan(h100x8(tensor_parallel_size="auto"), mode="generate", model="llama-3.1-8b")
+    assert (plan.tensor_parallel_size, plan.data_parallel_size) == (1, 8)
+    assert weights_term(plan) == weights_bytes(load_config("llama-3.1-8b"), "bf16")
+
+
+def test_a_larger_tensor_parallel_size_fits_a_larger_batch_per_gpu():
+    batches = [profile.plan(h100x8(tensor_parallel_size=size), mode="generate", model="llama-3.1-70b",
+                            batch_size=1).max_batch_size for size in (1, 2, 4, 8)]
+    assert batches[0] == 0 and batches == sorted(batches) and batches[-1] > batches[1]
+
+
+def test_plan_cli_prints_and_records_the_layout(capsys):
+    code = cli.main(["plan", "--model", "llama-3.1-70b", "--profile", "h100x8", "--mode", "generate",
+                     "--tensor-parallel-size", "4", "--json"])
+    record = json.loads(capsys.readouterr().out)
+    assert code == 0 and (record["tensor_parallel_size"], record["data_parallel_size"]) == (4, 2)
+    cli.main(["plan", "--model", "llama-3.1-70b", "--profile", "h100x8", "--mode", "generate"])
+    assert "tensor parallel 4 x data parallel 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("profile_name, size, message", [
+    ("h100x8", "3", "tensor_parallel_size 3 does not divide the 8 key/value heads of meta-llama/Llama-3.1-70B: each GPU must "
+               "hold whole heads; use one of 1, 2, 4, 8."),
+    ("h100", "2", "1 GPU(s) (processes) are not a multiple of tensor_parallel_size 2"),
+])
+def test_plan_cli_refuses_a_tensor_parallel_size_the_engine_cannot_run(capsys, profile_name, size, message):
+    code = cli.main(["plan", "--model", "llama-3.1-70b", "--profile", profile_name, "--mode", "generate",
+                     "--tensor-parallel-size", size])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and error.startswith("error: ") and message in error
+
+
+def test_sharded_parameters_split_projections_and_embedding_and_keep_norms_whole():
+    config = load_config("llama-3.1-8b")
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    norms = (2 * layers + 1) * hidden
+    whole = layout.sharded_parameters(config, 1)
+    assert layout.sharded_parameters(config, 8) == (whole - norms) // 8 + norms
