@@ -1,0 +1,88 @@
+"""Tensor-parallel generation: a model too big for one GPU sharded over T processes with
+transformers' own tensor parallelism, and T x D layouts (D groups of T share the prompts).
+
+    torchrun --nproc_per_node 4 -m workbook.generation --params h100x8 \\
+        --set model=/models/teacher tensor_parallel_size=2 output_path=outputs/teacher.jsonl
+
+Consecutive processes form a group (ranks 0..T-1 hold copy 0, T..2T-1 copy 1, ...), so a group's
+GPUs are neighbours on one machine. Every rank of a group runs the same batches (each forward is a
+collective over the group); only the group's first rank writes. Everything here is checked before
+a model loads, so a wrong size fails in a second, not after the weights are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from workbook import models, presets, runtime
+from workbook.generation.engine import GenerationError
+from workbook.params import AUTO
+from workbook.planner import layout, profile
+
+
+@dataclass(frozen=True)
+class Layout:
+    """T x D: processes per copy of the model, and copies sharing the prompts."""
+
+    tensor_parallel_size: int
+    data_parallel_size: int
+
+    @property
+    def processes(self) -> int:
+        return self.tensor_parallel_size * self.data_parallel_size
+
+
+def resolve_layout(params, processes: int, *, launched: bool) -> Layout:
+    """The layout a job of ``processes`` processes runs, or GenerationError saying what to change:
+    a T that does not divide the model's key/value heads (transformers would fail deep in a
+    reshape), a process count that is not a multiple of T, or T > 1 in one process nobody launched
+    (transformers would quietly load the whole model: never run T = 1 while the params say 2)."""
+    size = params.get("tensor_parallel_size", 1)
+    if size == AUTO:  # the planner's choice for this many GPUs
+        size = profile.plan({**params, "gpu_count": processes if params["gpu_count"] else 0},
+                            mode="generate", batch_size=1).tensor_parallel_size
+    try:
+        key_value_heads = layout_model_heads(params["model"])
+        layout.check_tensor_parallel_size(size, key_value_heads, processes, model=params["model"])
+    except ValueError as error:
+        raise GenerationError(f"{error}") from None
+    if size > 1 and not launched:
+        raise GenerationError(
+            f"tensor_parallel_size {size} needs {size} processes, one per GPU, and this is a single process: run "
+            f"`torchrun --nproc_per_node {size} -m workbook.generation --params ... --set tensor_parallel_size={size}` "
+            f"(or accelerate launch), or from notebook 02 set data_parallel_processes to a multiple of {size}.")
+    return Layout(size, processes // size)
+
+
+def layout_model_heads(model: str) -> int:
+    """The key/value heads of ``model`` from its config alone (no weights read)."""
+    config = presets.load_config(models.model_source(model))
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+
+
+def launched_layout(params) -> Layout:
+    """This process's layout: the launcher's process count (1 when not launched)."""
+    return resolve_layout(params, runtime.launched_processes(), launched=runtime.inside_launcher())
+
+
+def distributed_config(job_layout: Layout):
+    """transformers' DistributedConfig for the layout; None for T = 1 (each process loads the whole
+    model as data parallel always did).
+
+    ``tp_plan="auto"`` is the model's own plan (transformers 5.x; the ``tp_plan=`` keyword of
+    ``from_pretrained`` is deprecated since 5.17 and gone in 5.18, ``DistributedConfig`` works in
+    both). With D > 1 groups, ``dp_replicate_size=D`` makes the mesh (D, T) over all processes: its
+    tp axis is innermost, so consecutive ranks share a copy; each copy's parameters are replicated
+    across groups and generation never communicates between them (no backward, no gradients)."""
+    if job_layout.tensor_parallel_size == 1:
+        return None
+    from transformers.distributed import DistributedConfig
+    options = dict(tp_size=job_layout.tensor_parallel_size, tp_plan="auto")
+    if job_layout.data_parallel_size > 1:
+        if "dp_replicate_size" not in DistributedConfig.__dataclass_fields__:
+            raise GenerationError("tensor x data parallel needs transformers' DistributedConfig(dp_replicate_size=...) "
+                                  "(transformers 5.2x); run with data_parallel_processes == tensor_parallel_size, "
+                                  "or upgrade transformers.")
+        options["dp_replicate_size"] = job_layout.data_parallel_size
+    return DistributedConfig(**options)
