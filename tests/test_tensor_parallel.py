@@ -133,3 +133,59 @@ def test_tensor_times_data_parallel_writes_every_id_once_as_one_process_does(tmp
     assert summary["processes"] == 4 and summary["in_output"] == 10 and summary["unaccounted"] == 0
     assert [share["rank"] for share in summary["per_process"]] == [0, 2]  # one writer per group of 2
     assert sum(share["generated"] for share in summary["per_process"]) == 10
+
+
+@pytest.mark.multiprocess
+def test_kill_9_during_a_tensor_parallel_run_then_resume_loses_nothing(tmp_path, tiny_model_path):
+    import signal
+    import time
+    from workbook import arithmetic
+    from test_generate import complete_lines, write_prompts
+    records = arithmetic.sample_records()[:40]
+    prompts = write_prompts(tmp_path / "in.jsonl", records)
+    output = tmp_path / "out.jsonl"
+    command = generation_command(2, prompts, output, "tensor_parallel_size=2")
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    deadline = time.monotonic() + 240
+    while complete_lines(output) < 4 and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert process.poll() is None, "the run ended before it could be killed"
+    import psutil
+    launcher = psutil.Process(process.pid)
+    for each in [launcher, *launcher.children(recursive=True)]:  # torchrun starts its ranks in their own sessions
+        each.send_signal(signal.SIGKILL)
+    process.communicate()
+    assert 0 < complete_lines(output) < len(records)
+    done = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert output.read_text() == one_process_output(tmp_path, prompts, tiny_model_path)  # each id once, in order
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    from workbook.generation import job
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the problem was found")
+    monkeypatch.setattr(job, "load_model", refuse)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["tensor_parallel_size=2"], "error: tensor_parallel_size 2 needs 2 processes, one per GPU, and this is a single "
+                                 "process: run `torchrun --nproc_per_node 2 -m workbook.generation"),
+    (["tensor_parallel_size=4", "data_parallel_processes=4"],
+     "error: tensor_parallel_size 4 does not divide the 2 key/value heads of tiny: each GPU must hold whole heads; "
+     "use one of 1, 2."),
+    (["tensor_parallel_size=2", "data_parallel_processes=3"],
+     "error: 3 GPU(s) (processes) are not a multiple of tensor_parallel_size 2"),
+])
+def test_a_tensor_parallel_size_the_job_cannot_run_is_refused_before_any_model_loads(
+        tmp_path, capsys, no_model_loading, settings, message):
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"id": 1, "input": "What is 1 + 1?"}\n')
+    code = cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={prompts}",
+                     f"output_path={tmp_path / 'out.jsonl'}", *settings])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and error.startswith(message)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["in.jsonl"]  # nothing written, nothing started

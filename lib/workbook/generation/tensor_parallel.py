@@ -42,15 +42,16 @@ def resolve_layout(params, processes: int, *, launched: bool) -> Layout:
         size = profile.plan({**params, "gpu_count": processes if params["gpu_count"] else 0},
                             mode="generate", batch_size=1).tensor_parallel_size
     try:
-        key_value_heads = layout_model_heads(params["model"])
-        layout.check_tensor_parallel_size(size, key_value_heads, processes, model=params["model"])
-    except ValueError as error:
-        raise GenerationError(f"{error}") from None
-    if size > 1 and not launched:
-        raise GenerationError(
-            f"tensor_parallel_size {size} needs {size} processes, one per GPU, and this is a single process: run "
-            f"`torchrun --nproc_per_node {size} -m workbook.generation --params ... --set tensor_parallel_size={size}` "
-            f"(or accelerate launch), or from notebook 02 set data_parallel_processes to a multiple of {size}.")
+        layout.check_tensor_parallel_size(size, layout_model_heads(params["model"]), model=params["model"])
+        if size > 1 and not launched:
+            raise GenerationError(
+                f"tensor_parallel_size {size} needs {size} processes, one per GPU, and this is a single process: "
+                f"run `torchrun --nproc_per_node {size} -m workbook.generation --params ... --set "
+                f"tensor_parallel_size={size}` (or accelerate launch), or from notebook 02 set "
+                f"data_parallel_processes to a multiple of {size}.")
+        layout.check_tensor_parallel_size(size, None, processes)
+    except layout.LayoutError as error:
+        raise GenerationError(str(error)) from None
     return Layout(size, processes // size)
 
 

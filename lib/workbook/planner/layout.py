@@ -39,14 +39,15 @@ class LayoutError(ValueError):
     """A tensor-parallel size the model or the process count cannot take; says what to use."""
 
 
-def check_tensor_parallel_size(tensor_parallel_size: int, key_value_heads: int, processes: int | None = None,
-                               *, model: str = "the model") -> None:
+def check_tensor_parallel_size(tensor_parallel_size: int, key_value_heads: int | None,
+                               processes: int | None = None, *, model: str = "the model") -> None:
     """Refuse a T that does not divide the key/value heads (transformers would fail deep in a
-    reshape) or that does not divide the number of processes (each group needs T of them)."""
+    reshape) or that does not divide the number of processes (each group needs T of them); None
+    skips a check."""
     if isinstance(tensor_parallel_size, bool) or not isinstance(tensor_parallel_size, int) \
             or tensor_parallel_size < 1:
         raise LayoutError(f"tensor_parallel_size is {tensor_parallel_size!r}; expected an integer >= 1 or 'auto'")
-    if key_value_heads % tensor_parallel_size:
+    if key_value_heads is not None and key_value_heads % tensor_parallel_size:
         choices = ", ".join(str(t) for t in divisors(key_value_heads))
         raise LayoutError(f"tensor_parallel_size {tensor_parallel_size} does not divide the {key_value_heads} "
                           f"key/value heads of {model}: each GPU must hold whole heads; use one of {choices}.")
