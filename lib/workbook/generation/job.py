@@ -327,6 +327,7 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
                                   samples=params["samples_per_prompt"], log=log)
         summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
+                       tensor_parallel_size=rank.tensor_parallel_size,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
         if verifier is not None and summary["in_output"]:

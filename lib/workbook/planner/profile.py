@@ -166,6 +166,23 @@ def max_batch_table(profiles: dict, models: list[str], mode: str, **overrides) -
     return rows
 
 
+def layout_table(profiles: dict, models: list[str], **overrides) -> list[dict]:
+    """Per multi-GPU profile x model, the generation layout 'auto' chooses (T x D), what each GPU
+    then holds, its largest batch and why: how a teacher bigger than one GPU is run."""
+    rows = []
+    for name, params in profiles.items():
+        if params["gpu_count"] < 2:
+            continue
+        for model in models:
+            chosen = plan(params, mode="generate", model=model, batch_size=1, tensor_parallel_size=AUTO, **overrides)
+            rows.append({"profile": name, "model": model, "layout": f"T={chosen.tensor_parallel_size} x "
+                                                                     f"D={chosen.data_parallel_size}",
+                         "weights per GPU": format_bytes(chosen.weights_bytes),
+                         "largest batch per GPU": chosen.max_batch_size,
+                         "why": chosen.notes[-1].split(": ", 1)[1]})
+    return rows
+
+
 def memory_curves(params, plans: dict[str, Plan]) -> dict[str, dict[str, tuple[list[int], list[int]]]]:
     """Predicted peak against batch size, per mode: generation by weights dtype, training full vs
     checkpointed vs LoRA. Each x axis spans twice the largest batch that fits with the most frugal
