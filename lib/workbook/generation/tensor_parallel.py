@@ -41,6 +41,8 @@ def resolve_layout(params, processes: int, *, launched: bool) -> Layout:
     if size == AUTO:  # the planner's choice for this many GPUs
         size = profile.plan({**params, "gpu_count": processes if params["gpu_count"] else 0},
                             mode="generate", batch_size=1).tensor_parallel_size
+    if size == 1:  # plain data parallel: nothing to check that the job does not check already
+        return Layout(1, processes)
     try:
         layout.check_tensor_parallel_size(size, layout_model_heads(params["model"]), model=params["model"])
         if size > 1 and not launched:
@@ -50,7 +52,7 @@ def resolve_layout(params, processes: int, *, launched: bool) -> Layout:
                 f"tensor_parallel_size={size}` (or accelerate launch), or from notebook 02 set "
                 f"data_parallel_processes to a multiple of {size}.")
         layout.check_tensor_parallel_size(size, None, processes)
-    except layout.LayoutError as error:
+    except ValueError as error:  # a LayoutError, or a model whose config cannot be read
         raise GenerationError(str(error)) from None
     return Layout(size, processes // size)
 
