@@ -196,3 +196,21 @@ def test_auto_runs_a_model_that_fits_one_gpu_as_plain_data_parallel():
     values = {**params.load(PARAMS_DIR / "h100x8.yaml"), "model": "tiny"}
     assert values["tensor_parallel_size"] == "auto"
     assert tensor_parallel.resolve_layout(values, 8, launched=True) == tensor_parallel.Layout(1, 8)
+
+
+@pytest.mark.multiprocess
+def test_notebook_02s_launcher_starts_a_tensor_parallel_job_that_writes_the_one_process_output(tmp_path,
+                                                                                             tiny_model_path):
+    # launch() (notebook 02, `workbook generate`) forks data_parallel_processes with notebook_launcher.
+    from workbook import arithmetic
+    from test_generate import write_prompts
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:6])
+    expected = one_process_output(tmp_path, prompts, tiny_model_path)
+    output = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "workbook.generation", "--params", "cpu", "--set", f"prompts_path={prompts}",
+               f"output_path={output}", "log_every_batches=0", "interactive=false", "verifier=", "batch_size=2",
+               "max_new_tokens=6", "tensor_parallel_size=2", "data_parallel_processes=2"]
+    done = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tensor parallel 2 x data parallel 1" in done.stdout
+    assert output.read_text() == expected
