@@ -125,12 +125,6 @@ def per_rank(count: int, tensor_parallel_size: int) -> int:
     return math.ceil(count / tensor_parallel_size)
 
 
-def ranks_of_process(process_index: int, tensor_parallel_size: int) -> tuple[int, int]:
-    """(data-parallel group, rank within the group) of a process: consecutive processes form a
-    group, so a group's T GPUs are neighbours on one machine (NVLink)."""
-    return divmod(process_index, tensor_parallel_size)
-
-
 def measured_rank_bytes(model: torch.nn.Module) -> int:
     """Bytes of the parameters this process holds: a DTensor counts its local shard (the check of
     ``sharded_weights_bytes`` against a model transformers sharded)."""

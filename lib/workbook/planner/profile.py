@@ -12,7 +12,6 @@ job and the trainer size batches the same way::
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
