@@ -17,7 +17,7 @@ NEW_TOKENS = 6
 
 rank = job.current_rank(tensor_parallel_size=int(sys.argv[2]))
 sharded_layout = tensor_parallel.Layout(rank.tensor_parallel_size, rank.count // rank.tensor_parallel_size)
-sharded, _ = job.load_model("tiny", "fp32", rank.device, tensor_parallel.distributed_config(sharded_layout))
+sharded, _ = job.load_model("tiny", "fp32", rank.device, tensor_parallel.sharding_arguments(sharded_layout))
 whole, _ = job.load_model("tiny", "fp32", "cpu")
 input_ids, attention_mask = models.left_pad(PROMPTS, pad_token_id=0)
 

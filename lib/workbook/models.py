@@ -45,12 +45,13 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device, *,
-               attn_implementation: str = DEFAULT_ATTENTION, distributed_config=None) -> LoadedModel:
+               attn_implementation: str = DEFAULT_ATTENTION, sharding: dict | None = None) -> LoadedModel:
     """``model`` on ``device`` in ``dtype`` (a name in TORCH_DTYPES or a torch dtype), in eval mode.
 
     'tiny' or a local directory loads its weights; a preset name builds the architecture with random
-    weights (``build_random``). A transformers ``DistributedConfig`` loads this process's shard of
-    the weights onto its own device instead (tensor parallel, ``generation.tensor_parallel``)."""
+    weights (``build_random``). ``sharding``, keyword arguments of ``from_pretrained`` such as
+    ``{"distributed_config": DistributedConfig(...)}``, loads this process's shard of the weights onto
+    its own device instead (tensor parallel: ``generation.tensor_parallel.sharding_arguments``)."""
     from transformers import AutoModelForCausalLM
 
     from workbook import tiny_model
@@ -59,10 +60,10 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
     torch_dtype = _torch_dtype(dtype)
     path = tiny_model.resolve_model_path(model)
     description = f"{model}: weights from {path}, {DTYPE_NAMES[torch_dtype]}"
-    if distributed_config is not None:  # transformers places each shard on this rank's device
+    if sharding:  # transformers places each shard on this rank's device
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
-                                                      distributed_config=distributed_config)
-        return LoadedModel(loaded.eval(), f"{description}, sharded over {distributed_config.tp_size} processes", path)
+                                                      **sharding)
+        return LoadedModel(loaded.eval(), f"{description}, tensor parallel over {loaded.tp_size} processes", path)
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
     return LoadedModel(loaded.to(device).eval(), description, path)
 

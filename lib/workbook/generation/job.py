@@ -79,7 +79,7 @@ def current_rank(tensor_parallel_size: int = 1) -> Rank:
     return Rank(0, 1, runtime.default_device())
 
 
-def load_model(model: str, dtype: str, device, distributed_config=None) -> tuple[Any, Any]:
+def load_model(model: str, dtype: str, device, sharding: dict | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) from 'tiny' or a local Hugging Face directory; nothing is downloaded. A
     preset architecture is refused: its random weights have no tokenizer and write no text."""
     try:
@@ -87,7 +87,7 @@ def load_model(model: str, dtype: str, device, distributed_config=None) -> tuple
             raise GenerationError(f"model {model!r} is a preset architecture (random weights, no tokenizer): the "
                                   "generation job writes text, so point model at a local Hugging Face directory or "
                                   "use 'tiny'. The benchmark (workbook bench) times presets.")
-        loaded = models.load_model(model, dtype, device, distributed_config=distributed_config)
+        loaded = models.load_model(model, dtype, device, sharding=sharding)
         return loaded.model, models.load_tokenizer(model)
     except ValueError as error:  # an unknown name: neither a preset nor a directory
         raise GenerationError(str(error)) from None
@@ -185,7 +185,7 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.count))
         layout = tensor_parallel.Layout(rank.tensor_parallel_size, rank.count // rank.tensor_parallel_size)
         model, tokenizer = load_model(params["model"], params["dtype"], rank.device,
-                                      tensor_parallel.distributed_config(layout))
+                                      tensor_parallel.sharding_arguments(layout))
     settings = decoding_settings(params, model, tokenizer)
     batch_size = profile.resolve_batch_size(params, "generate")
     backend = make_backend(params["backend"], model, settings, batch_size)

@@ -69,23 +69,28 @@ def launched_layout(params) -> Layout:
     return resolve_layout(params, runtime.launched_processes(), launched=runtime.inside_launcher())
 
 
-def distributed_config(job_layout: Layout):
-    """transformers' DistributedConfig for the layout; None for T = 1 (each process loads the whole
-    model as data parallel always did).
+def sharding_arguments(job_layout: Layout) -> dict | None:
+    """The ``from_pretrained`` keywords that shard the model for the layout; None for T = 1 (each
+    process loads the whole model, as data parallel always did).
 
-    ``tp_plan="auto"`` is the model's own plan (transformers 5.x; the ``tp_plan=`` keyword of
-    ``from_pretrained`` is deprecated since 5.17 and gone in 5.18, ``DistributedConfig`` works in
-    both). With D > 1 groups, ``dp_replicate_size=D`` makes the mesh (D, T) over all processes: its
-    tp axis is innermost, so consecutive ranks share a copy; each copy's parameters are replicated
-    across groups and generation never communicates between them (no backward, no gradients)."""
+    ``DistributedConfig(tp_plan="auto")`` applies the model's own plan (transformers 5.2x). The
+    ``tp_plan=`` keyword of ``from_pretrained`` is deprecated (removed in 5.18 by its own warning), so it
+    is used only where ``DistributedConfig`` has no ``tp_plan`` field, as older 5.x releases may lack
+    it (the GPU image's 5.17 is not at hand here to check). With D > 1 groups, ``dp_replicate_size=D``
+    makes the mesh (D, T) over all processes: its tp axis is innermost, so consecutive ranks share a
+    copy; parameters are replicated across groups, and generation (no backward, no gradients) never
+    communicates between them: the TP=2 x DP=2 test runs groups through different batch counts."""
     if job_layout.tensor_parallel_size == 1:
         return None
     from transformers.distributed import DistributedConfig
+    fields = DistributedConfig.__dataclass_fields__
+    if "tp_plan" not in fields and job_layout.data_parallel_size == 1:
+        return {"tp_plan": "auto", "tp_size": job_layout.tensor_parallel_size}
+    if "tp_plan" not in fields or (job_layout.data_parallel_size > 1 and "dp_replicate_size" not in fields):
+        raise GenerationError("tensor x data parallel needs transformers' DistributedConfig(tp_plan=..., "
+                              "dp_replicate_size=...) (transformers 5.2x): upgrade transformers, or run "
+                              "tensor_parallel_size processes only (one copy).")
     options = dict(tp_size=job_layout.tensor_parallel_size, tp_plan="auto")
     if job_layout.data_parallel_size > 1:
-        if "dp_replicate_size" not in DistributedConfig.__dataclass_fields__:
-            raise GenerationError("tensor x data parallel needs transformers' DistributedConfig(dp_replicate_size=...) "
-                                  "(transformers 5.2x); run with data_parallel_processes == tensor_parallel_size, "
-                                  "or upgrade transformers.")
         options["dp_replicate_size"] = job_layout.data_parallel_size
-    return DistributedConfig(**options)
+    return {"distributed_config": DistributedConfig(**options)}
