@@ -41,7 +41,9 @@ def _cmd_run(args) -> int:
 
 
 def _int_or_auto(text: str) -> int | str:
-    return text if text == "auto" else int(text)
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}")
 
 
 def _cmd_plan(args) -> int:
