@@ -160,7 +160,9 @@ def max_batch_table(profiles: dict, models: list[str], mode: str, **overrides) -
         for name, params in profiles.items():
             if params["gpu_count"] == 0:
                 continue
-            row[name] = plan(params, mode=mode, model=model, batch_size=1, **overrides).max_batch_size
+            # Each GPU holds the whole model here; layout_table shows the tensor-parallel alternative.
+            whole = {"tensor_parallel_size": 1} if mode == "generate" else {}
+            row[name] = plan(params, mode=mode, model=model, batch_size=1, **{**whole, **overrides}).max_batch_size
         rows.append(row)
     return rows
 
