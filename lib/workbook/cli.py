@@ -40,6 +40,12 @@ def _cmd_run(args) -> int:
     return 0 if result.ok else 1
 
 
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}")
+
+
 def _cmd_plan(args) -> int:
     from workbook import runner
     from workbook.planner import profile as planner_profile
@@ -48,7 +54,7 @@ def _cmd_plan(args) -> int:
         "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
         "max_new_tokens": args.new_tokens, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
-        "optimizer": args.optimizer, "sharding": args.sharding,
+        "optimizer": args.optimizer, "sharding": args.sharding, "tensor_parallel_size": args.tensor_parallel_size,
     }.items() if value is not None}
     for key, value in overrides.items():
         # int8/int4 are weight formats the planner knows but no profile runs in.
@@ -190,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--optimizer", choices=("adamw", "adamw-8bit"), help="train: optimizer states")
     plan_parser.add_argument("--sharding", choices=("none", "fsdp"),
                              help="train: 'fsdp' shards weights, gradients and optimizer over the profile's GPUs")
+    plan_parser.add_argument("--tensor-parallel-size", type=_int_or_auto, metavar="N",
+                             help="generate: shard the model over N GPUs (tensor parallel) and run gpu_count / N copies "
+                                  "(data parallel); 'auto' picks the smallest N that fits a useful batch "
+                                  "(default: the profile's tensor_parallel_size)")
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)

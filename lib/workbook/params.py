@@ -104,6 +104,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("log_every_batches", int, "print a progress line every N batches; 0: never", minimum=0),
     Key("data_parallel_processes", int, "processes sharing the job, one per GPU, each holding the whole model",
         minimum=1),
+    Key("tensor_parallel_size", int, "GPUs (processes) each copy of the model is sharded over with transformers' "
+        "tensor parallelism; data_parallel_processes / tensor_parallel_size copies share the prompts; 'auto': the "
+        "planner's smallest that fits a useful batch", minimum=1, auto=True),
     Key("samples_per_prompt", int, "outputs per prompt, each its own record (metadata.sample_index); > 1 needs "
         "do_sample (rejection sampling: sample, verify, keep the right ones); batch_size counts outputs", minimum=1),
     Key("verifier", str, "checks each output after generation and keeps the right ones in <output>.accepted.jsonl: "

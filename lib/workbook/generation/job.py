@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from workbook import jsonl, models, runtime
-from workbook.generation import records, verify
+from workbook.generation import records, tensor_parallel, verify
 from workbook.generation.backends import make_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
@@ -38,18 +38,31 @@ PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt
                "prompt_field", "output_path", "backend", "do_sample", "temperature", "top_p", "seed",
                "max_examples", "on_bad_line", "on_long_prompt", "use_chat_template", "log_every_batches",
                "data_parallel_processes", "verifier", "max_accepted_per_prompt", "system_prompt",
-               "samples_per_prompt")
+               "samples_per_prompt", "tensor_parallel_size")
 
 
 
 @dataclass(frozen=True)
 class Rank:
-    """This process's place in a data-parallel job (index 0 of 1 when alone)."""
+    """This process's place in a data-parallel job (index 0 of 1 when alone); with tensor
+    parallelism, consecutive groups of ``tensor_parallel_size`` processes share one copy of the model."""
 
     index: int
     count: int
     device: torch.device
     state: Any = None  # accelerate's PartialState when there are several processes
+    tensor_parallel_size: int = 1
+
+    @property
+    def share(self) -> "Rank":
+        """The data-parallel share this process computes: its group's (itself without tensor parallelism)."""
+        size = self.tensor_parallel_size
+        return Rank(self.index // size, self.count // size, self.device) if size > 1 else self
+
+    @property
+    def writes(self) -> bool:
+        """Only the first process of a tensor-parallel group writes; the others compute the same tokens."""
+        return self.index % self.tensor_parallel_size == 0
 
     def gather(self, value) -> list:
         if self.state is None:
@@ -58,15 +71,15 @@ class Rank:
         return gather_object([value])
 
 
-def current_rank() -> Rank:
+def current_rank(tensor_parallel_size: int = 1) -> Rank:
     if runtime.launched_processes() > 1:
         from accelerate import PartialState
         state = PartialState(cpu=not torch.cuda.is_available())  # gloo on CPU, NCCL on GPUs
-        return Rank(state.process_index, state.num_processes, state.device, state)
+        return Rank(state.process_index, state.num_processes, state.device, state, tensor_parallel_size)
     return Rank(0, 1, runtime.default_device())
 
 
-def load_model(model: str, dtype: str, device) -> tuple[Any, Any]:
+def load_model(model: str, dtype: str, device, sharding: dict | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) from 'tiny' or a local Hugging Face directory; nothing is downloaded. A
     preset architecture is refused: its random weights have no tokenizer and write no text."""
     try:
@@ -74,7 +87,8 @@ def load_model(model: str, dtype: str, device) -> tuple[Any, Any]:
             raise GenerationError(f"model {model!r} is a preset architecture (random weights, no tokenizer): the "
                                   "generation job writes text, so point model at a local Hugging Face directory or "
                                   "use 'tiny'. The benchmark (workbook bench) times presets.")
-        return models.load_model(model, dtype, device).model, models.load_tokenizer(model)
+        loaded = models.load_model(model, dtype, device, sharding=sharding)
+        return loaded.model, models.load_tokenizer(model)
     except ValueError as error:  # an unknown name: neither a preset nor a directory
         raise GenerationError(str(error)) from None
 
@@ -169,7 +183,9 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     if model is None:
         if rank.device.type == "cpu" and rank.count > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.count))
-        model, tokenizer = load_model(params["model"], params["dtype"], rank.device)
+        layout = tensor_parallel.Layout(rank.tensor_parallel_size, rank.count // rank.tensor_parallel_size)
+        model, tokenizer = load_model(params["model"], params["dtype"], rank.device,
+                                      tensor_parallel.sharding_arguments(layout))
     settings = decoding_settings(params, model, tokenizer)
     batch_size = profile.resolve_batch_size(params, "generate")
     backend = make_backend(params["backend"], model, settings, batch_size)
@@ -188,7 +204,8 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     by_length = sorted(((i, s) for i in range(len(examples)) for s in range(samples)),
                        key=lambda candidate: (-len(token_ids[candidate[0]]), *candidate))
     pending_set = set(pending)
-    mine = [candidate for candidate in by_length[rank.index::rank.count] if candidate in pending_set]
+    share = rank.share  # a tensor-parallel group computes one share together
+    mine = [candidate for candidate in by_length[share.index::share.count] if candidate in pending_set]
     longest = max((len(token_ids[i]) for i, _ in pending), default=0)
     if params["batch_size"] == "auto" and longest > params["prompt_len"]:
         log(f"note: the longest prompt has {longest} tokens but batch_size 'auto' was planned for prompt_len "
@@ -198,7 +215,8 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
         each = f" x {samples} samples" if samples > 1 else ""
         log(f"{len(examples)} examples{each} in {prompts_path}; {len(examples) * samples - len(pending)} already in "
             f"{files.output}; {len(pending)} to generate with {params['model']} ({backend.name}, batch {batch_size}, "
-            f"{rank.count} process{'es' if rank.count > 1 else ''}); {len(bad_lines)} bad input lines skipped")
+            f"{rank.count} process{'es' if rank.count > 1 else ''}{_layout_text(rank)}); {len(bad_lines)} bad input "
+            "lines skipped")
     return Share(examples, bad_lines, token_ids,
                  prompts=[Prompt(i, token_ids[i], room[i], s) for i, s in mine if room[i] > 0],
                  too_long=[(i, s) for i, s in mine if room[i] <= 0], backend=backend, batch_size=batch_size,
@@ -217,12 +235,15 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
     def sample_index(sample: int) -> int | None:  # recorded only with several samples: one-sample records unchanged
         return sample if params["samples_per_prompt"] > 1 else None
 
-    if params["do_sample"]:
-        torch.manual_seed(share.settings.seed + rank.index)
+    if params["do_sample"]:  # the ranks of a tensor-parallel group must draw the same tokens
+        torch.manual_seed(share.settings.seed + rank.share.index)
+    if not rank.writes:  # its group's first rank writes what this one computes too
+        return run_batches(share.backend, share.prompts, write=lambda outcome: None, sort_by_length=sort_by_length,
+                           log=lambda line: None, log_every_batches=0, rank=rank.index)
     bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
     try:
-        with jsonl.LineAppender(files.output_part(rank)) as outputs, \
-                jsonl.LineAppender(files.failures_part(rank)) as failures:
+        with jsonl.LineAppender(files.output_part(rank.share)) as outputs, \
+                jsonl.LineAppender(files.failures_part(rank.share)) as failures:
             if rank.index == 0:
                 failures.write(bad_line_failure(bad) for bad in share.bad_lines)
             failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,
@@ -260,6 +281,11 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
             bar.close()
 
 
+def _layout_text(rank: Rank) -> str:
+    size = rank.tensor_parallel_size
+    return f": tensor parallel {size} x data parallel {rank.count // size}" if size > 1 else ""
+
+
 def _write_failed_text(error: OSError, files: OutputFiles, total: int) -> str:
     safe = len(jsonl.scan_ids([files.output, *files.output_parts()], records.output_record_id))
     where = f"{files.output}" + (" and its part files" if files.output_parts() else "")
@@ -279,7 +305,9 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
     """
     require_keys(params)
     verifier = _verifier(params)  # a mistyped verifier stops the job before hours of generation
-    rank = current_rank()
+    layout = tensor_parallel.launched_layout(params)  # a size the model or launcher cannot run stops here
+    params = {**params, "tensor_parallel_size": layout.tensor_parallel_size}  # 'auto' resolved, for the planner
+    rank = current_rank(layout.tensor_parallel_size)
     files = OutputFiles(Path(output_path))
     began = time.perf_counter()
     with output_locked(files, rank, held_by_parent=lock_held_by_parent):
@@ -291,13 +319,15 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         counts = {"rank": rank.index, **summarize(batches, time.perf_counter() - engine_began),
                   "too_long": len(share.too_long), "setup_seconds": round(engine_began - began, 3),
                   "batch_list": [dataclasses.asdict(b) for b in batches]}
-        # A collective: the first process passes it only when every process has closed its part.
-        every_process = rank.gather(counts)
+        # A collective: the first process passes it only when every process has closed its part. A
+        # tensor-parallel rank that wrote nothing sends nothing: its group's writer counted its work.
+        every_process = [each for each in rank.gather(counts if rank.writes else None) if each is not None]
         if rank.index != 0:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
                                   samples=params["samples_per_prompt"], log=log)
         summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
+                       tensor_parallel_size=rank.tensor_parallel_size,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
         if verifier is not None and summary["in_output"]:

@@ -15,7 +15,7 @@ from typing import Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from workbook import runtime
-from workbook.generation import job
+from workbook.generation import job, tensor_parallel
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
 
@@ -42,6 +42,8 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
         output_path = resolve_output_path(params["output_path"], run_dir)
     output_path = Path(output_path)
     processes = params["data_parallel_processes"]
+    if not runtime.inside_launcher():  # a tensor-parallel size these processes cannot run stops before they start
+        tensor_parallel.resolve_layout(params, processes, launched=processes > 1)
     if processes > 1 and not runtime.inside_launcher():
         from accelerate import notebook_launcher
         files = OutputFiles(output_path)

@@ -197,14 +197,10 @@ def norm_saved_bytes_per_token(
 
 
 
-def weights_explanation(shape: ModelShape, dtype: str, share: float = 1.0) -> str:
+def weights_explanation(shape: ModelShape, dtype: str) -> str:
     if dtype in QUANTIZED_DTYPES:
         how = (f"{shape.parameters:,} params: Linear weights at {BITS_PER_PARAMETER[dtype]} bits "
                "+ scales, embeddings/norms/lm_head in bf16 (bitsandbytes)")
     else:
         how = f"{shape.parameters:,} params x {BITS_PER_PARAMETER[dtype] // 8} B ({dtype})"
-    return how + share_note(share)
-
-
-def share_note(share: float) -> str:
-    return f", this GPU's {share:.0%} of the layers" if share < 1 else ""
+    return how
