@@ -123,11 +123,13 @@ def test_a_broken_config_json_is_named_not_a_traceback(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"hidden_size": "4096"}, "config.json: transformers refuses it: .*hidden_size.* expected int"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers is 0; expected a positive integer"),
-    ({"intermediate_size": -8}, "intermediate_size is -8; expected a positive integer"),
+    ({"hidden_size": "4096"}, "config.json: 'hidden_size' is \"4096\" \\(str\\); expected a positive integer"),
+    ({"num_key_value_heads": 2.0}, "config.json: 'num_key_value_heads' is 2.0 \\(float\\)"),
+    ({"vocab_size": True}, "config.json: 'vocab_size' is true \\(bool\\)"),
+    ({"num_hidden_layers": 0}, "config.json: 'num_hidden_layers' is 0; expected a positive integer"),
+    ({"intermediate_size": -8}, "config.json: 'intermediate_size' is -8; expected a positive integer"),
     ({"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 4},
-     "6 is not a multiple of num_key_value_heads 4"),
+     "config.json: 'num_attention_heads' 6 is not a multiple of 'num_key_value_heads' 4"),
 ])
 def test_impossible_sizes_are_refused_with_the_key(tmp_path, change, message):
     from workbook.planner import model_shape
@@ -136,3 +138,11 @@ def test_impossible_sizes_are_refused_with_the_key(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps(values))
     with pytest.raises(ValueError, match=message):
         model_shape(str(tmp_path))
+
+
+def test_impossible_sizes_of_a_config_object_are_refused_with_the_key():
+    from workbook.planner import model_shape
+    config = load_config("llama-3.2-1b")
+    config.num_key_value_heads = 5
+    with pytest.raises(ValueError, match="num_attention_heads 32 is not a multiple of num_key_value_heads 5"):
+        model_shape(config)

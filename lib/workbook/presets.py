@@ -217,11 +217,40 @@ def _config_from_directory(directory: Path) -> PretrainedConfig:
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise ValueError(f"{path}: expected a JSON object with a 'model_type' (e.g. \"llama\"), as Hugging Face "
                          "writes it; restore the model's config.json")
+    _check_size_fields(path, values)
     try:
         return AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as error:  # transformers' own checks (types, head counts) raise several kinds
         reason = " ".join(str(error).split())
         raise ValueError(f"{path}: transformers refuses it: {reason}") from None
+
+
+# Sizes every decoder config gives as a positive integer (null where optional). Checked on the raw
+# JSON, so the error names the file and key instead of transformers' validator or a torch shape error.
+SIZE_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "max_position_embeddings", "sliding_window", "num_local_experts",
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank", "q_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+)
+
+
+def _check_size_fields(path: Path, values: dict) -> None:
+    for key in SIZE_FIELDS:
+        value = values.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{path}: {key!r} is {json.dumps(value)} ({type(value).__name__}); expected a "
+                             "positive integer; restore the model's config.json")
+        if value < 1:
+            raise ValueError(f"{path}: {key!r} is {value}; expected a positive integer; "
+                             "restore the model's config.json")
+    heads, key_value_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if heads and key_value_heads and heads % key_value_heads:
+        raise ValueError(f"{path}: 'num_attention_heads' {heads} is not a multiple of 'num_key_value_heads' "
+                         f"{key_value_heads} (grouped-query attention shares each key/value head among a whole "
+                         "number of query heads)")
 
 
 def count_parameters(config: PretrainedConfig) -> int:
