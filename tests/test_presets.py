@@ -18,6 +18,16 @@ PUBLISHED_PARAMETER_COUNTS = {
     "Qwen2.5-0.5B": 494_032_768,
     "Qwen2.5-7B": 7_615_616_512,
     "Mistral-7B-v0.1": 7_241_732_096,
+    # Beyond Llama, one per family (the Hub's safetensors parameter count of each repository, which
+    # these match when counted by hand from the published config.json):
+    "Mixtral-8x7B-v0.1": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1, "46.7B params"
+    "Qwen1.5-MoE-A2.7B": 14_315_784_192,  # Qwen/Qwen1.5-MoE-A2.7B, "14.3B params"
+    "Qwen3-30B-A3B": 30_532_122_624,  # Qwen/Qwen3-30B-A3B, "30.5B params"
+    "Qwen3-8B": 8_190_735_360,  # Qwen/Qwen3-8B, "8.19B params"
+    "gemma-2-9b": 9_241_705_984,  # google/gemma-2-9b, "9.24B params"
+    "gemma-3-1b-pt": 999_885_952,  # google/gemma-3-1b-pt, "1000M params"
+    "Phi-3-mini-4k-instruct": 3_821_079_552,  # microsoft/Phi-3-mini-4k-instruct, "3.82B params"
+    "DeepSeek-V2-Lite": 15_706_484_224,  # deepseek-ai/DeepSeek-V2-Lite, "15.7B params"
 }
 
 

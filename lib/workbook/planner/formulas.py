@@ -91,7 +91,8 @@ def kv_cache_bytes(
 
 
 def kv_bytes_per_token_per_layer(shape: ModelShape, dtype: str) -> int:
-    return 2 * shape.key_value_width * compute_bytes(dtype)
+    """2 x kv_heads x head_dim values, or DeepSeek's compressed latent (planner/architectures.py)."""
+    return shape.architecture.kv_cache_values_per_token_per_layer * compute_bytes(dtype)
 
 
 def lora_parameter_count(

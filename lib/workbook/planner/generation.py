@@ -120,7 +120,7 @@ def _prefill_terms(
         Term("kv_cache", math.ceil(kv * layer_share),
              f"prefill: {batch} x {prompt_len} prompt tokens x "
              f"{kv_cache_bytes_per_token(shape, dtype):,} B/token "
-             f"(2 x layers x kv_heads x head_dim x {p} B){share_note(layer_share)}"),
+             f"(layers x {shape.architecture.kv_cache_explanation} x {p} B){share_note(layer_share)}"),
         Term("activations",
              _inference_layer_peak_bytes(shape, p, batch, prompt_len, prompt_len,
                                          attn_implementation),
