@@ -84,3 +84,40 @@ def test_deepseek_caches_the_compressed_latent_not_the_keys_and_values():
     # kv_lora_rank 512 + qk_rope_head_dim 64 per layer, not 16 heads x (192 key + 128 value) expanded
     assert shape.architecture.kv_cache_values_per_token_per_layer == 512 + 64
     assert kv_cache_bytes(shape, "bf16", batch_size=1, tokens=1) == 27 * 576 * 2
+
+
+ACTIVATION_CHECKED = ["Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "Qwen3-30B-A3B", "Qwen3-8B", "Qwen2.5-0.5B",
+                      "Phi-3-mini-4k-instruct"]
+
+
+@pytest.mark.parametrize("name", ACTIVATION_CHECKED)
+def test_one_layers_saved_activations_are_within_2_percent_of_the_plan(name):
+    # The method of planner/exact_checks.py: autograd's saved tensors of a 2-layer model minus a 1-layer one,
+    # pure fp32, the attention the model runs by default (sdpa for these).
+    measured = (_saved_activation_bytes(built(shrunken(name, layers=2)).train())
+                - _saved_activation_bytes(built(shrunken(name, layers=1)).train()))
+    planned = training_activation_bytes_per_layer(
+        shrunken(name), batch_size=ACTIVATION_CHECK_BATCH, seq_len=ACTIVATION_CHECK_SEQ_LEN, dtype="fp32",
+        mixed_precision=False, attn_implementation="sdpa")
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
+def test_mixed_dense_and_routed_layers_are_each_planned_at_their_size():
+    from workbook.planner.formulas import decoder_activation_bytes_per_token, layer_activation_bytes_per_token
+    from workbook.planner.formulas import training_precision
+    shape = model_shape("DeepSeek-V2-Lite")  # layer 0 dense (intermediate 10944), 26 routed layers
+    precision = training_precision("bf16", True, lora=False)
+    dense, routed = (layer_activation_bytes_per_token(shape, precision, "sdpa", 1024, routed=kind)
+                     for kind in (False, True))
+    assert dense != routed
+    assert decoder_activation_bytes_per_token(shape, precision, "sdpa", 1024) == dense + 26 * routed
+
+
+def test_quantized_mixture_of_experts_keeps_its_experts_in_bf16():
+    from workbook.planner import weights_bytes
+    shape = model_shape("Mixtral-8x7B-v0.1")
+    experts = shape.architecture.moe.expert_parameters
+    assert experts == 32 * 8 * 3 * 4096 * 14336
+    # Experts are 3-D tensors (no nn.Linear): bitsandbytes leaves them bf16, so int4 saves only on attention.
+    assert weights_bytes(shape, "int4") > experts * 2
+    assert weights_bytes(shape, "bf16") - weights_bytes(shape, "int4") < (shape.parameters - experts) * 2

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from workbook.planner.shape import (
-    ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, QUANTIZED_DTYPES,
+    ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES,
+    QUANTIZED_DTYPES,
     ModelShape, canonical_dtype, check_choice, compute_bytes, lora_targets, model_shape, require_non_negative,
     require_positive,
 )
@@ -29,7 +30,8 @@ def weights_bytes(model: PretrainedConfig | ModelShape | str, dtype: str) -> int
     gives for the loaded model. int8/int4 follow bitsandbytes (``load_in_8bit``/``load_in_4bit``):
     every ``nn.Linear`` except the lm_head is quantized, with its scales (LLM.int8: one fp32 per
     output row; NF4: one fp32 absmax per 64 weights); embeddings, norms, biases and the lm_head
-    stay bf16.
+    stay bf16, and so do mixture-of-experts experts: transformers 5.x stores them as 3-D parameters,
+    not ``nn.Linear``, and ``replace_with_bnb_linear`` swaps ``nn.Linear`` only.
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
@@ -164,11 +166,20 @@ def training_precision(dtype: str, mixed_precision: bool, *, lora: bool) -> Prec
 
 
 def layer_activation_bytes_per_token(
-    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int
+    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int, *, routed: bool | None = None
 ) -> int:
+    """What one decoder layer saves per token: its attention and its MLP, dense or routed experts.
+
+    ``routed`` picks the layer kind of a mixture-of-experts model (None: the larger of the two that exist).
+    """
+    architecture = shape.architecture
+    if routed is None:
+        kinds = [kind for kind, present in ((True, architecture.moe_layers > 0),
+                                            (False, architecture.moe_layers < shape.num_layers)) if present]
+        return max(layer_activation_bytes_per_token(shape, precision, attn_implementation, seq_len, routed=kind)
+                   for kind in kinds)
     p = precision.compute_bytes
-    attention_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=3)
-    mlp_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=2)
+    attention_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 3)
     if attn_implementation == "eager":
         # Softmax runs in fp32 and is cast back to p; in pure fp32 the cast is the same tensor.
         probabilities_bytes = FP32_BYTES + (p if p != FP32_BYTES else 0)
@@ -179,8 +190,66 @@ def layer_activation_bytes_per_token(
     else:
         attention = p * (2 * shape.query_width + 2 * shape.key_value_width)
         attention += FP32_BYTES * shape.num_attention_heads  # logsumexp kept for backward
-    mlp = 4 * p * shape.intermediate_size
+    attention += _attention_variant_bytes_per_token(shape, p)
+    if routed:
+        mlp_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=_router_linears(architecture.moe))
+        mlp = experts_saved_bytes_per_token(shape, precision)
+    else:
+        mlp_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 2)
+        mlp = 4 * p * shape.intermediate_size
     return attention_norm + attention + mlp_norm + mlp
+
+
+def decoder_activation_bytes_per_token(
+    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int
+) -> int:
+    """All decoder layers together, per token: dense layers and routed (MoE) layers each at their own size."""
+    moe_layers = shape.architecture.moe_layers
+    total = 0
+    for routed, count in ((True, moe_layers), (False, shape.num_layers - moe_layers)):
+        if count:
+            total += count * layer_activation_bytes_per_token(
+                shape, precision, attn_implementation, seq_len, routed=routed)
+    return total
+
+
+def _attention_variant_bytes_per_token(shape: ModelShape, p: int) -> int:
+    """What a family's attention saves beyond Llama's (measured tensor by tensor, tests/test_architectures.py)."""
+    architecture = shape.architecture
+    extra = 0
+    if architecture.per_head_qk_norm:  # Qwen3, Gemma-3: q and k upcast to fp32 and normalized, + an fp32 rsqrt per head
+        extra += (FP32_BYTES + p) * (shape.query_width + shape.key_value_width)
+        extra += FP32_BYTES * (shape.num_attention_heads + shape.num_key_value_heads)
+    if architecture.fused_qkv:  # the value is a view of qkv_proj's output: it keeps q and k's part alive too
+        extra += p * (shape.query_width + shape.key_value_width)
+    if architecture.rotary_by_concatenation:  # attention's output is head-major: o_proj gets a real copy
+        extra += p * shape.query_width
+    return extra
+
+
+def experts_saved_bytes_per_token(shape: ModelShape, precision: Precision) -> int:
+    """A mixture-of-experts MLP, per token (transformers 5.x grouped_mm experts, its default).
+
+    Each of the top-k routed experts saves its gathered input and its output (2 h) and gate|up, silu(gate) and
+    their product (4 expert_intermediate); grouped_mm is not autocast, so experts compute in the weights' own
+    dtype (fp32 master weights under autocast). Add the int64 ids of the routing (top-k, the sort's gather,
+    the un-permute), the router's fp32 softmax (Mixtral/Qwen; DeepSeek's grouped sigmoid router is close),
+    the top-k weights, and the shared experts as a dense SwiGLU (Qwen2-MoE also gates them with a sigmoid).
+    """
+    moe = shape.architecture.moe
+    h, k, p = shape.hidden_size, moe.experts_per_token, precision.compute_bytes
+    routed = k * (2 * h + 4 * moe.expert_intermediate_size) * precision.residual_bytes
+    routing_ids = 4 * k * INT64_BYTES
+    router = FP32_BYTES * (moe.num_experts + k) + (FP32_BYTES * (k + 1) if moe.normalizes_top_k else 0)
+    shared = 4 * p * moe.shared_intermediate_size
+    if moe.shared_expert_gate:  # sigmoid(gate) x shared output saves both
+        shared += p * (h + 1)
+    return routed + routing_ids + router + shared
+
+
+def _router_linears(moe) -> int:
+    """Linear layers reading the post-attention norm's output in a MoE layer (autocast casts it for each)."""
+    return 1 + (2 if moe.shared_intermediate_size else 0) + (1 if moe.shared_expert_gate else 0)
 
 
 def norm_saved_bytes_per_token(
@@ -202,6 +271,9 @@ def weights_explanation(shape: ModelShape, dtype: str, share: float = 1.0) -> st
     if dtype in QUANTIZED_DTYPES:
         how = (f"{shape.parameters:,} params: Linear weights at {BITS_PER_PARAMETER[dtype]} bits "
                "+ scales, embeddings/norms/lm_head in bf16 (bitsandbytes)")
+        moe = shape.architecture.moe
+        if moe is not None:  # transformers keeps experts as 3-D tensors; bitsandbytes swaps nn.Linear only
+            how += f"; the {moe.expert_parameters:,} expert params are no nn.Linear and stay bf16"
     else:
         how = f"{shape.parameters:,} params x {BITS_PER_PARAMETER[dtype] // 8} B ({dtype})"
     return how + share_note(share)

@@ -10,7 +10,7 @@ from typing import Callable
 from transformers import PretrainedConfig
 
 from workbook.planner.formulas import (
-    Precision, layer_activation_bytes_per_token, lora_parameter_count, norm_saved_bytes_per_token,
+    Precision, decoder_activation_bytes_per_token, layer_activation_bytes_per_token, lora_parameter_count, norm_saved_bytes_per_token,
     training_precision, weights_bytes, weights_explanation,
 )
 from workbook.planner.plans import (
@@ -250,8 +250,9 @@ def _training_activations_term(
                f"{shape.hidden_size} x {precision.residual_bytes} B) + one layer recomputed "
                f"({per_layer:,} B)")
     else:
-        total = shape.num_layers * (per_layer + lora_extra) + outside
-        how = (f"{shape.num_layers} layers x {per_layer + lora_extra:,} B saved for backward "
+        all_layers = tokens * decoder_activation_bytes_per_token(shape, precision, attn_implementation, seq_len)
+        total = all_layers + shape.num_layers * lora_extra + outside
+        how = (f"{shape.num_layers} layers x {(all_layers // shape.num_layers) + lora_extra:,} B saved for backward "
                f"({tokens:,} tokens, {attn_implementation})")
     return Term("activations", total, how + " + final norm and token ids")
 
