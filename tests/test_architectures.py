@@ -121,3 +121,34 @@ def test_quantized_mixture_of_experts_keeps_its_experts_in_bf16():
     # Experts are 3-D tensors (no nn.Linear): bitsandbytes leaves them bf16, so int4 saves only on attention.
     assert weights_bytes(shape, "int4") > experts * 2
     assert weights_bytes(shape, "bf16") - weights_bytes(shape, "int4") < (shape.parameters - experts) * 2
+
+
+ACTIVATION_CHECKED += ["gemma-2-9b", "gemma-3-1b-pt"]  # eager (sdpa refused) with soft-capping; sliding sdpa
+
+
+def test_gemma_2_is_planned_with_the_eager_attention_it_runs():
+    from workbook.planner import plan_train
+    config = shrunken("gemma-2-9b")
+    assert built(config).config._attn_implementation == "eager"  # transformers' own choice
+    sdpa, eager = (training_activation_bytes_per_layer(config, batch_size=2, seq_len=64, attn_implementation=name)
+                   for name in ("sdpa", "eager"))
+    assert sdpa == eager
+    plan = plan_train(config, micro_batch_size=1, seq_len=64, gpu_memory_bytes=2**34)
+    assert any("planned with the eager attention it runs" in note for note in plan.notes)
+
+
+def test_final_logit_softcapping_adds_its_saved_tanh_per_logit():
+    from workbook.planner import plan_train
+    capped = shrunken("gemma-2-9b", layers=1)
+    plain = shrunken("gemma-2-9b", layers=1)
+    plain.final_logit_softcapping = None
+    measured = _saved_activation_bytes(built(capped).train()) - _saved_activation_bytes(built(plain).train())
+    logits = ACTIVATION_CHECK_BATCH * ACTIVATION_CHECK_SEQ_LEN * capped.vocab_size
+
+    def loss_path_bytes(config):
+        plan = plan_train(config, micro_batch_size=ACTIVATION_CHECK_BATCH, seq_len=ACTIVATION_CHECK_SEQ_LEN,
+                          gpu_memory_bytes=2**34, dtype="fp32")
+        return next(term.bytes for term in plan.terms if term.name == "logits_and_loss")
+
+    assert measured == logits * 4  # fp32: one tanh output per logit
+    assert loss_path_bytes(capped) - loss_path_bytes(plain) == measured

@@ -52,6 +52,7 @@ class Architecture:
     norms_per_layer: int = 2
     latent_attention: bool = False  # DeepSeek MLA: activations of its attention not modelled exactly
     final_logit_softcapping: float | None = None
+    attention_logit_softcapping: float | None = None  # Gemma-2: eager saves tanh(scores / cap)
     sdpa_supported: bool = True
 
 
@@ -87,6 +88,7 @@ def describe(config: PretrainedConfig, meta_model: torch.nn.Module, layers: torc
         norms_per_layer=sum(1 for name, _ in layers[0].named_children() if name.endswith("layernorm")),
         latent_attention=getattr(text, "kv_lora_rank", None) is not None,
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
+        attention_logit_softcapping=getattr(text, "attn_logit_softcapping", None),
         sdpa_supported=bool(sdpa),
     )
 

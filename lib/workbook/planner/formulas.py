@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from workbook.planner.architectures import attention_implementation_run
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES,
     QUANTIZED_DTYPES,
@@ -166,20 +167,50 @@ def training_precision(dtype: str, mixed_precision: bool, *, lora: bool) -> Prec
 
 
 def layer_activation_bytes_per_token(
-    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int, *, routed: bool | None = None
+    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int, *,
+    routed: bool | None = None, windowed: bool | None = None,
 ) -> int:
-    """What one decoder layer saves per token: its attention and its MLP, dense or routed experts.
+    """What one decoder layer saves per token: its attention (full or sliding-window) and its MLP (dense or
+    routed experts). None picks the larger of the kinds the model has."""
+    routed_kinds = [routed] if routed is not None else _kinds(shape.architecture.moe_layers, shape.num_layers)
+    windowed_kinds = [windowed] if windowed is not None else _kinds(
+        sum(_masked(window, seq_len) for window in shape.attention_windows), shape.num_layers)
+    return (max(attention_saved_bytes_per_token(shape, precision, attn_implementation, seq_len, windowed=kind)
+                for kind in windowed_kinds)
+            + max(mlp_saved_bytes_per_token(shape, precision, routed=kind) for kind in routed_kinds))
 
-    ``routed`` picks the layer kind of a mixture-of-experts model (None: the larger of the two that exist).
-    """
+
+def decoder_activation_bytes_per_token(
+    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int
+) -> int:
+    """All decoder layers together, per token: each layer's attention and MLP at its own kind."""
+    moe_layers = shape.architecture.moe_layers
+    attention = sum(attention_saved_bytes_per_token(shape, precision, attn_implementation, seq_len,
+                                                    windowed=_masked(window, seq_len))
+                    for window in shape.attention_windows)
+    mlp = sum(count * mlp_saved_bytes_per_token(shape, precision, routed=routed)
+              for routed, count in ((True, moe_layers), (False, shape.num_layers - moe_layers)) if count)
+    return attention + mlp
+
+
+def _masked(window: int | None, seq_len: int) -> bool:
+    """A window shorter than the sequence needs an explicit mask (transformers skips it otherwise)."""
+    return window is not None and window < seq_len
+
+
+def _kinds(count: int, num_layers: int) -> list[bool]:
+    return [kind for kind, present in ((True, count > 0), (False, count < num_layers)) if present]
+
+
+def attention_saved_bytes_per_token(
+    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int, *, windowed: bool = False
+) -> int:
+    """The attention half of a layer, with the norm before it (and after it: Gemma)."""
     architecture = shape.architecture
-    if routed is None:
-        kinds = [kind for kind, present in ((True, architecture.moe_layers > 0),
-                                            (False, architecture.moe_layers < shape.num_layers)) if present]
-        return max(layer_activation_bytes_per_token(shape, precision, attn_implementation, seq_len, routed=kind)
-                   for kind in kinds)
+    attn_implementation = attention_implementation_run(shape, attn_implementation)  # Gemma-2: eager, not sdpa
     p = precision.compute_bytes
-    attention_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 3)
+    norms = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 3)
+    norms += _post_norm_bytes_per_token(shape)
     if attn_implementation == "eager":
         # Softmax runs in fp32 and is cast back to p; in pure fp32 the cast is the same tensor.
         probabilities_bytes = FP32_BYTES + (p if p != FP32_BYTES else 0)
@@ -187,30 +218,37 @@ def layer_activation_bytes_per_token(
             p * 4 * shape.query_width
             + shape.num_attention_heads * seq_len * probabilities_bytes
         )
+        if architecture.attention_logit_softcapping:  # tanh(scores / cap) saves its output
+            attention += shape.num_attention_heads * seq_len * p
     else:
-        attention = p * (2 * shape.query_width + 2 * shape.key_value_width)
+        # A sliding window is an explicit mask, and transformers then repeats keys and values to every head
+        # itself (integrations/sdpa_attention.py, use_gqa_in_sdpa) instead of sdpa's grouped-query path.
+        # torch converts that boolean mask to an additive one in the query's dtype at every call, and keeps
+        # it for backward: one (batch, 1, seq, seq) tensor per windowed layer.
+        # (one key/value head is repeated as a view: no copy).
+        repeated = windowed and shape.num_key_value_heads > 1
+        key_value_width = shape.query_width if repeated else shape.key_value_width
+        attention = p * (2 * shape.query_width + 2 * key_value_width)
         attention += FP32_BYTES * shape.num_attention_heads  # logsumexp kept for backward
-    attention += _attention_variant_bytes_per_token(shape, p)
+        attention += p * seq_len if windowed else 0
+    return norms + attention + _attention_variant_bytes_per_token(shape, p)
+
+
+def mlp_saved_bytes_per_token(shape: ModelShape, precision: Precision, *, routed: bool = False) -> int:
+    """The MLP half of a layer, with the norm before it (and after it: Gemma): SwiGLU/GeGLU (gate, act(gate),
+    up, their product) or the routed experts."""
+    architecture = shape.architecture
     if routed:
-        mlp_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=_router_linears(architecture.moe))
-        mlp = experts_saved_bytes_per_token(shape, precision)
-    else:
-        mlp_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 2)
-        mlp = 4 * p * shape.intermediate_size
-    return attention_norm + attention + mlp_norm + mlp
+        norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=_router_linears(architecture.moe))
+        return norm + experts_saved_bytes_per_token(shape, precision) + _post_norm_bytes_per_token(shape)
+    norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 2)
+    return norm + 4 * precision.compute_bytes * shape.intermediate_size + _post_norm_bytes_per_token(shape)
 
 
-def decoder_activation_bytes_per_token(
-    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int
-) -> int:
-    """All decoder layers together, per token: dense layers and routed (MoE) layers each at their own size."""
-    moe_layers = shape.architecture.moe_layers
-    total = 0
-    for routed, count in ((True, moe_layers), (False, shape.num_layers - moe_layers)):
-        if count:
-            total += count * layer_activation_bytes_per_token(
-                shape, precision, attn_implementation, seq_len, routed=routed)
-    return total
+def _post_norm_bytes_per_token(shape: ModelShape) -> int:
+    """Gemma's norm after attention and after the MLP (4 per layer): its fp32 input, the fp32 normalized value
+    and the rsqrt; its output goes to the residual add, which saves nothing."""
+    return FP32_BYTES * (2 * shape.hidden_size + 1) if shape.architecture.norms_per_layer == 4 else 0
 
 
 def _attention_variant_bytes_per_token(shape: ModelShape, p: int) -> int:
