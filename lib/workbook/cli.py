@@ -17,6 +17,12 @@ from workbook import params as params_module
 from workbook.runner import RunError
 
 
+# `workbook plan --dtype`: the planner's names (planner.shape.BITS_PER_PARAMETER, DTYPE_ALIASES), written
+# out here so `workbook --help` does not import torch.
+PLAN_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
+PLAN_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def _cmd_gpu(args) -> int:
     from workbook import gpu, notebook
     detection = gpu.detect()
@@ -50,16 +56,21 @@ def _cmd_plan(args) -> int:
     from workbook import runner
     from workbook.planner import profile as planner_profile
     profile = runner.resolve_params(args.profile, [], log=lambda line: print(line, file=sys.stderr))[0]
+    dtype = args.dtype and PLAN_DTYPE_ALIASES.get(args.dtype, args.dtype)  # "bfloat16" -> "bf16"
     overrides = {key: value for key, value in {
-        "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
+        "model": args.model, "dtype": dtype, "prompt_len": args.prompt_len,
         "max_new_tokens": args.new_tokens, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
         "optimizer": args.optimizer, "sharding": args.sharding, "tensor_parallel_size": args.tensor_parallel_size,
     }.items() if value is not None}
+    flags = {"max_new_tokens": "--new-tokens"}  # the params key's flag, where the two names differ
     for key, value in overrides.items():
         # int8/int4 are weight formats the planner knows but no profile runs in.
         if key in params_module.SCHEMA and not (key == "dtype" and value in ("int8", "int4")):
-            params_module.validate_value(key, value, f"--{key.replace('_', '-')}")
+            params_module.validate_value(key, value, flags.get(key, f"--{key.replace('_', '-')}"))
+    if args.batch_size is not None and args.batch_size < 1:  # 0 is no batch; 'auto' is the profile's word
+        raise params_module.ParamsError(f"--batch-size: {args.batch_size} is not a batch; give 1 or more, "
+                                        "or leave it out to use the profile's (its 'auto': the largest that fits)")
     try:
         result = planner_profile.plan(profile, mode=args.mode, batch_size=args.batch_size, **overrides)
     except ValueError as error:
@@ -189,8 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--prompt-len", type=int, help="prompt tokens (generate)")
     plan_parser.add_argument("--new-tokens", type=int, help="new tokens per sequence (generate)")
     plan_parser.add_argument("--seq-len", type=int, help="sequence length (train)")
-    plan_parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "int8", "int4"),
-                             help="weights dtype (int8/int4: bitsandbytes weight formats)")
+    plan_parser.add_argument("--dtype", choices=(*PLAN_DTYPES, *PLAN_DTYPE_ALIASES), metavar="DTYPE",
+                             help=f"weights dtype: {', '.join(PLAN_DTYPES)} (int8/int4: bitsandbytes weight "
+                                  f"formats; {', '.join(PLAN_DTYPE_ALIASES)} are accepted too)")
     plan_parser.add_argument("--grad-checkpointing", action="store_true", help="plan with activation recomputation")
     plan_parser.add_argument("--lora-rank", type=int, help="LoRA rank (train); 0 = full fine-tune")
     plan_parser.add_argument("--optimizer", choices=("adamw", "adamw-8bit"), help="train: optimizer states")

@@ -131,7 +131,7 @@ def _prefill_terms(
         Term("kv_cache", kv // tp,
              f"prefill: {batch} x {prompt_len} prompt tokens x "
              f"{kv_cache_bytes_per_token(shape, dtype) // tp:,} B/token "
-             f"(2 x layers x kv_heads x head_dim x {p} B{_over_tp(tp, 'kv_heads')})"),
+             f"(layers x {shape.architecture.kv_cache_explanation} x {p} B{_over_tp(tp, 'kv_heads')})"),
         Term("activations",
              _inference_layer_peak_bytes(shape, p, batch, prompt_len, prompt_len,
                                          attn_implementation, tp),

@@ -124,14 +124,14 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
             made = make_at(batch, size)
             made.notes += [why] if why else []
             return made
-        wanted = batch_size or settings["batch_size"]
+        wanted = settings["batch_size"] if batch_size is None else batch_size
     elif mode == "train":
         def make(batch: int) -> Plan:
             return train_plan(config, budget, micro_batch_size=batch, seq_len=settings["seq_len"],
                               dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
                               lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
                               sharding=settings.get("sharding", "none"))
-        wanted = batch_size or settings["micro_batch_size"]
+        wanted = settings["micro_batch_size"] if batch_size is None else batch_size
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
     return at_largest_batch(make) if wanted == AUTO else make(int(wanted))
