@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from workbook import jsonl, models, runtime
-from workbook.generation import records, verify
+from workbook.generation import nodes, records, verify
 from workbook.generation.backends import make_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
@@ -188,7 +188,7 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     by_length = sorted(((i, s) for i in range(len(examples)) for s in range(samples)),
                        key=lambda candidate: (-len(token_ids[candidate[0]]), *candidate))
     pending_set = set(pending)
-    mine = [candidate for candidate in by_length[rank.index::rank.count] if candidate in pending_set]
+    mine = [candidate for candidate in nodes.shard(by_length, rank.index, rank.count) if candidate in pending_set]
     longest = max((len(token_ids[i]) for i, _ in pending), default=0)
     if params["batch_size"] == "auto" and longest > params["prompt_len"]:
         log(f"note: the longest prompt has {longest} tokens but batch_size 'auto' was planned for prompt_len "
@@ -284,6 +284,8 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
     began = time.perf_counter()
     with output_locked(files, rank, held_by_parent=lock_held_by_parent):
         inputs = read_inputs(params, files, record_skipped=rank.index == 0)
+        shared = nodes.output_folder_shared(files, rank)  # False: a node with its own disk (several nodes)
+        inputs.done = nodes.written_anywhere(inputs.done, rank)
         share = prepare_share(params, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
         engine_began = time.perf_counter()
         batches = generate_share(params, share, files, rank, log=log, sort_by_length=sort_by_length,
@@ -293,11 +295,13 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
                   "batch_list": [dataclasses.asdict(b) for b in batches]}
         # A collective: the first process passes it only when every process has closed its part.
         every_process = rank.gather(counts)
+        over_network = nodes.bring_parts_to_first(files, rank, shared)
         if rank.index != 0:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
                                   samples=params["samples_per_prompt"], log=log)
         summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
+                       nodes=runtime.launched_nodes(), parts_sent_over_network_by_ranks=over_network,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
         if verifier is not None and summary["in_output"]:

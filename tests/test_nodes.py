@@ -1,0 +1,126 @@
+"""Several nodes, proven on one machine: two ``torchrun --nnodes 2`` invocations on a loopback
+rendezvous (gloo), each node in its own working directory, so that no file is shared between them."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from workbook import arithmetic, generation, runtime
+from workbook.paths import REPO_ROOT
+
+pytestmark = pytest.mark.multiprocess
+
+
+def start_nodes(tmp_path, module_and_args, port=None):
+    """Node 0 and node 1, each a torchrun with one process in tmp_path/node0 and tmp_path/node1."""
+    port = port or runtime.free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib"), "OMP_NUM_THREADS": "1"}
+    nodes = []
+    for node in (0, 1):
+        folder = tmp_path / f"node{node}"
+        folder.mkdir(exist_ok=True)
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                   "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                   "-m", *module_and_args]
+        nodes.append(subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    return nodes
+
+
+def finish(nodes, timeout=300):
+    results = [node.communicate(timeout=timeout) for node in nodes]
+    for node, (_, err) in zip(nodes, results):
+        assert node.returncode == 0, err[-3000:]
+    return results
+
+
+def kill(node):
+    """kill -9 a node's launcher and its workers, as a machine that dies (torchrun starts each worker
+    in a session of its own, so killing the launcher's group would leave them running)."""
+    for pid in [*descendants(node.pid), node.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    node.communicate()
+
+
+def descendants(pid):
+    children = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            children += [int(child) for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
+        except FileNotFoundError:
+            pass
+    return [grandchild for child in children for grandchild in [child, *descendants(child)]]
+
+
+def lines_in(path):
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+GENERATE = ["workbook.generation", "--params", "cpu", "--set", "prompts_path=in.jsonl",
+            "output_path=out/teacher.jsonl", "log_every_batches=0", "interactive=false", "verifier="]
+
+
+def write_prompts_on_each_node(tmp_path, records):
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir(exist_ok=True)
+        (tmp_path / f"node{node}" / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def ids_in(path):
+    return [json.loads(line)["metadata"]["example_id"] for line in path.read_text().splitlines()]
+
+
+def test_two_nodes_without_a_shared_disk_write_every_id_once_on_the_first_as_one_process_does(tmp_path):
+    records = arithmetic.sample_records()[:12]
+    write_prompts_on_each_node(tmp_path, records)
+    single = tmp_path / "single.jsonl"
+    generation.launch(generation_params(tmp_path / "node0" / "in.jsonl", single, batch_size=4), log=lambda line: None)
+    finish(start_nodes(tmp_path, [*GENERATE, "batch_size=4"]))
+    output = tmp_path / "node0" / "out" / "teacher.jsonl"
+    assert output.read_text() == single.read_text()  # greedy: the same records, in the same order, byte for byte
+    summary = json.loads((tmp_path / "node0" / "out" / "teacher.summary.json").read_text())
+    assert summary["nodes"] == 2 and summary["processes"] == 2 and summary["parts_sent_over_network_by_ranks"] == [1]
+    assert summary["in_output"] == 12 and summary["unaccounted"] == 0
+    assert [share["generated"] for share in summary["per_process"]] == [6, 6]
+    assert sorted(p.name for p in (tmp_path / "node0" / "out").iterdir()) == ["teacher.jsonl", "teacher.summary.json"]
+    assert list((tmp_path / "node1" / "out").iterdir()) == []  # node 1's part went to node 0, then was deleted
+
+
+def test_two_nodes_resume_after_one_is_killed_with_every_id_exactly_once(tmp_path):
+    records = arithmetic.sample_records()[:120]  # enough that node 1 is mid-run when killed
+    write_prompts_on_each_node(tmp_path, records)
+    part = tmp_path / "node1" / "out" / "teacher.part-1.jsonl"
+    nodes = start_nodes(tmp_path, [*GENERATE, "batch_size=2"])
+    deadline = time.monotonic() + 180
+    while lines_in(part) < 4 and nodes[1].poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert nodes[1].poll() is None, "node 1 ended before it could be killed"
+    kill(nodes[1])
+    kill(nodes[0])  # its collectives would wait for node 1 (as a user stops the other node)
+    written_on_node1 = lines_in(part)
+    assert 0 < written_on_node1 < 60, written_on_node1
+    (_, node0_err), _ = finish(start_nodes(tmp_path, [*GENERATE, "batch_size=2"]))
+    output = tmp_path / "node0" / "out" / "teacher.jsonl"
+    assert ids_in(output) == [r["id"] for r in records]  # each exactly once, in input order
+    summary = json.loads((tmp_path / "node0" / "out" / "teacher.summary.json").read_text())
+    assert summary["in_output"] == 120 and summary["unaccounted"] == 0
+    # Node 1 resumed its own shard: what it wrote before the kill was not generated again.
+    assert summary["per_process"][1]["generated"] == 60 - written_on_node1
+    assert not part.exists()
+
+
+def generation_params(prompts, output, **changes):
+    from workbook import params
+    from workbook.paths import PARAMS_DIR
+    values = params.load(PARAMS_DIR / "cpu.yaml")
+    values.update(prompts_path=str(prompts), output_path=str(output), log_every_batches=0, verifier="",
+                  interactive=False, **changes)
+    return values
