@@ -124,3 +124,42 @@ def generation_params(prompts, output, **changes):
     values.update(prompts_path=str(prompts), output_path=str(output), log_every_batches=0, verifier="",
                   interactive=False, **changes)
     return values
+
+
+TRAIN_SETTINGS = ["train_data_path=pairs.jsonl", "validation_fraction=0", "micro_batch_size=2", "learning_rate=1e-3",
+                  "max_steps=12", "warmup_steps=0", "save_every_steps=1"]
+
+
+def test_two_nodes_train_as_one_process_with_the_same_global_batch_and_resume_after_a_kill(tmp_path):
+    from workbook import runner, training
+    pairs = "".join(json.dumps({"input": f"What is {i} + {2 * i}?", "output": str(3 * i)}) + "\n" for i in range(60))
+    for node in (0, 1):
+        (tmp_path / f"node{node}").mkdir()
+        (tmp_path / f"node{node}" / "pairs.jsonl").write_text(pairs)
+    os.chdir(tmp_path / "node0")  # the one-process reference reads the same relative data path
+    try:
+        params = runner.resolve_params("cpu", [*TRAIN_SETTINGS, "gradient_accumulation_steps=2"])[0]
+        one = training.launch(training.config_from_params(params, tmp_path / "one"))
+    finally:
+        os.chdir(REPO_ROOT)
+    command = ["workbook.training", "--params", "cpu", "--set", *TRAIN_SETTINGS, "--run-dir", "run"]
+    nodes = start_nodes(tmp_path, command)
+    node1_checkpoints = tmp_path / "node1" / "run" / "training" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while not list(node1_checkpoints.glob("step-*/workbook_state.json")) and nodes[1].poll() is None:
+        assert time.monotonic() < deadline, "node 1 never saved a checkpoint"
+        time.sleep(0.01)
+    kill(nodes[1])
+    kill(nodes[0])
+    finish(start_nodes(tmp_path, command))
+    two = json.loads((tmp_path / "node0" / "run" / "training_metrics.json").read_text())
+    assert 0 < two["steps"]["resumed_from"] < 12 and two["steps"]["reached"] == 12
+    assert two["settings"]["processes"] == 2 and two["plan"]["effective_batch_rows"] == one["plan"]["effective_batch_rows"]
+    # Steps before the kill come from the checkpoint's history, the rest from the resumed run: one
+    # curve, equal to one process's up to the order of floating-point sums.
+    assert [r["loss"] for r in two["history"]] == pytest.approx([r["loss"] for r in one["history"]], rel=1e-4)
+    # Each node kept a full copy of its checkpoints (no shared disk); the final model is on the first.
+    newest = sorted(node1_checkpoints.glob("step-*"))[-1]
+    assert {"model.safetensors", "optimizer.bin", "random_states_1.pkl", "workbook_state.json"} <= {
+        p.name for p in newest.iterdir()}
+    assert (tmp_path / "node0" / "run" / "training" / "final" / "config.json").is_file()
