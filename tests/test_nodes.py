@@ -13,9 +13,6 @@ import pytest
 from workbook import arithmetic, generation, runtime
 from workbook.paths import REPO_ROOT
 
-pytestmark = pytest.mark.multiprocess
-
-
 def start_nodes(tmp_path, module_and_args, port=None):
     """Node 0 and node 1, each a torchrun with one process in tmp_path/node0 and tmp_path/node1."""
     port = port or runtime.free_port()
@@ -78,6 +75,7 @@ def ids_in(path):
     return [json.loads(line)["metadata"]["example_id"] for line in path.read_text().splitlines()]
 
 
+@pytest.mark.multiprocess
 def test_two_nodes_without_a_shared_disk_write_every_id_once_on_the_first_as_one_process_does(tmp_path):
     records = arithmetic.sample_records()[:12]
     write_prompts_on_each_node(tmp_path, records)
@@ -94,6 +92,7 @@ def test_two_nodes_without_a_shared_disk_write_every_id_once_on_the_first_as_one
     assert list((tmp_path / "node1" / "out").iterdir()) == []  # node 1's part went to node 0, then was deleted
 
 
+@pytest.mark.multiprocess
 def test_two_nodes_resume_after_one_is_killed_with_every_id_exactly_once(tmp_path):
     records = arithmetic.sample_records()[:120]  # enough that node 1 is mid-run when killed
     write_prompts_on_each_node(tmp_path, records)
@@ -130,6 +129,7 @@ TRAIN_SETTINGS = ["train_data_path=pairs.jsonl", "validation_fraction=0", "micro
                   "max_steps=12", "warmup_steps=0", "save_every_steps=1"]
 
 
+@pytest.mark.multiprocess
 def test_two_nodes_train_as_one_process_with_the_same_global_batch_and_resume_after_a_kill(tmp_path):
     from workbook import runner, training
     pairs = "".join(json.dumps({"input": f"What is {i} + {2 * i}?", "output": str(3 * i)}) + "\n" for i in range(60))
@@ -163,3 +163,76 @@ def test_two_nodes_train_as_one_process_with_the_same_global_batch_and_resume_af
     assert {"model.safetensors", "optimizer.bin", "random_states_1.pkl", "workbook_state.json"} <= {
         p.name for p in newest.iterdir()}
     assert (tmp_path / "node0" / "run" / "training" / "final" / "config.json").is_file()
+
+
+# ----------------------------------------------------------------------------------------------
+# The planner: what crosses the network (no processes started).
+
+def plan_json(*arguments, capsys):
+    from workbook import cli
+    code = cli.main(["plan", "--json", *arguments])
+    assert code in (0, 1), capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("num_nodes", [1, 2])
+def test_the_plan_counts_the_gradient_all_reduce_that_crosses_the_network_per_step(num_nodes, capsys):
+    plan = plan_json("--model", "llama-3.2-1b", "--profile", "h100x8", "--mode", "train", "--batch-size", "1",
+                     "--num-nodes", str(num_nodes), capsys=capsys)
+    processes = 8 * num_nodes
+    gradients = plan["trainable_params"] * 4  # fp32 gradients of the fp32 master weights (bf16 mixed precision)
+    network = plan["network"]
+    assert (network["processes"], network["gradient_bytes"]) == (processes, gradients)
+    assert network["bytes_per_gpu_per_step"] == 2 * (processes - 1) * gradients // processes  # ring all-reduce
+    assert network["network_bytes_per_node_per_step"] == (network["bytes_per_gpu_per_step"] if num_nodes > 1 else 0)
+
+
+def test_fsdp_over_two_nodes_shards_over_every_gpu_and_generation_sends_nothing_per_token(capsys):
+    one = plan_json("--model", "llama-3.1-8b", "--profile", "h100x8", "--mode", "train", "--batch-size", "1",
+                    "--sharding", "fsdp", capsys=capsys)
+    two = plan_json("--model", "llama-3.1-8b", "--profile", "h100x8", "--mode", "train", "--batch-size", "1",
+                    "--sharding", "fsdp", "--num-nodes", "2", capsys=capsys)
+    assert (one["gpu_count"], two["gpu_count"]) == (8, 16)
+    assert two["weights_bytes"] < one["weights_bytes"]  # each GPU holds a 16th, not an 8th
+    assert two["network"]["counted_per"] == "micro-batch" and two["network"]["network_bytes_per_node_per_step"] > 0
+    generate = plan_json("--model", "llama-3.1-8b", "--profile", "h100x8", "--mode", "generate", "--batch-size", "1",
+                         "--num-nodes", "2", capsys=capsys)
+    assert generate["network"]["network_bytes_per_node_per_step"] == 0
+    assert "nothing crosses the network per token" in generate["network"]["explanation"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints over nodes without a shared disk (the collectives faked: what each process would see).
+
+class FakeAccelerator:
+    num_processes, process_index = 2, 0
+
+    def __init__(self):
+        self.project_configuration = type("ProjectConfiguration", (), {"save_on_each_node": False})()
+
+
+def test_fsdp_checkpoints_on_an_unshared_folder_stop_at_start_up_and_ddp_keeps_a_copy_per_node(tmp_path, monkeypatch):
+    from workbook.training import TrainError, checkpoints
+    monkeypatch.setattr(runtime, "folder_shared_with_first", lambda folder, index, gather: [True, False])
+    with pytest.raises(TrainError, match=r"FSDP checkpoints are sharded .* process\(es\) \[1\] do not see the first "
+                                         r"process's checkpoint folder .* put train_output_dir \(or --run-dir\) on a "
+                                         r"filesystem every node mounts"):
+        checkpoints.choose_where_to_save(FakeAccelerator(), tmp_path, fsdp=True, saves_checkpoints=True)
+    ddp = FakeAccelerator()
+    assert checkpoints.choose_where_to_save(ddp, tmp_path, fsdp=False, saves_checkpoints=True) is False
+    assert ddp.project_configuration.save_on_each_node  # each node's first process saves a full copy
+
+
+def test_nodes_resume_from_the_newest_checkpoint_they_all_hold_or_say_which_lacks_one(tmp_path, monkeypatch):
+    from workbook.training import TrainError, checkpoints
+    views = {}
+    monkeypatch.setattr(checkpoints, "_all_gather", lambda mine: [mine, views["other"]])
+    for step in (2, 4):
+        (checkpoints.checkpoint_dir(tmp_path, step)).mkdir(parents=True)
+        (checkpoints.checkpoint_dir(tmp_path, step) / checkpoints.STATE_FILE).write_text("{}")
+    views["other"] = ["step-00000002"]  # the kill came before the other node finished step 4
+    assert checkpoints.agreed_checkpoint(FakeAccelerator(), tmp_path) == checkpoints.checkpoint_dir(tmp_path, 2)
+    views["other"] = []
+    with pytest.raises(TrainError, match=r"do not hold a common checkpoint .*\{0: 'step-00000004', 1: 'none'\}.* "
+                                         r"copy the newest checkpoint folder"):
+        checkpoints.agreed_checkpoint(FakeAccelerator(), tmp_path)

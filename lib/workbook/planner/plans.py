@@ -52,6 +52,8 @@ class Plan:
     fits: bool  # total_bytes <= budget_bytes
     max_batch_size: int  # largest batch that fits; 0 when not even batch 1 does
     notes: list[str] = field(default_factory=list)
+    # What crosses the network over several nodes (planner.network); empty when not asked.
+    network: dict = field(default_factory=dict)
 
     @property
     def budget_bytes(self) -> int:
