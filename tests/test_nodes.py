@@ -93,6 +93,18 @@ def test_two_nodes_without_a_shared_disk_write_every_id_once_on_the_first_as_one
 
 
 @pytest.mark.multiprocess
+def test_a_node_that_cannot_start_stops_every_node_with_its_error(tmp_path):
+    write_prompts_on_each_node(tmp_path, arithmetic.sample_records()[:4])
+    (tmp_path / "node1" / "in.jsonl").unlink()  # forgotten on node 1
+    failed = start_nodes(tmp_path, [*GENERATE, "batch_size=4"])
+    errors = [node.communicate(timeout=300)[1] for node in failed]
+    assert all(node.returncode != 0 for node in failed)
+    assert "error: in.jsonl: no such file." in errors[1]
+    assert "error: process 1 of 2 stopped: in.jsonl: no such file." in errors[0]  # node 0 says why, not a broken pipe
+    assert not (tmp_path / "node0" / "out" / "teacher.jsonl").exists()
+
+
+@pytest.mark.multiprocess
 def test_two_nodes_resume_after_one_is_killed_with_every_id_exactly_once(tmp_path):
     records = arithmetic.sample_records()[:120]  # enough that node 1 is mid-run when killed
     write_prompts_on_each_node(tmp_path, records)

@@ -283,10 +283,11 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
     files = OutputFiles(Path(output_path))
     began = time.perf_counter()
     with output_locked(files, rank, held_by_parent=lock_held_by_parent):
-        inputs = read_inputs(params, files, record_skipped=rank.index == 0)
+        inputs = nodes.in_step(rank, lambda: read_inputs(params, files, record_skipped=rank.index == 0))
         shared = nodes.output_folder_shared(files, rank)  # False: a node with its own disk (several nodes)
         inputs.done = nodes.written_anywhere(inputs.done, rank)
-        share = prepare_share(params, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
+        share = nodes.in_step(rank, lambda: prepare_share(params, inputs, files, rank, model=model,
+                                                          tokenizer=tokenizer, log=log))
         engine_began = time.perf_counter()
         batches = generate_share(params, share, files, rank, log=log, sort_by_length=sort_by_length,
                                  show_progress=show_progress)

@@ -12,11 +12,12 @@ leaves every record in some part, on some node, that the next run reads.
 from __future__ import annotations
 
 from collections import namedtuple
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from workbook import jsonl, runtime
+from workbook.generation.engine import GenerationError
 from workbook.generation.files import OutputFiles
 
 RECORDS_PER_MESSAGE = 2048  # records a process sends per collective: bounds the first process's memory
@@ -30,6 +31,27 @@ def shard(candidates: Sequence, index: int, count: int) -> list:
     the same layout finds each shard's records where it left them. A tensor-parallel layout passes
     (data-parallel group index, group count): one shard per group of ranks."""
     return list(candidates[index::count])
+
+
+def in_step(rank, work: Callable[[], Any]) -> Any:
+    """``work()`` in every process; when it stops one with an error for the user (a prompts file
+    missing on one node, a model that does not load), every process stops with that error, naming
+    the process, instead of the others waiting in the next collective until the connection breaks."""
+    result, error = None, None
+    try:
+        result = work()
+    except (GenerationError, jsonl.DataError) as problem:
+        error = problem
+    if rank.count > 1:
+        failures = [(index, text) for index, text in enumerate(rank.gather(None if error is None else str(error)))
+                    if text is not None]
+        if failures and error is None:
+            index, text = failures[0]
+            raise GenerationError(f"process {index} of {rank.count} stopped: {text} Fix that on its node, then "
+                                  "rerun the same command on every node.")
+    if error is not None:
+        raise error
+    return result
 
 
 def output_folder_shared(files: OutputFiles, rank) -> list[bool]:
