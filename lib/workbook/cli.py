@@ -62,6 +62,7 @@ def _cmd_plan(args) -> int:
         "max_new_tokens": args.new_tokens, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
         "optimizer": args.optimizer, "sharding": args.sharding, "tensor_parallel_size": args.tensor_parallel_size,
+        "num_nodes": args.num_nodes,
     }.items() if value is not None}
     flags = {"max_new_tokens": "--new-tokens"}  # the params key's flag, where the two names differ
     for key, value in overrides.items():
@@ -213,6 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(data parallel); 'auto' picks the smallest N that fits a useful batch "
                                   "(default: the profile's tensor_parallel_size)")
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
+    plan_parser.add_argument("--num-nodes", type=int, help="machines of the profile's GPUs (default: the profile's "
+                             "num_nodes); the plan says what crosses the network between them")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)
 

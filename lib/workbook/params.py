@@ -169,6 +169,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16'", int_list=True),
     Key("bench_train_steps", int, "optimizer steps per training point (the first 2 are warm-up); 0: no training "
         "sweep", minimum=0),
+    # Several nodes (the planner, notebook 01, `workbook plan`).
+    Key("num_nodes", int, "machines the job spans, each with gpu_count GPUs (torchrun --nnodes, accelerate launch "
+        "--num_machines); the plan says what crosses the network between them", minimum=1),
 )}
 
 

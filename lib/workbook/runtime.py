@@ -12,9 +12,11 @@ import fcntl
 import gc
 import json
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -28,6 +30,31 @@ def inside_launcher() -> bool:
 def launched_processes() -> int:
     """How many processes the launcher started (1 outside a launcher)."""
     return int(os.environ.get("WORLD_SIZE", "1")) if inside_launcher() else 1
+
+
+def launched_nodes() -> int:
+    """How many machines the launcher spans (1 outside a launcher): torchrun, and accelerate launch
+    through it, set GROUP_WORLD_SIZE to the number of nodes (``--nnodes``, ``--num_machines``)."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1")) if inside_launcher() else 1
+
+
+def folder_shared_with_first(folder: str | Path, index: int, all_gather: Callable[[Any], list]) -> list[bool]:
+    """For each process, whether its ``folder`` is the first process's (a shared filesystem) or one of
+    the same name on its own node's disk. The first process (``index`` 0) makes the folder and a file of
+    a random name in it; every process looks for that file. ``all_gather(value)`` returns every
+    process's value in rank order (a collective: every process must call this, in the same order)."""
+    folder = Path(folder)
+    marker = None
+    if index == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = folder / f".shared-check-{secrets.token_hex(8)}"
+        marker.touch()
+    name = all_gather(marker.name if marker else None)[0]
+    try:
+        return [bool(seen) for seen in all_gather((folder / name).exists())]
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
 
 
 def free_port() -> int:

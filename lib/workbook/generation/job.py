@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from workbook import jsonl, models, runtime
-from workbook.generation import records, tensor_parallel, verify
+from workbook.generation import nodes, records, tensor_parallel, verify
 from workbook.generation.backends import make_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
@@ -205,7 +205,7 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
                        key=lambda candidate: (-len(token_ids[candidate[0]]), *candidate))
     pending_set = set(pending)
     share = rank.share  # a tensor-parallel group computes one share together
-    mine = [candidate for candidate in by_length[share.index::share.count] if candidate in pending_set]
+    mine = [candidate for candidate in nodes.shard(by_length, share.index, share.count) if candidate in pending_set]
     longest = max((len(token_ids[i]) for i, _ in pending), default=0)
     if params["batch_size"] == "auto" and longest > params["prompt_len"]:
         log(f"note: the longest prompt has {longest} tokens but batch_size 'auto' was planned for prompt_len "
@@ -311,8 +311,11 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
     files = OutputFiles(Path(output_path))
     began = time.perf_counter()
     with output_locked(files, rank, held_by_parent=lock_held_by_parent):
-        inputs = read_inputs(params, files, record_skipped=rank.index == 0)
-        share = prepare_share(params, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
+        inputs = nodes.in_step(rank, lambda: read_inputs(params, files, record_skipped=rank.index == 0))
+        shared = nodes.output_folder_shared(files, rank)  # False: a node with its own disk (several nodes)
+        inputs.done = nodes.written_anywhere(inputs.done, rank)
+        share = nodes.in_step(rank, lambda: prepare_share(params, inputs, files, rank, model=model,
+                                                          tokenizer=tokenizer, log=log))
         engine_began = time.perf_counter()
         batches = generate_share(params, share, files, rank, log=log, sort_by_length=sort_by_length,
                                  show_progress=show_progress)
@@ -322,12 +325,14 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         # A collective: the first process passes it only when every process has closed its part. A
         # tensor-parallel rank that wrote nothing sends nothing: its group's writer counted its work.
         every_process = [each for each in rank.gather(counts if rank.writes else None) if each is not None]
+        over_network = nodes.bring_parts_to_first(files, rank, shared)
         if rank.index != 0:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
                                   samples=params["samples_per_prompt"], log=log)
         summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
                        tensor_parallel_size=rank.tensor_parallel_size,
+                       nodes=runtime.launched_nodes(), parts_sent_over_network_by_ranks=over_network,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
         if verifier is not None and summary["in_output"]:

@@ -2,7 +2,8 @@
 started: who this process is in a data-parallel job, and starting the job.
 
 N processes, each with the whole model on its own GPU, take every N-th prompt of the length-sorted
-list, write their own part, and the first merges the parts (deduplicated, ordered). Nothing here
+list, write their own part, and the first merges the parts (deduplicated, ordered); over several
+nodes without a shared disk the parts come to it over the process group (``nodes``). Nothing here
 touches CUDA before the processes exist.
 """
 

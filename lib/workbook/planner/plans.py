@@ -54,6 +54,8 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     tensor_parallel_size: int = 1  # GPUs one copy of the model is sharded over (generate)
     data_parallel_size: int = 1  # copies of the model, each with its own batch (generate)
+    # What crosses the network over several nodes (planner.network); empty when not asked.
+    network: dict = field(default_factory=dict)
 
     @property
     def budget_bytes(self) -> int:

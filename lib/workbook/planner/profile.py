@@ -19,6 +19,7 @@ from workbook import presets
 from workbook.params import AUTO, PLAN_MODES
 from workbook.planner.generation import plan_generate
 from workbook.planner.layout import check_tensor_parallel_size, choose_tensor_parallel_size
+from workbook.planner.network import network_traffic, traffic_line
 from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, Plan
 from workbook.planner.shape import model_shape
 from workbook.planner.training import plan_train
@@ -88,12 +89,13 @@ def tensor_parallel_size(settings, config, budget: Budget, make: Callable[[int, 
 
 
 def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
-               lora_rank: int, optimizer: str = "adamw", sharding: str = "none") -> Plan:
-    """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs, with mixed
-    precision (fp32 master weights under autocast) whenever the dtype is 16-bit: what the trainer runs."""
+               lora_rank: int, optimizer: str = "adamw", sharding: str = "none", num_nodes: int = 1) -> Plan:
+    """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs on each of
+    ``num_nodes`` nodes, with mixed precision (fp32 master weights under autocast) whenever the dtype
+    is 16-bit: what the trainer runs."""
     return plan_train(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
                       mixed_precision=dtype != "fp32", grad_checkpointing=grad_checkpointing, lora_rank=lora_rank,
-                      optimizer=optimizer, sharding=sharding, gpu_count=max(budget.gpu_count, 1),
+                      optimizer=optimizer, sharding=sharding, gpu_count=max(budget.gpu_count, 1) * num_nodes,
                       gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                       safety_margin=budget.safety_margin)
 
@@ -107,9 +109,11 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
          **overrides) -> Plan:
     """The memory plan for the profile's settings; keyword overrides replace profile values.
 
-    A batch of 'auto' (or None with an 'auto' profile) plans at the largest batch that fits.
+    A batch of 'auto' (or None with an 'auto' profile) plans at the largest batch that fits. The
+    plan's ``network`` says what crosses the network over the profile's ``num_nodes`` nodes.
     """
     settings = {**params, **overrides}
+    num_nodes = settings.get("num_nodes", 1)
     mode = mode or settings["plan_mode"]
     config = presets.load_config(model or settings["model"])
     budget = Budget.from_params(settings)
@@ -130,11 +134,13 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
             return train_plan(config, budget, micro_batch_size=batch, seq_len=settings["seq_len"],
                               dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
                               lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
-                              sharding=settings.get("sharding", "none"))
+                              sharding=settings.get("sharding", "none"), num_nodes=num_nodes)
         wanted = settings["micro_batch_size"] if batch_size is None else batch_size
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
-    return at_largest_batch(make) if wanted == AUTO else make(int(wanted))
+    result = at_largest_batch(make) if wanted == AUTO else make(int(wanted))
+    result.network = network_traffic(result, num_nodes, budget.gpu_count)
+    return result
 
 
 def resolve_batch_size(params, mode: str, **overrides) -> int:
@@ -236,6 +242,8 @@ def plan_verdict(plan: Plan) -> list[str]:
     if plan.kv_cache_bytes_per_token:
         lines.append(f"KV cache: {plan.kv_cache_bytes_per_token:,} bytes per token")
     lines += [f"note: {note}" for note in plan.notes]
+    if plan.network:
+        lines.append(traffic_line(plan.network))
     if not plan.fits:
         lines.append(plan.advice())
     return lines
