@@ -361,11 +361,11 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     """`workbook forecast`: pilot, forecast, print; the forecast is also written beside the job's
     output (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``) so the
     run records the forecast it started with."""
+    import contextlib
     import json
     import sys
-    from workbook import jsonl, notebook, runner
+    from workbook import jsonl, runner
     from workbook.generation.engine import GenerationError
-    from workbook.generation.files import OUTPUT_FILE_NAME
     from workbook.training.config import TrainError
 
     def say(line: str) -> None:
@@ -377,19 +377,8 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
         print(f"error: --pilot-share {share}: expected a share of the job in (0, 1], e.g. 0.1", file=sys.stderr)
         return 2
     try:
-        if mode == "generate":
-            if not params["output_path"]:
-                params = params_module.Params({**params, "output_path": str(notebook.new_run_dir(params["profile"])
-                                                                            / OUTPUT_FILE_NAME)})
-            result = forecast_generation(params, share=share, seconds=seconds, log=say)
-            record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
-            settings = " ".join(item for item in overrides if not item.startswith("output_path="))
-            say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: workbook generate "
-                f"--params {params_arg} --set {settings + ' ' if settings else ''}output_path={params['output_path']}")
-        else:
-            result = forecast_training(params, share=share, seconds=seconds, log=say)
-            record = (Path(params["train_output_dir"]) / "forecast.json" if params["train_output_dir"]
-                      else notebook.new_run_dir(params["profile"]) / "forecast.json")
+        with contextlib.redirect_stdout(sys.stderr):  # the training loop prints its progress; --json owns stdout
+            result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say)
     except (GenerationError, TrainError, jsonl.DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -400,3 +389,23 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     else:
         print("\n".join(forecast_lines(result)) + f"\nforecast: {record}")
     return 0
+
+
+def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say):
+    """The forecast, and the file it is recorded in for the run to read back."""
+    from workbook import notebook
+    from workbook.generation.files import OUTPUT_FILE_NAME
+    if mode == "generate":
+        if not params["output_path"]:
+            params = params_module.Params({**params, "output_path": str(notebook.new_run_dir(params["profile"])
+                                                                        / OUTPUT_FILE_NAME)})
+        result = forecast_generation(params, share=share, seconds=seconds, log=say)
+        record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
+        settings = " ".join(item for item in overrides if not item.startswith("output_path="))
+        say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: workbook generate "
+            f"--params {params_arg} --set {settings + ' ' if settings else ''}output_path={params['output_path']}")
+    else:
+        result = forecast_training(params, share=share, seconds=seconds, log=say)
+        record = (Path(params["train_output_dir"]) / "forecast.json" if params["train_output_dir"]
+                  else notebook.new_run_dir(params["profile"]) / "forecast.json")
+    return result, record
