@@ -127,8 +127,12 @@ def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_mod
     assert result.predicted_wall_seconds_range[0] <= result.predicted_wall_seconds <= result.predicted_wall_seconds_range[1]
     assert result.remaining_wall_seconds < result.predicted_wall_seconds
     assert {row["profile"] for row in result.profiles} == set(params.profile_names())
+    output.with_suffix(forecast.FORECAST_SUFFIX).write_text(json.dumps(result.to_dict()))  # as the CLI does
     summary = generation.run_job(job, output, model=model, tokenizer=tokenizer, log=lambda line: None,
                                  show_progress=False)
+    # The run records the forecast it started with: the time left after the pilot, beside its own.
+    assert summary["forecast"]["compared_with"] == "remaining after the pilot"
+    assert summary["forecast"]["predicted_wall_seconds"] == pytest.approx(result.remaining_wall_seconds, rel=1e-3)
     ids = [json.loads(line)["metadata"]["example_id"] for line in output.read_text().splitlines()]
     assert summary["generated"] == 40 - 8  # the job generated only what the pilot had not
     assert sorted(ids) == sorted(f"q{i}" for i in range(40))  # each once
@@ -138,3 +142,15 @@ def test_forecast_cli_refuses_a_bad_pilot_share(capsys):
     assert cli.main(["forecast", "--params", "cpu", "--pilot-share", "2"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert error[-1].startswith("error: --pilot-share 2")
+
+
+def test_the_jobs_eta_uses_the_forecasts_timings(tmp_path):
+    """The job's ETA plans each batch with the timings its forecast measured (the same model)."""
+    known = timings()
+    made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[30, [4, 4]]]},
+            "job": {"max_new_tokens": 8}}
+    (tmp_path / "out.forecast.json").write_text(json.dumps(made))
+    planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
+    batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([50, 40])]
+    assert planned(batch) == pytest.approx(sum(forecast.batch_seconds(2, 50, 4, known)))
+    assert forecast.planned_batch_seconds(tmp_path / "none.forecast.json") is None

@@ -78,7 +78,7 @@ def _cmd_calibrate(args) -> int:
 def _cmd_forecast(args) -> int:
     from workbook.planner.pilot import cli_main
     return cli_main(args.params, args.set, mode=args.mode, as_json=args.json, share=args.pilot_share,
-                    seconds=args.pilot_seconds)
+                    seconds=args.pilot_seconds, clock=args.clock)
 
 
 def _cmd_generate(args) -> int:
@@ -222,7 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the pilot runs at most this share of the job's batches (training: steps), "
                                   "at least one; default 0.1")
             job.add_argument("--pilot-seconds", type=float,
-                             help="also stop the pilot after this many seconds (after its first batch)")
+                             help="generation: also stop the pilot after this many seconds (after its first batch)")
+            job.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                             help="forecast wall seconds (default), or this process's CPU seconds: a machine "
+                                  "shared with other work stretches wall time, not CPU time (use OMP_NUM_THREADS=1)")
     return parser
 
 

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import subprocess
 import sys
 import tempfile
@@ -43,34 +44,49 @@ def mixed_prompts(path: Path, count: int, seed: int = 0) -> Path:
     return path
 
 
-def workbook(args: list[str], env: dict) -> tuple[float, subprocess.CompletedProcess]:
-    """Run ``python -m workbook ...`` in a fresh process: (wall seconds, the completed process)."""
-    began = time.perf_counter()
+def workbook(args: list[str], env: dict) -> tuple[float, float, subprocess.CompletedProcess]:
+    """Run ``python -m workbook ...`` in a fresh process: (wall seconds, its CPU seconds (user +
+    system), the completed process)."""
+    began, cpu_began = time.perf_counter(), _children_cpu_seconds()
     done = subprocess.run([sys.executable, "-m", "workbook", *args], capture_output=True, text=True, env=env,
                           cwd=REPO_ROOT)
-    seconds = time.perf_counter() - began
+    seconds, cpu_seconds = time.perf_counter() - began, _children_cpu_seconds() - cpu_began
     if done.returncode not in (0, 1):
         raise RuntimeError(f"workbook {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return seconds, done
+    return seconds, cpu_seconds, done
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def check(name: str, mode: str, settings: list[str], fresh: list[str], env: dict, log) -> dict:
-    """Forecast with ``settings`` (pilot output there), then the whole job fresh with ``fresh``."""
-    forecast_seconds, done = workbook(["forecast", "--params", "cpu", "--mode", mode, "--json", "--set", *settings], env)
-    result = json.loads(done.stdout)
-    command = "generate" if mode == "generate" else "train"
-    measured, _ = workbook([command, "--params", "cpu", "--set", *fresh], env)
-    predicted = result["predicted_wall_seconds"]
-    low, high = result["predicted_wall_seconds_range"]
-    row = {"case": name, "mode": mode, "predicted_wall_seconds": predicted, "range": [low, high],
-           "measured_wall_seconds": round(measured, 2), "error": round((predicted - measured) / measured, 4),
-           "within_goal": abs(predicted - measured) / measured <= GOAL, "in_range": low <= measured <= high,
-           "forecast_command_seconds": round(forecast_seconds, 2), "pilot": {k: result["pilot"].get(k) for k in (
-               "batches", "prompts", "steps", "seconds", "share_of_job_batches", "share_of_job_steps")},
-           "job": {k: v for k, v in result["job"].items() if k != "batch_seconds_planned"},
-           "timings": result["timings"], "settings": settings}
-    log(f"{name}: forecast {predicted:.1f} s ({low:.1f}-{high:.1f}), measured {measured:.1f} s, "
-        f"error {row['error']:+.1%}")
+    """Forecast with ``settings`` (pilot output there), once in wall seconds and once in CPU
+    seconds, then the whole job fresh with ``fresh``, measured both ways."""
+    forecasts = {}
+    for clock in ("wall", "cpu"):
+        pilot_output = [f"{item}-{clock}" if item.startswith("train_output_dir=") else
+                        item.replace(".jsonl", f"-{clock}.jsonl") if item.startswith("output_path=") else item
+                        for item in settings]
+        seconds, _, done = workbook(["forecast", "--params", "cpu", "--mode", mode, "--json", "--clock", clock,
+                                     "--set", *pilot_output], env)
+        forecasts[clock] = (json.loads(done.stdout), seconds)
+    measured = dict(zip(("wall", "cpu"), workbook(["generate" if mode == "generate" else "train", "--params", "cpu",
+                                                    "--set", *fresh], env)[:2]))
+    row = {"case": name, "mode": mode, "settings": settings}
+    for clock, (result, seconds) in forecasts.items():
+        predicted, (low, high) = result["predicted_wall_seconds"], result["predicted_wall_seconds_range"]
+        error = (predicted - measured[clock]) / measured[clock]
+        row[clock] = {"predicted_seconds": predicted, "range": [low, high], "measured_seconds": round(measured[clock], 2),
+                      "error": round(error, 4), "within_goal": abs(error) <= GOAL, "in_range": low <= measured[clock] <= high,
+                      "forecast_command_wall_seconds": round(seconds, 2),
+                      "pilot": {k: result["pilot"].get(k) for k in ("batches", "prompts", "steps", "seconds",
+                                                                    "share_of_job_batches", "share_of_job_steps")},
+                      "timings": result["timings"]}
+        log(f"{name} [{clock}]: forecast {predicted:.1f} s ({low:.1f}-{high:.1f}), measured {measured[clock]:.1f} s, "
+            f"error {error:+.1%}")
+    row["job"] = {k: v for k, v in forecasts["wall"][0]["job"].items() if k != "batch_seconds_planned"}
     return row
 
 
@@ -105,29 +121,33 @@ def run(args, work: Path, log=say) -> dict:
                        f"{args.mixed_prompts} --train-steps {args.train_steps} --train-micro-batch {args.train_micro_batch} "
                        f"--threads {args.threads}",
             "goal": f"|error| <= {GOAL:.0%}", "threads": args.threads, "hardware": gpu.cpu_facts(),
-            "machine_note": "a 2-core machine shared with other work: wall times carry its load",
+            "machine_note": "a 2-core machine shared with other work: wall times carry its load, which changes "
+                            "between the pilot and the run; CPU seconds (the process's user + system time, one "
+                            "thread) do not, and are what the same run takes on this machine when idle",
             "cases": rows}
 
 
 def markdown(result: dict) -> str:
     lines = [f"`{result['command']}`", "", result["what"] + f"; goal {result['goal']}. "
              f"OMP_NUM_THREADS={result['threads']}; {result['machine_note']}.", "",
-             "| case | pilot | forecast (s) | range (s) | measured (s) | error | in range |", "|---|---|---|---|---|---|---|"]
+             "| case | seconds of | pilot | forecast (s) | range (s) | measured (s) | error | in range |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in result["cases"]:
-        pilot = row["pilot"]
-        size = (f"{pilot['batches']} batches, {pilot['share_of_job_batches']:.0%}" if row["mode"] == "generate"
-                else f"{pilot['steps']} steps, {pilot['share_of_job_steps']:.0%}")
-        lines.append(f"| {row['case']} | {size} | {row['predicted_wall_seconds']:.1f} | {row['range'][0]:.1f}-"
-                     f"{row['range'][1]:.1f} | {row['measured_wall_seconds']:.1f} | {row['error']:+.1%} | "
-                     f"{'yes' if row['in_range'] else 'no'} |")
+        for clock in ("wall", "cpu"):
+            entry, pilot = row[clock], row[clock]["pilot"]
+            size = (f"{pilot['batches']} batches, {pilot['share_of_job_batches']:.0%}" if row["mode"] == "generate"
+                    else f"{pilot['steps']} steps, {pilot['share_of_job_steps']:.0%}")
+            lines.append(f"| {row['case']} | {clock} | {size} | {entry['predicted_seconds']:.1f} | {entry['range'][0]:.1f}-"
+                         f"{entry['range'][1]:.1f} | {entry['measured_seconds']:.1f} | {entry['error']:+.1%} | "
+                         f"{'yes' if entry['in_range'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/reference/cpu")
-    parser.add_argument("--mixed-prompts", type=int, default=2000)
-    parser.add_argument("--train-steps", type=int, default=200)
+    parser.add_argument("--mixed-prompts", type=int, default=1000)
+    parser.add_argument("--train-steps", type=int, default=150)
     parser.add_argument("--train-micro-batch", type=int, default=4, help="small, so a few hundred steps stay minutes")
     parser.add_argument("--only-first", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the measured processes")

@@ -147,6 +147,50 @@ def generation_range(prompt_lengths: list[int], *, prompts_per_call: int, max_ne
     return min(low, middle) * (1 - spread), max(high, middle) * (1 + spread)
 
 
+def forecast_beside_measured(forecast_file: Path, measured_seconds: float | None, what: str,
+                             after_pilot: bool = False) -> dict | None:
+    """What a run records in its summary: the forecast it started with (the file `workbook forecast`
+    wrote for it, if any) beside its measured wall time and the error; None without a forecast.
+    ``after_pilot``: the run resumed after the pilot's outputs, so it is compared with the time the
+    forecast left for it (``remaining_wall_seconds``), not the whole job's."""
+    if not forecast_file.is_file():
+        return None
+    made = json.loads(forecast_file.read_text())
+    predicted = made["remaining_wall_seconds"] if after_pilot else made["predicted_wall_seconds"]
+    scale = predicted / made["predicted_wall_seconds"] if made["predicted_wall_seconds"] else 1.0
+    return {"file": str(forecast_file), "compared_with": "remaining after the pilot" if after_pilot else "whole job",
+            "predicted_wall_seconds": predicted,
+            "predicted_wall_seconds_range": [bound * scale for bound in made["predicted_wall_seconds_range"]],
+            "pilot_share": made["pilot"].get("share_of_job_batches", made["pilot"].get("share_of_job_steps")),
+            "measured_wall_seconds": None if measured_seconds is None else round(measured_seconds, 3),
+            "measured": what,
+            "error": None if not measured_seconds else round((predicted - measured_seconds) / measured_seconds, 4)}
+
+
+def planned_batch_seconds(forecast_file: Path):
+    """A function giving a batch's seconds by the timings of the forecast in ``forecast_file`` (what
+    `workbook forecast` wrote beside the output), for the job's ETA; None without one."""
+    if not forecast_file.is_file():
+        return None
+    made = json.loads(forecast_file.read_text())
+    if made.get("mode") != "generate":
+        return None
+    timings = GenerationTimings(**made["timings"])
+    outputs = OutputLengths([(length, lengths) for length, lengths in made["pilot"]["output_lengths"]])
+
+    def planned(batch) -> float:
+        longest = max(len(p.token_ids) for p in batch)
+        steps = expected_longest(outputs.nearest(longest), len(batch), max(p.max_new_tokens for p in batch))
+        return sum(batch_seconds(len(batch), longest, steps, timings))
+    return planned
+
+
+def positions_cost(batch) -> float:
+    """A batch's planned cost without a pilot: the positions it computes (rows x (longest prompt +
+    its new-token limit)); relative units are enough, since ``remaining_seconds`` scales by pace."""
+    return len(batch) * (max(len(p.token_ids) for p in batch) + max(p.max_new_tokens for p in batch))
+
+
 def remaining_seconds(batch_seconds_planned: list[float], batches_done: int, elapsed_seconds: float) -> float:
     """ETA of a running job: the planned seconds of the batches still to run, scaled by how the run
     so far compares with its plan. Counting examples left is wrong early: the first batches hold
@@ -324,6 +368,7 @@ class Forecast:
     profiles: list[dict] = field(default_factory=list)
     efficiency: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    clock: str = "wall"  # seconds of: 'wall' (what a user waits for) or 'cpu' (this process's CPU time)
 
     def to_dict(self) -> dict:
         return round_floats(asdict(self))

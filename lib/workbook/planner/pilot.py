@@ -44,7 +44,11 @@ PARAMS_USED = (
     "warmup_steps", "weight_decay", "optimizer", "tf32", "torch_compile", "attn_implementation",
     "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps", "train_output_dir", "train_processes",
 )
-DEFAULT_SHARE = 0.1  # the pilot runs at most this share of the job's batches (training: steps), at least one
+DEFAULT_SHARE = 0.1
+# What the forecast predicts: wall seconds (what a user waits and pays for), or this process's CPU
+# seconds (user + system), which a machine shared with other work does not stretch: with one thread
+# per process (OMP_NUM_THREADS=1) they equal the wall time of the same run on an idle machine.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # the pilot runs at most this share of the job's batches (training: steps), at least one
 
 
 @dataclasses.dataclass
@@ -62,8 +66,8 @@ class Call:
 class ForwardTimer:
     """Times every forward of ``model`` (hooks; synchronized on CUDA so the clock sees the work)."""
 
-    def __init__(self, model, device: torch.device):
-        self.device, self.events, self._started = device, [], None
+    def __init__(self, model, device: torch.device, clock: Callable[[], float] = time.perf_counter):
+        self.device, self.clock, self.events, self._started = device, clock, [], None
         self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
                          model.register_forward_hook(self._after)]
 
@@ -74,11 +78,11 @@ class ForwardTimer:
         cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
         context = (ids.shape[-1] if ids is not None else 0) + cached if mask is None else mask.shape[-1]
         runtime.synchronize(self.device)
-        self._started = (time.perf_counter(), context)
+        self._started = (self.clock(), context)
 
     def _after(self, module, args, output):
         runtime.synchronize(self.device)
-        self.events.append((self._started[0], time.perf_counter(), self._started[1]))
+        self.events.append((self._started[0], self.clock(), self._started[1]))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -119,7 +123,7 @@ def fit_generation(calls: list[Call], warm_up_seconds: float, startup_seconds: f
     return timings, forecast.relative_error(predicted, [c.written_seconds for c in calls])
 
 
-def warm_up(model, device: torch.device, token_id: int) -> float:
+def warm_up(model, device: torch.device, token_id: int, clock: Callable[[], float] = time.perf_counter) -> float:
     """The first forward's extra cost over a steady one (allocator, kernels, thread pools): the
     job pays it once, in its first batch."""
     ids = torch.full((1, 8), token_id, dtype=torch.long, device=device)
@@ -127,10 +131,10 @@ def warm_up(model, device: torch.device, token_id: int) -> float:
     with torch.no_grad():
         for _ in range(3):
             runtime.synchronize(device)
-            began = time.perf_counter()
+            began = clock()
             model(input_ids=ids)
             runtime.synchronize(device)
-            seconds.append(time.perf_counter() - began)
+            seconds.append(clock() - began)
     return max(seconds[0] - min(seconds[1:]), 0.0)
 
 
@@ -155,7 +159,8 @@ def host_peaks(device: torch.device) -> Peaks:
 
 
 def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float | None = None,
-                        log: Callable[[str], None] = print, model=None, tokenizer=None) -> forecast.Forecast:
+                        log: Callable[[str], None] = print, model=None, tokenizer=None,
+                        clock: str = "wall") -> forecast.Forecast:
     """Forecast a generation job from a pilot of its own batches on this machine. The pilot's
     outputs go into the job's output (``params['output_path']``, which must be set): the job's
     resume skips them. ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests)."""
@@ -178,9 +183,10 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         ordered, size = sort_longest_first(share_.prompts), backend.prompts_per_call
         pending = [ordered[start:start + size] for start in range(0, len(ordered), size)]  # the engine's batches
         chosen = pick_batches(pending, share) if pending else []
-        startup_seconds = runtime.process_age_seconds() or 0.0
-        warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id)
-        calls, pilot_began = run_pilot(params, share_, files, rank, [pending[i] for i in chosen], seconds, log)
+        startup_seconds = _startup_seconds(clock)
+        warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id, CLOCKS[clock])
+        pilot_began = time.perf_counter()
+        calls = run_pilot(params, share_, files, rank, [pending[i] for i in chosen], seconds, log, CLOCKS[clock])
         pilot_seconds = time.perf_counter() - pilot_began
     if not calls:
         raise job.GenerationError(f"nothing left to generate in {files.output}: the job is done, so there is "
@@ -205,21 +211,22 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         "backend": backend.name, "model": params["model"], "prompt_tokens": {
             "min": min(every), "median": statistics.median(every), "max": max(every)},
         "max_new_tokens": params["max_new_tokens"], "processes": processes,
-        "batch_seconds_planned": whole.batch_seconds})
+        "batch_seconds_planned": whole.batch_seconds}, clock)
 
 
-def run_pilot(params, share_, files, rank, batches: list[list], seconds: float | None, log) -> tuple[list[Call], float]:
+def run_pilot(params, share_, files, rank, batches: list[list], seconds: float | None, log,
+              clock: Callable[[], float] = time.perf_counter) -> list[Call]:
     """Generate ``batches`` through the job's own writer, timing each call; stops early once the
     pilot has run ``seconds`` (after at least one batch)."""
     from workbook.generation import job
-    timer = ForwardTimer(share_.model, rank.device)
+    timer = ForwardTimer(share_.model, rank.device, clock)
     backend, calls, began = share_.backend, [], time.perf_counter()
     original = backend.generate
 
     def timed(prompts):
-        first, call_began = len(timer.events), time.perf_counter()
+        first, call_began = len(timer.events), clock()
         output = original(prompts)
-        calls.append(Call(len(prompts), max(len(p.token_ids) for p in prompts), time.perf_counter() - call_began,
+        calls.append(Call(len(prompts), max(len(p.token_ids) for p in prompts), clock() - call_began,
                           timer.events[first:], [len(c.token_ids) for c in output.completions]))
         return output
 
@@ -229,17 +236,23 @@ def run_pilot(params, share_, files, rank, batches: list[list], seconds: float |
             if seconds is not None and calls and time.perf_counter() - began >= seconds:
                 log(f"pilot: stopped after {len(calls)} batches ({seconds:g} s budget)")
                 break
-            done = len(calls)
-            stats = job.generate_share(params, dataclasses.replace(share_, prompts=batch, bad_lines=[], too_long=[]),
-                                       files, rank, log=lambda line: None, show_progress=False)
+            done, batch_began = len(calls), clock()
+            job.generate_share(params, dataclasses.replace(share_, prompts=batch, bad_lines=[], too_long=[]),
+                               files, rank, log=lambda line: None, show_progress=False)
             if len(calls) != done + 1:  # a split (out of memory) is not the job's steady state
                 raise job.GenerationError("the pilot's batch was split (out of memory or an error): lower "
                                           "batch_size so the forecast times the batches the job will run")
-            calls[-1].written_seconds = stats[0].seconds
+            calls[-1].written_seconds = clock() - batch_began
     finally:
         backend.generate = original
         timer.remove()
-    return calls, began
+    return calls
+
+
+def _startup_seconds(clock: str) -> float:
+    """What this process spent before the pilot (interpreter, imports, reading, model load): a fresh
+    run of the job spends the same before its first batch."""
+    return time.process_time() if clock == "cpu" else runtime.process_age_seconds() or 0.0
 
 
 def generation_phases(model, dtype: str, whole: forecast.GenerationSimulation) -> Phases:
@@ -252,7 +265,8 @@ def generation_phases(model, dtype: str, whole: forecast.GenerationSimulation) -
                   compute_flops=2.0 * parameters * whole.prefill_tokens)
 
 
-def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings, device, pilot, job_facts) -> forecast.Forecast:
+def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings, device, pilot, job_facts,
+              clock: str = "wall") -> forecast.Forecast:
     here = forecast.profile_peaks(params, params["dtype"]) or host_peaks(device)
     profiles = params_module.load_all()
     profiles[params["profile"]] = params  # this run's settings (--set) for its own row
@@ -266,13 +280,14 @@ def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings
         remaining_wall_seconds=remaining, pilot=pilot, timings=timings, job=job_facts,
         cost=forecast.cost(wall, params), profiles=rows,
         efficiency={mode: forecast.efficiencies(phases, here), "peaks": dataclasses.asdict(here),
-                    "phases": phases.to_dict()}, notes=notes)
+                    "phases": phases.to_dict()}, notes=notes, clock=clock)
 
 
 def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | None = None,
-                      log: Callable[[str], None] = print) -> forecast.Forecast:
+                      log: Callable[[str], None] = print, clock: str = "wall") -> forecast.Forecast:
     """Forecast a training run from its first steps at the planned micro-batch (a scratch folder:
-    the pilot's steps are not reused by the run)."""
+    the pilot's steps are not reused by the run). The loop times its steps on the wall clock; with
+    ``clock='cpu'`` every time is converted by the pilot's CPU/wall ratio."""
     from workbook.training import config as training_config
     from workbook.training.loop import EVAL_POINTS
     from workbook.training.prepare import prepare_data
@@ -284,13 +299,14 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
         prepared = prepare_data(config, log=log)
         run = plan_run(config, prepared)
         steps = min(run.total_steps, max(2, math.floor(share * run.total_steps)))
-        startup_seconds = runtime.process_age_seconds() or 0.0
+        startup_seconds = _startup_seconds(clock)
         pilot_config = dataclasses.replace(config, stop_after_steps=steps, output_dir=str(Path(scratch) / "pilot"),
                                            save_every_steps=0)
-        began = time.perf_counter()
+        began, cpu_began = time.perf_counter(), time.process_time()
         result = launch(pilot_config, prepared)
         pilot_seconds = time.perf_counter() - began
-    history = result["history"]
+        to_clock = (time.process_time() - cpu_began) / pilot_seconds if clock == "cpu" else 1.0
+    history = [{**r, "seconds": r["seconds"] * to_clock} for r in result["history"]]
     step_seconds = statistics.median(r["seconds"] for r in history[1:]) if len(history) > 1 else history[0]["seconds"]
     tokens_per_step = statistics.fmean(r["tokens"] for r in history)
     validation_tokens = sum(example.length for example in prepared.validation)
@@ -299,7 +315,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
     evaluations = (run.total_steps // eval_every + (1 if run.total_steps % eval_every else 0)) if validation_tokens else 0
     pilot_evaluations = (steps // eval_every) if validation_tokens else 0
-    fixed = result["time"]["wall_seconds"] - steps * step_seconds - pilot_evaluations * evaluation_seconds
+    fixed = result["time"]["wall_seconds"] * to_clock - steps * step_seconds - pilot_evaluations * evaluation_seconds
     save_seconds = _save_seconds(result["parameters"], params["dtype"])
     timings = forecast.TrainingTimings(startup_seconds, max(fixed, 0.0), step_seconds, evaluation_seconds, save_seconds)
     wall = forecast.simulate_training(run.total_steps, evaluations, timings)
@@ -317,7 +333,8 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
                      {"total_steps": run.total_steps, "micro_batch_size": run.micro_batch_size,
                       "max_seq_length": prepared.max_seq_length, "padding": config.padding,
                       "train_examples": len(prepared.train), "validation_examples": len(prepared.validation),
-                      "evaluations": evaluations, "tokens_per_step": tokens_per_step, "processes": config.processes})
+                      "evaluations": evaluations, "tokens_per_step": tokens_per_step, "processes": config.processes},
+                     clock)
 
 
 def _save_seconds(parameters: int, dtype: str) -> float:
@@ -357,7 +374,7 @@ def units_seconds(seconds: float) -> str:
 
 
 def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json: bool, share: float,
-             seconds: float | None) -> int:
+             seconds: float | None, clock: str = "wall") -> int:
     """`workbook forecast`: pilot, forecast, print; the forecast is also written beside the job's
     output (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``) so the
     run records the forecast it started with."""
@@ -378,7 +395,7 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
         return 2
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the training loop prints its progress; --json owns stdout
-            result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say)
+            result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock)
     except (GenerationError, TrainError, jsonl.DataError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -391,7 +408,7 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     return 0
 
 
-def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say):
+def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock):
     """The forecast, and the file it is recorded in for the run to read back."""
     from workbook import notebook
     from workbook.generation.files import OUTPUT_FILE_NAME
@@ -399,13 +416,13 @@ def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, sa
         if not params["output_path"]:
             params = params_module.Params({**params, "output_path": str(notebook.new_run_dir(params["profile"])
                                                                         / OUTPUT_FILE_NAME)})
-        result = forecast_generation(params, share=share, seconds=seconds, log=say)
+        result = forecast_generation(params, share=share, seconds=seconds, log=say, clock=clock)
         record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
         settings = " ".join(item for item in overrides if not item.startswith("output_path="))
         say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: workbook generate "
             f"--params {params_arg} --set {settings + ' ' if settings else ''}output_path={params['output_path']}")
     else:
-        result = forecast_training(params, share=share, seconds=seconds, log=say)
+        result = forecast_training(params, share=share, seconds=seconds, log=say, clock=clock)
         record = (Path(params["train_output_dir"]) / "forecast.json" if params["train_output_dir"]
                   else notebook.new_run_dir(params["profile"]) / "forecast.json")
     return result, record
