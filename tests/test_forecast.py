@@ -154,3 +154,20 @@ def test_the_jobs_eta_uses_the_forecasts_timings(tmp_path):
     batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([50, 40])]
     assert planned(batch) == pytest.approx(sum(forecast.batch_seconds(2, 50, 4, known)))
     assert forecast.planned_batch_seconds(tmp_path / "none.forecast.json") is None
+
+
+def test_review_collects_forecast_against_measured_and_plots_it(tmp_path):
+    from workbook import plots
+    run = tmp_path / "20260101-000000-cpu"
+    run.mkdir()
+    recorded = {"predicted_wall_seconds": 100.0, "measured_wall_seconds": 90.0}
+    (run / "generations.summary.json").write_text(json.dumps({"forecast": recorded}))
+    (run / "training_metrics.json").write_text(json.dumps({"forecast": None}))  # a run without one
+    points = forecast.forecast_points(tmp_path)
+    assert points == [{"run": "20260101-000000-cpu/generations.summary.json", "predicted_seconds": 100.0,
+                       "measured_seconds": 90.0, "kind": "generation"}]
+    assert plots.forecast_against_measured(points).axes and plots.forecast_against_measured([]).axes
+    rows = [{"profile": "cpu", "wall_seconds": 3600.0, "usd": 0.0, "basis": "measured here (pilot)"},
+            {"profile": "h100", "wall_seconds": 60.0, "usd": 0.04, "basis": "projected from here"},
+            {"profile": "v100", "wall_seconds": None, "usd": None, "basis": "not projected"}]
+    assert len(plots.forecast_costs(rows, "test").axes) == 2

@@ -191,6 +191,29 @@ def positions_cost(batch) -> float:
     return len(batch) * (max(len(p.token_ids) for p in batch) + max(p.max_new_tokens for p in batch))
 
 
+def forecast_files(root: Path) -> list[Path]:
+    """Every forecast `workbook forecast` wrote under ``root`` (beside outputs, in training folders),
+    newest first."""
+    found = list(root.rglob(f"*{FORECAST_SUFFIX}")) + list(root.rglob("forecast.json"))
+    return sorted((path for path in found if path.is_file()), key=lambda path: path.stat().st_mtime, reverse=True)
+
+
+def forecast_points(root: Path) -> list[dict]:
+    """Forecast against measured for every run under ``root`` that recorded both (a generation
+    summary's or a training metrics file's ``forecast``): notebook 05's plot."""
+    points = []
+    for path in sorted(list(root.rglob("*.summary.json")) + list(root.rglob("training_metrics.json"))):
+        try:
+            recorded = json.loads(path.read_text()).get("forecast")
+        except (OSError, ValueError):
+            continue
+        if recorded and recorded.get("measured_wall_seconds"):
+            points.append({"run": str(path.relative_to(root)), "predicted_seconds": recorded["predicted_wall_seconds"],
+                           "measured_seconds": recorded["measured_wall_seconds"],
+                           "kind": "training" if path.name == "training_metrics.json" else "generation"})
+    return points
+
+
 def remaining_seconds(batch_seconds_planned: list[float], batches_done: int, elapsed_seconds: float) -> float:
     """ETA of a running job: the planned seconds of the batches still to run, scaled by how the run
     so far compares with its plan. Counting examples left is wrong early: the first batches hold
