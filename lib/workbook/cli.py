@@ -93,6 +93,12 @@ def _cmd_calibrate(args) -> int:
     return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile])
 
 
+def _cmd_forecast(args) -> int:
+    from workbook.planner.pilot import cli_main
+    return cli_main(args.params, args.set, mode=args.mode, as_json=args.json, share=args.pilot_share,
+                    seconds=args.pilot_seconds, clock=args.clock)
+
+
 def _cmd_generate(args) -> int:
     from workbook.generation.cli import cli_main
     return cli_main(args.params, args.set)
@@ -121,6 +127,9 @@ JOBS = {
                  "workbook.generation.job"),
     "train": (_cmd_train, "supervised fine-tuning on input/output JSONL", "workbook.training.config"),
     "bench": (_cmd_bench, "generation and training sweeps against the hardware's limits", "workbook.bench.report"),
+    "forecast": (_cmd_forecast, "how long the job takes and what it costs, here and on every profile: a pilot of "
+                 "its own batches (their outputs count toward the job), then the whole job simulated",
+                 "workbook.planner.pilot"),
     "verify": (_cmd_verify, "check an existing output with a verifier; the right ones go to <output>.accepted.jsonl",
                "workbook.generation.verify"),
 }
@@ -231,6 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
         job.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
         add_set_argument(job)
         job.set_defaults(handler=handler)
+        if name == "forecast":
+            job.add_argument("--mode", choices=params_module.PLAN_MODES, help="default: the profile's plan_mode")
+            job.add_argument("--json", action="store_true", help="print the forecast as JSON")
+            job.add_argument("--pilot-share", type=float, default=0.1,
+                             help="the pilot runs at most this share of the job's batches (training: steps), "
+                                  "at least one; default 0.1")
+            job.add_argument("--pilot-seconds", type=float,
+                             help="generation: also stop the pilot after this many seconds (after its first batch)")
+            job.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                             help="forecast wall seconds (default), or this process's CPU seconds: a machine "
+                                  "shared with other work stretches wall time, not CPU time (use OMP_NUM_THREADS=1)")
     return parser
 
 

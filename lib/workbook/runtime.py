@@ -64,6 +64,17 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def process_age_seconds() -> float | None:
+    """Seconds since this process started (interpreter start-up and imports included), from
+    /proc on Linux; None elsewhere. A job's wall time is measured from here, as a user's clock would."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

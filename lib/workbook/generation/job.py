@@ -30,7 +30,7 @@ from workbook.generation.files import OutputFiles, lock_output, merge_and_audit,
 from workbook.generation.inputs import (
     Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_text,
 )
-from workbook.planner import profile
+from workbook.planner import forecast, profile
 
 # The params keys this job reads; notebook 02 declares them all in its parameters cell.
 PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt_len", "max_new_tokens",
@@ -151,12 +151,16 @@ def output_locked(files: OutputFiles, rank: Rank, *, held_by_parent: bool):
 
 def progress_bar(total: int, interactive: bool):
     """tqdm: the notebook widget when ``interactive`` (JupyterLab), else text on stderr (terminals,
-    papermill), redrawn at most once a second so a saved notebook stays small."""
+    papermill), redrawn at most once a second so a saved notebook stays small. tqdm's own time left
+    (examples left at the rate so far) is left out: the engine's ETA in the postfix knows that the
+    longest prompts run first."""
+    bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
     if interactive:
         from tqdm.auto import tqdm
-        return tqdm(total=total, desc="generating", unit="example")
+        return tqdm(total=total, desc="generating", unit="example", bar_format=bar_format)
     from tqdm.std import tqdm
-    return tqdm(total=total, desc="generating", unit="example", mininterval=1.0, file=sys.stderr)
+    return tqdm(total=total, desc="generating", unit="example", mininterval=1.0, file=sys.stderr,
+                bar_format=bar_format)
 
 
 @dataclass
@@ -273,7 +277,8 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
 
             return run_batches(share.backend, share.prompts, write=write, sort_by_length=sort_by_length,
                                progress=bar, log=log, log_every_batches=params["log_every_batches"],
-                               rank=rank.index)
+                               rank=rank.index, planned_seconds=forecast.planned_batch_seconds(
+                                   files.output.with_suffix(forecast.FORECAST_SUFFIX)))
     except OSError as error:  # from the appenders, which name the file: a full disk, or one gone read-only
         raise GenerationError(_write_failed_text(error, files, len(examples))) from None
     finally:
@@ -337,6 +342,9 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
         if verifier is not None and summary["in_output"]:
             summary["verification"] = _verify(files, params, verifier, log)
+        summary["forecast"] = forecast.forecast_beside_measured(  # the forecast this run started with, if any
+            files.output.with_suffix(forecast.FORECAST_SUFFIX), runtime.process_age_seconds(),
+            "this process's start to its summary (start-up included, as forecast)", after_pilot=bool(inputs.done))
         write_summary(files, summary, log=log)
         return summary
 
