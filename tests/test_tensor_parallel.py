@@ -214,3 +214,12 @@ def test_notebook_02s_launcher_starts_a_tensor_parallel_job_that_writes_the_one_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tensor parallel 2 x data parallel 1" in done.stdout
     assert output.read_text() == expected
+
+
+def test_auto_keeps_a_model_whose_sharding_the_planner_does_not_model_on_one_gpu_and_says_why():
+    # Mixtral's experts are sharded in transformers' 'moe_tp_experts' style, which the planner does not
+    # model: 'auto' must not crash (notebook 01's layout table plans every preset) but stay at T=1.
+    chosen = profile.plan(params.load_all()["h100x8"], mode="generate", model="Mixtral-8x7B-v0.1", batch_size=1,
+                          tensor_parallel_size="auto")
+    assert chosen.tensor_parallel_size == 1 and chosen.data_parallel_size == 8
+    assert "T=2: not planned (" in chosen.notes[-1] and "moe_tp_experts" in chosen.notes[-1]

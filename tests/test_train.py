@@ -191,7 +191,7 @@ def test_the_bad_line_policy_comes_from_the_params(tmp_path):
 
 
 def test_held_out_questions_are_read_before_the_model_loads_and_must_be_the_arithmetic_task(tmp_path):
-    profile = params.load_all()["cpu"]
+    profile = {**params.load_all()["cpu"], "eval_prompts_path": "lib/workbook/data/arithmetic_contraction_held_out.jsonl"}
     config = training.config_from_params(profile, tmp_path)  # the shipped held-out file, found from the repo root
     assert config.eval_prompts_path == str(arithmetic.VARIANT_HELD_OUT_PATH)
     prepared = training.prepare_data(dataclasses.replace(config, data_path=arithmetic_pairs(tmp_path)))

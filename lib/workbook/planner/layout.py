@@ -100,9 +100,13 @@ def choose_tensor_parallel_size(make: Callable[[int], Plan], key_value_heads: in
     useful batch per GPU, data parallel over the rest, and why. ``make(T)`` plans batch 1 at T.
     When no T reaches the useful batch, the one with the largest batch; T = 1 on one GPU or none."""
     candidates = [t for t in divisors(max(gpu_count, 1)) if key_value_heads % t == 0]
-    tried, best = [], None
+    tried, best, chosen = [], None, None
     for tensor_parallel_size in candidates:
-        plan = make(tensor_parallel_size)
+        try:
+            plan = make(tensor_parallel_size)
+        except LayoutError as error:  # e.g. experts sharded in a style the planner does not model: no larger T
+            tried.append(f"T={tensor_parallel_size}: not planned ({error})")
+            break
         tried.append(f"T={tensor_parallel_size}: largest batch {plan.max_batch_size}")
         if best is None or plan.max_batch_size > best[1]:
             best = (tensor_parallel_size, plan.max_batch_size)
@@ -110,7 +114,7 @@ def choose_tensor_parallel_size(make: Callable[[int], Plan], key_value_heads: in
             chosen, why = tensor_parallel_size, (f"the smallest T at which the largest batch per GPU reaches "
                                                  f"{USEFUL_BATCH_SIZE}")
             break
-    else:
+    if chosen is None:
         chosen = best[0]
         why = (f"no T reaches a batch of {USEFUL_BATCH_SIZE} per GPU; T={chosen} has the largest"
                if best[1] > 0 else f"no T fits even batch 1; T={chosen} comes closest")
