@@ -50,6 +50,19 @@ _QWEN2_COMMON = {
     "eos_token_id": 151643,
 }
 
+_QWEN3_COMMON = {  # Qwen3 and Qwen3-MoE: 128-wide heads, 40k positions, no biases
+    "head_dim": 128,
+    "attention_bias": False,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+
 PRESETS: dict[str, dict] = {
     "Llama-3.1-8B": {
         **_LLAMA_COMMON,
@@ -223,16 +236,7 @@ PRESETS: dict[str, dict] = {
         "num_hidden_layers": 48,
         "num_attention_heads": 32,
         "num_key_value_heads": 4,
-        "head_dim": 128,
-        "attention_bias": False,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
+        **_QWEN3_COMMON,
     },
     "Qwen3-8B": {  # per-head q/k norms, no biases
         "model_type": "qwen3",
@@ -244,16 +248,7 @@ PRESETS: dict[str, dict] = {
         "num_hidden_layers": 36,
         "num_attention_heads": 32,
         "num_key_value_heads": 8,
-        "head_dim": 128,
-        "attention_bias": False,
-        "vocab_size": 151936,
-        "max_position_embeddings": 40960,
-        "rms_norm_eps": 1e-06,
-        "rope_theta": 1000000.0,
-        "use_sliding_window": False,
-        "tie_word_embeddings": False,
-        "bos_token_id": 151643,
-        "eos_token_id": 151645,
+        **_QWEN3_COMMON,
     },
     "gemma-2-9b": {  # 4 norms per layer, alternating 4096-token windows, soft-capped logits (eager attention)
         "model_type": "gemma2",
