@@ -19,6 +19,7 @@ from workbook import cli, notebook, params, runner
 from workbook.bench import review
 from workbook.generation import cli as generation_cli
 from workbook.paths import REPO_ROOT
+from test_generate import GREEDY_SET
 
 # Packages a bare GPU image lacks; importing any of them in the child fails as if not installed.
 ABSENT = ("papermill", "nbclient", "nbformat", "ipywidgets", "IPython", "ipykernel", "jupyterlab", "pynvml",
@@ -109,7 +110,8 @@ def test_generate_uses_every_set_and_records_its_run_folder_for_notebook_05(tiny
     monkeypatch.setattr(notebook, "new_run_dir", lambda profile: NEW_RUN_DIR(profile, outputs))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "input": f"What is {i} + 1?"}) + "\n" for i in range(4)))
-    sets = ["--set", f"prompts_path={prompts}", "--set", "max_examples=2", "--set", "max_new_tokens=4"]
+    sets = ["--set", f"prompts_path={prompts}", "--set", "max_examples=2", "--set", "max_new_tokens=4",
+            "--set", *GREEDY_SET]
     assert cli.main(["generate", "--params", "cpu", *sets]) == 0
     [run_dir] = outputs.iterdir()
     output = run_dir / "generations.jsonl"

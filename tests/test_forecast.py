@@ -111,7 +111,7 @@ def write_prompts(path, count):
 def job_params(prompts_path, output_path, **changes):
     values = params.load(PARAMS_DIR / "cpu.yaml")
     values.update(prompts_path=str(prompts_path), output_path=str(output_path), log_every_batches=0, verifier="",
-                  interactive=False)
+                  interactive=False, do_sample=False, samples_per_prompt=1)  # one greedy output per prompt
     for key, value in changes.items():
         values[key] = params.validate_value(key, value, "test")
     return values

@@ -27,11 +27,17 @@ def write_prompts(path, records):
     return path
 
 
+# The cpu profile's run is a rejection-sampling round (8 sampled answers per question, one kept);
+# the engine's guarantees tested here are stated for one greedy output per prompt, so tests pin it.
+ONE_GREEDY_OUTPUT = {"do_sample": False, "samples_per_prompt": 1, "max_accepted_per_prompt": 0}
+GREEDY_SET = [f"{key}={str(value).lower()}" for key, value in ONE_GREEDY_OUTPUT.items()]  # for --set
+
+
 def job_params(prompts_path, output_path, **changes):
-    """The cpu profile pointed at test files, with validated changes."""
+    """The cpu profile pointed at test files, greedy with one output per prompt, with validated changes."""
     values = params.load(PARAMS_DIR / "cpu.yaml")
     values.update(prompts_path=str(prompts_path), output_path=str(output_path), log_every_batches=0,
-                  verifier="")  # the cpu profile verifies; these tests are about generation (test_verify.py)
+                  verifier="", **ONE_GREEDY_OUTPUT)  # the cpu profile verifies; these tests are about generation
     for key, value in changes.items():
         values[key] = params.validate_value(key, value, "test")
     return values
@@ -333,7 +339,7 @@ def test_cli_generates_and_reports_errors_with_exit_codes(tmp_path, capsys):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:5])
     output = tmp_path / "cli.jsonl"
     code = cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={prompts}", f"output_path={output}",
-                     "max_examples=3", "log_every_batches=0"])
+                     "max_examples=3", "log_every_batches=0", *GREEDY_SET])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "generated 3 in" in captured.out and f"output: {output} (3 of 3 examples)" in captured.out
@@ -345,7 +351,7 @@ def test_cli_generates_and_reports_errors_with_exit_codes(tmp_path, capsys):
 
 def run_cli(*settings, **kwargs):
     command = [sys.executable, "-m", "workbook.generation", "--params", "cpu", "--set", "log_every_batches=0",
-               "interactive=false", "verifier=", *settings]  # generation only: test_verify.py verifies
+               "interactive=false", "verifier=", *GREEDY_SET, *settings]  # generation only: test_verify.py verifies
     return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             **kwargs)
 

@@ -15,7 +15,7 @@ from workbook import arithmetic, cli, generation, jsonl, runtime
 from workbook.generation import job, records
 from workbook.paths import REPO_ROOT
 
-from test_generate import job_params, read_records, write_prompts
+from test_generate import GREEDY_SET, job_params, read_records, write_prompts
 
 QUIET = dict(log=lambda line: None, show_progress=False)
 
@@ -98,7 +98,8 @@ from workbook.paths import PARAMS_DIR
 
 prompts, output, release = sys.argv[1:4]
 values = params.load(PARAMS_DIR / "cpu.yaml")
-values.update(prompts_path=prompts, output_path=output, log_every_batches=0, batch_size=2)
+values.update(prompts_path=prompts, output_path=output, log_every_batches=0, batch_size=2, do_sample=False,
+              samples_per_prompt=1, max_accepted_per_prompt=0)
 model, tokenizer = generation.load_model(values["model"], "fp32", "cpu")
 
 
@@ -134,7 +135,7 @@ def test_a_second_job_on_the_same_output_is_refused_naming_the_first(tmp_path, c
         assert first.poll() is None, first.communicate()[1][-2000:]
         # The second job: this process, through the CLI.
         code = cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={prompts}", f"output_path={output}",
-                         "log_every_batches=0"])
+                         "log_every_batches=0", *GREEDY_SET])
         error = capsys.readouterr().err.strip().splitlines()[-1]
         assert code == 2 and error.startswith(f"error: another job is writing {output}: its lock {lock} is held "
                                               f"by process {first.pid} on host ")
@@ -156,7 +157,7 @@ def test_sibling_processes_of_one_job_share_its_lock_and_all_stop_when_another_j
     output = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "workbook.generation", "--params", "cpu", "--set", f"prompts_path={prompts}",
-               f"output_path={output}", "batch_size=4", "log_every_batches=0", "interactive=false", "verifier="]
+               f"output_path={output}", "batch_size=4", "log_every_batches=0", "interactive=false", "verifier=", *GREEDY_SET]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}
     with runtime.ExclusiveLock(tmp_path / "out.lock"):  # another job's
         refused = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -62,7 +62,8 @@ def lines_in(path):
 
 
 GENERATE = ["workbook.generation", "--params", "cpu", "--set", "prompts_path=in.jsonl",
-            "output_path=out/teacher.jsonl", "log_every_batches=0", "interactive=false", "verifier="]
+            "output_path=out/teacher.jsonl", "log_every_batches=0", "interactive=false", "verifier=",
+            "do_sample=false", "samples_per_prompt=1"]  # one greedy output per prompt
 
 
 def write_prompts_on_each_node(tmp_path, records):
@@ -133,7 +134,7 @@ def generation_params(prompts, output, **changes):
     from workbook.paths import PARAMS_DIR
     values = params.load(PARAMS_DIR / "cpu.yaml")
     values.update(prompts_path=str(prompts), output_path=str(output), log_every_batches=0, verifier="",
-                  interactive=False, **changes)
+                  interactive=False, do_sample=False, samples_per_prompt=1, **changes)  # one greedy output per prompt
     return values
 
 

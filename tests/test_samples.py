@@ -25,7 +25,7 @@ def test_greedy_decoding_with_several_samples_is_refused(tmp_path, capsys):
     with pytest.raises(generation.GenerationError, match="samples_per_prompt is 3 but do_sample is false"):
         generation.run_job(job_params(prompts, output, samples_per_prompt=3), output, show_progress=False)
     assert cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={prompts}", f"output_path={output}",
-                     "samples_per_prompt=3"]) == 2
+                     "samples_per_prompt=3", "do_sample=false"]) == 2
     assert "do_sample is false" in capsys.readouterr().err and not output.exists()
 
 

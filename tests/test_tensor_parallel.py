@@ -105,7 +105,7 @@ def test_two_way_tensor_parallel_gives_the_tokens_and_logits_of_one_process_and_
 def generation_command(processes: int, prompts, output, *settings: str) -> list[str]:
     return torchrun(processes, "-m", "workbook.generation", "--params", "cpu", "--set", f"prompts_path={prompts}",
                     f"output_path={output}", "log_every_batches=0", "interactive=false", "verifier=", "batch_size=2",
-                    "max_new_tokens=6", *settings)
+                    "max_new_tokens=6", "do_sample=false", "samples_per_prompt=1", *settings)
 
 
 def one_process_output(tmp_path, prompts, tiny_model_path):
@@ -223,3 +223,29 @@ def test_auto_keeps_a_model_whose_sharding_the_planner_does_not_model_on_one_gpu
                           tensor_parallel_size="auto")
     assert chosen.tensor_parallel_size == 1 and chosen.data_parallel_size == 8
     assert "T=2: not planned (" in chosen.notes[-1] and "moe_tp_experts" in chosen.notes[-1]
+
+
+@pytest.mark.multiprocess
+def test_out_of_memory_under_tensor_parallel_splits_the_batch_on_every_rank_and_loses_nothing(tmp_path,
+                                                                                            tiny_model_path):
+    from workbook import arithmetic
+    from test_generate import write_prompts
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
+    output = tmp_path / "out.jsonl"
+    worker = str(REPO_ROOT / "tests" / "tensor_parallel_oom_worker.py")
+    done = subprocess.run(torchrun(2, worker, str(prompts), str(output), str(tmp_path / "sizes"), "3"),
+                          cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # Both ranks of the copy met the error on the same batch and split it alike (8 -> 4 -> 2), so
+    # their collectives stayed in step; the output is the one-process output, every id once.
+    sizes = [json.loads((tmp_path / f"sizes.rank{index}.json").read_text()) for index in (0, 1)]
+    assert sizes[0] == sizes[1] and sizes[0][:4] == [8, 4, 2, 2]
+    summary = json.loads((tmp_path / "out.summary.json").read_text())
+    assert summary["in_output"] == 12 and summary["failed"] == 0 and summary["oom_or_error_splits"] > 0
+    single = tmp_path / "single.jsonl"
+    from workbook import generation
+    from test_generate import job_params
+    model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")
+    generation.run_job(job_params(prompts, single, batch_size=8, max_new_tokens=6), single, model=model,
+                       tokenizer=tokenizer, log=lambda line: None, show_progress=False)
+    assert output.read_text() == single.read_text()

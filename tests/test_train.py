@@ -191,7 +191,7 @@ def test_the_bad_line_policy_comes_from_the_params(tmp_path):
 
 
 def test_held_out_questions_are_read_before_the_model_loads_and_must_be_the_arithmetic_task(tmp_path):
-    profile = {**params.load_all()["cpu"], "eval_prompts_path": "lib/workbook/data/arithmetic_contraction_held_out.jsonl"}
+    profile = params.load_all()["cpu"]
     config = training.config_from_params(profile, tmp_path)  # the shipped held-out file, found from the repo root
     assert config.eval_prompts_path == str(arithmetic.VARIANT_HELD_OUT_PATH)
     prepared = training.prepare_data(dataclasses.replace(config, data_path=arithmetic_pairs(tmp_path)))
@@ -345,7 +345,9 @@ def test_workbook_train_cli_trains_into_a_run_folder(tmp_path, monkeypatch, caps
     assert f"new run folder {run} (save_every_steps is 0, no checkpoints" in out
     metrics = json.loads((run / "training_metrics.json").read_text())
     assert metrics["status"] == "finished" and metrics["steps"]["reached"] == 2
-    assert metrics["accuracy"]["before"]["records"] == 15  # the arithmetic sample: 5% of 300
+    # The cpu profile scores the rejection-sampling round's 300 held-out questions (eval_prompts_path).
+    assert metrics["accuracy"]["before"]["records"] == 300
+    assert metrics["accuracy"]["before"]["of"].startswith("held-out prompts of ")
     assert "training loss by epoch" in out and (run / "training" / "final" / "config.json").is_file()
 
 

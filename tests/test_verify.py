@@ -9,6 +9,7 @@ import pytest
 from workbook import arithmetic, cli, generation, params, training
 from workbook.generation import records as output_records
 from workbook.paths import PARAMS_DIR
+from test_generate import ONE_GREEDY_OUTPUT
 from workbook.training.config import resolve_data_path
 from workbook.generation.verify import (
     VerifyError, exact_match, final_number_matches, load_verifier, select, verify_output,
@@ -106,7 +107,8 @@ def test_verify_output_writes_the_accepted_file_the_trainer_reads_as_it_is(tmp_p
 
 def cpu_job(prompts_path, output_path, **changes):
     values = params.load(PARAMS_DIR / "cpu.yaml")
-    values.update(prompts_path=str(prompts_path), output_path=str(output_path), log_every_batches=0, **changes)
+    values.update(prompts_path=str(prompts_path), output_path=str(output_path), log_every_batches=0,
+                  **{**ONE_GREEDY_OUTPUT, **changes})  # one greedy answer per question: accepted = right
     return values
 
 
