@@ -5,6 +5,7 @@ import json
 import random
 
 import pytest
+import torch
 
 from workbook import cli, generation, params
 from workbook.paths import PARAMS_DIR, REPO_ROOT
@@ -67,6 +68,54 @@ def test_fitted_timings_predict_batches_the_pilot_did_not_run():
     predicted = forecast.simulate_generation([60] * 8, prompts_per_call=8, max_new_tokens=8, timings=fitted,
                                              outputs=OutputLengths([(60, [6])]), include_startup=False)
     assert predicted.seconds == pytest.approx(unseen.seconds, rel=1e-6)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ColdOnceModel(torch.nn.Module):
+    """1 ms per token; the first forward at a larger shape than any before, or the first with a
+    padding mask, also pays a one-off 0.5 s (allocator growth, another attention path), as the
+    tiny model does on CPU (its first masked 32 x 138 prefill was 18% slower than warm)."""
+
+    def __init__(self, clock: FakeClock):
+        super().__init__()
+        self.clock, self.largest, self.masked = clock, 0, False
+
+    def forward(self, input_ids, attention_mask=None):
+        cold = input_ids.numel() > self.largest or (attention_mask is not None and not self.masked)
+        self.largest, self.masked = max(self.largest, input_ids.numel()), self.masked or attention_mask is not None
+        self.clock.now += 0.001 * input_ids.numel() + (0.5 if cold else 0.0)
+
+
+def test_warm_up_leaves_the_pilots_first_batch_timed_warm_and_measures_the_one_off():
+    """The pilot's first batch timed cold would raise the fitted per-token prefill of every batch."""
+    clock = FakeClock()
+    model = ColdOnceModel(clock)
+    one_off = pilot.warm_up(model, torch.device("cpu"), token_id=0, rows=4, length=50, clock=clock)
+    assert one_off == pytest.approx(0.5)  # paid once by the job, in its first batch
+    began = clock()
+    model(input_ids=torch.zeros(4, 50, dtype=torch.long), attention_mask=torch.ones(4, 50))  # the first pilot batch
+    assert clock() - began == pytest.approx(0.001 * 4 * 50)  # steady: nothing one-off left in it
+
+
+def test_the_recorded_forecast_keeps_the_timings_the_eta_reads(tmp_path):
+    """The job's ETA reads the timings back from the recorded forecast: per-token times of ~1e-5 s
+    must survive the recording (rounded to 4 decimals they became 0.0001 or 0)."""
+    small = timings(prefill_seconds_per_token=7.94e-5, step_seconds_per_context_token=9.4e-7)
+    made = forecast.Forecast(mode="generate", profile="cpu", predicted_wall_seconds=10.0,
+                             predicted_wall_seconds_range=(9.0, 11.0), remaining_wall_seconds=9.0,
+                             pilot={"output_lengths": [(138, [8, 8]), (17, [5, 4])]}, timings=small.to_dict(),
+                             job={}, cost={})
+    (tmp_path / "out.forecast.json").write_text(json.dumps(made.to_dict()))
+    planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
+    batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([138] * 32)]
+    assert planned(batch) == pytest.approx(sum(forecast.batch_seconds(32, 138, 8, small)), rel=1e-5)
 
 
 def test_pilot_batches_span_the_length_distribution():

@@ -365,9 +365,11 @@ def relative_error(predicted: list[float], measured: list[float]) -> float:
     return max((abs(p - m) / m for p, m in zip(predicted, measured) if m > 0), default=0.0)
 
 
-def round_floats(value, digits: int = 4):
+def round_floats(value, digits: int = 6):
+    """``value`` with every float to ``digits`` significant digits (not decimals: a per-token time
+    of 8e-05 s read back by the job's ETA must not become 0.0001)."""
     if isinstance(value, float):
-        return round(value, digits) if math.isfinite(value) else None
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else None
     if isinstance(value, dict):
         return {key: round_floats(item, digits) for key, item in value.items()}
     if isinstance(value, list):
