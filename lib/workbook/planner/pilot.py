@@ -15,6 +15,7 @@ bounded (``share`` of its batches or steps, and ``seconds``)::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import statistics
@@ -133,12 +134,14 @@ def warm_up(model, device: torch.device, token_id: int, rows: int, length: int,
     ids = torch.full((max(rows, 1), max(length, 1)), token_id, dtype=torch.long, device=device)
     mask = torch.ones_like(ids)
     mask[0, 0] = 0  # one left-padded row: the masked attention path the job's padded batches take
+    # Logits of the last position only, as generate() asks: all of them could outgrow the GPU.
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     seconds = []
     with torch.no_grad():
         for _ in range(2):
             runtime.synchronize(device)
             began = clock()
-            model(input_ids=ids, attention_mask=mask)
+            model(input_ids=ids, attention_mask=mask, **keep)
             runtime.synchronize(device)
             seconds.append(clock() - began)
     return max(seconds[0] - seconds[1], 0.0)
