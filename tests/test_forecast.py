@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from workbook import cli, generation, params
-from workbook.paths import PARAMS_DIR, REPO_ROOT
+from workbook.paths import PARAMS_DIR
 from workbook.planner import forecast, pilot
 from workbook.planner.forecast import GenerationTimings, OutputLengths
 
