@@ -5,9 +5,10 @@ import json
 import random
 
 import pytest
+import torch
 
 from workbook import cli, generation, params
-from workbook.paths import PARAMS_DIR, REPO_ROOT
+from workbook.paths import PARAMS_DIR
 from workbook.planner import forecast, pilot
 from workbook.planner.forecast import GenerationTimings, OutputLengths
 
@@ -67,6 +68,54 @@ def test_fitted_timings_predict_batches_the_pilot_did_not_run():
     predicted = forecast.simulate_generation([60] * 8, prompts_per_call=8, max_new_tokens=8, timings=fitted,
                                              outputs=OutputLengths([(60, [6])]), include_startup=False)
     assert predicted.seconds == pytest.approx(unseen.seconds, rel=1e-6)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class ColdOnceModel(torch.nn.Module):
+    """1 ms per token; the first forward at a larger shape than any before, or the first with a
+    padding mask, also pays a one-off 0.5 s (allocator growth, another attention path), as the
+    tiny model does on CPU (its first masked 32 x 138 prefill was 18% slower than warm)."""
+
+    def __init__(self, clock: FakeClock):
+        super().__init__()
+        self.clock, self.largest, self.masked = clock, 0, False
+
+    def forward(self, input_ids, attention_mask=None):
+        cold = input_ids.numel() > self.largest or (attention_mask is not None and not self.masked)
+        self.largest, self.masked = max(self.largest, input_ids.numel()), self.masked or attention_mask is not None
+        self.clock.now += 0.001 * input_ids.numel() + (0.5 if cold else 0.0)
+
+
+def test_warm_up_leaves_the_pilots_first_batch_timed_warm_and_measures_the_one_off():
+    """The pilot's first batch timed cold would raise the fitted per-token prefill of every batch."""
+    clock = FakeClock()
+    model = ColdOnceModel(clock)
+    one_off = pilot.warm_up(model, torch.device("cpu"), token_id=0, rows=4, length=50, clock=clock)
+    assert one_off == pytest.approx(0.5)  # paid once by the job, in its first batch
+    began = clock()
+    model(input_ids=torch.zeros(4, 50, dtype=torch.long), attention_mask=torch.ones(4, 50))  # the first pilot batch
+    assert clock() - began == pytest.approx(0.001 * 4 * 50)  # steady: nothing one-off left in it
+
+
+def test_the_recorded_forecast_keeps_the_timings_the_eta_reads(tmp_path):
+    """The job's ETA reads the timings back from the recorded forecast: per-token times of ~1e-5 s
+    must survive the recording (rounded to 4 decimals they became 0.0001 or 0)."""
+    small = timings(prefill_seconds_per_token=7.94e-5, step_seconds_per_context_token=9.4e-7)
+    made = forecast.Forecast(mode="generate", profile="cpu", predicted_wall_seconds=10.0,
+                             predicted_wall_seconds_range=(9.0, 11.0), remaining_wall_seconds=9.0,
+                             pilot={"output_lengths": [(138, [8, 8]), (17, [5, 4])]}, timings=small.to_dict(),
+                             job={}, cost={})
+    (tmp_path / "out.forecast.json").write_text(json.dumps(made.to_dict()))
+    planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
+    batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([138] * 32)]
+    assert planned(batch) == pytest.approx(sum(forecast.batch_seconds(32, 138, 8, small)), rel=1e-5)
 
 
 def test_pilot_batches_span_the_length_distribution():
@@ -171,3 +220,49 @@ def test_review_collects_forecast_against_measured_and_plots_it(tmp_path):
             {"profile": "h100", "wall_seconds": 60.0, "usd": 0.04, "basis": "projected from here"},
             {"profile": "v100", "wall_seconds": None, "usd": None, "basis": "not projected"}]
     assert len(plots.forecast_costs(rows, "test").axes) == 2
+
+
+def test_every_profile_is_projected_and_costed_on_as_many_nodes():
+    """A job over two nodes: each profile runs it on two machines of its gpu_count GPUs, so its
+    data-parallel phases split over all of them and it pays for all of them."""
+    phases = forecast.Phases(decode_seconds=10.0, compute_seconds=4.0, other_seconds=1.0)
+    peaks = dict(peak_bf16_tflops=1.0, peak_fp16_tflops=1.0, memory_bandwidth_gbs=1.0, usd_per_gpu_hour=2.0)
+    here = {"profile": "test-here", "gpu_count": 1, "dtype": "bf16", **peaks}
+    other = {"profile": "test-other", "gpu_count": 2, **peaks}
+    rows = forecast.profile_rows(phases, here, forecast.profile_peaks(here, "bf16"),
+                                 {"test-here": here, "test-other": other}, 15.0, "generate",
+                                 processes_here=2, num_nodes=2)  # simulated for 2 nodes x 1 process
+    by_name = {row["profile"]: row for row in rows}
+    assert by_name["test-other"]["wall_seconds"] == pytest.approx(1 + 14 / 2)  # 4 GPUs where the job had 2
+    assert by_name["test-other"]["gpu_hours"] == pytest.approx(8.0 / 3600 * 2 * 2, abs=1e-4)
+    assert by_name["test-here"]["gpu_hours"] == pytest.approx(15.0 / 3600 * 1 * 2, abs=1e-4)
+
+
+def test_a_generation_forecast_over_two_nodes_shards_the_prompts_and_sends_nothing_per_token(tmp_path, tiny_model_path):
+    from workbook.planner import forecast_command
+    model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")
+    prompts, output = write_prompts(tmp_path / "prompts.jsonl", 40), tmp_path / "out.jsonl"
+    job = job_params(prompts, output, batch_size=4, max_new_tokens=4, num_nodes=2)
+    result = pilot.forecast_generation(job, share=0.1, log=lambda line: None, model=model, tokenizer=tokenizer)
+    assert result.job["processes"] == 2  # one process on each node, each with every other prompt
+    assert len(result.job["batch_seconds_planned"]) == 5  # 20 prompts per process, batches of 4
+    assert result.network["num_nodes"] == 2 and result.network["network_bytes_per_node_per_step"] == 0
+    assert "nothing crosses the network per token" in result.network["explanation"]
+    assert any(line.startswith("network: 2 node(s)") for line in forecast_command.forecast_lines(result))
+
+
+def test_a_training_forecast_over_two_nodes_names_the_gradient_all_reduce(tmp_path):
+    """Two nodes: the same micro-batches per process, so an epoch has half the steps; the gradient
+    all-reduce crosses the network every step, and the forecast says it is not in its time."""
+    from workbook.training import config as training_config, prepare, run_plan
+    job = params.load(PARAMS_DIR / "cpu.yaml")
+    job.update(num_nodes=2, micro_batch_size=4, epochs=1, max_steps=0, validation_fraction=0.0,  # no evaluation: fast
+               train_output_dir=str(tmp_path / "run"), interactive=False)
+    config = training_config.config_from_params(job, str(tmp_path / "plan"))
+    prepared = prepare.prepare_data(config, log=lambda line: None)
+    result = pilot.forecast_training(job, share=0.05, log=lambda line: None)
+    assert result.job["processes"] == 2
+    assert result.job["total_steps"] == run_plan.plan_run(config, prepared, processes=2).total_steps
+    assert result.job["total_steps"] < run_plan.plan_run(config, prepared, processes=1).total_steps
+    assert "all-reduce" in result.network["explanation"] and result.network["network_bytes_per_node_per_step"] > 0
+    assert any(note.startswith("not in the time: the network") for note in result.notes)

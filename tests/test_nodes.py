@@ -13,17 +13,23 @@ import pytest
 from workbook import arithmetic, generation, runtime
 from workbook.paths import REPO_ROOT
 
-def start_nodes(tmp_path, module_and_args, port=None):
-    """Node 0 and node 1, each a torchrun with one process in tmp_path/node0 and tmp_path/node1."""
+def start_nodes(tmp_path, module_and_args, port=None, launcher="torchrun"):
+    """Node 0 and node 1, each a torchrun (or an ``accelerate launch``, with the README's flags) of one
+    process in tmp_path/node0 and tmp_path/node1."""
     port = port or runtime.free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib"), "OMP_NUM_THREADS": "1"}
     nodes = []
     for node in (0, 1):
         folder = tmp_path / f"node{node}"
         folder.mkdir(exist_ok=True)
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
-                   "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
-                   "-m", *module_and_args]
+        if launcher == "torchrun":
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+                       "--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                       "-m", *module_and_args]
+        else:  # --num_processes counts every process of every machine
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_machines", "2",
+                       "--machine_rank", str(node), "--num_processes", "2", "--main_process_ip", "127.0.0.1",
+                       "--main_process_port", str(port), "-m", *module_and_args]
         nodes.append(subprocess.Popen(command, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     return nodes
@@ -91,6 +97,17 @@ def test_two_nodes_without_a_shared_disk_write_every_id_once_on_the_first_as_one
     assert [share["generated"] for share in summary["per_process"]] == [6, 6]
     assert sorted(p.name for p in (tmp_path / "node0" / "out").iterdir()) == ["teacher.jsonl", "teacher.summary.json"]
     assert list((tmp_path / "node1" / "out").iterdir()) == []  # node 1's part went to node 0, then was deleted
+
+
+@pytest.mark.multiprocess
+def test_the_readmes_accelerate_launch_over_two_machines_writes_every_id_on_the_first(tmp_path):
+    """`accelerate launch --multi_gpu --num_machines 2 ...` as the README gives it (on CPU accelerate
+    starts torchrun's agent all the same, and the processes use gloo)."""
+    write_prompts_on_each_node(tmp_path, arithmetic.sample_records()[:8])
+    finish(start_nodes(tmp_path, [*GENERATE, "batch_size=4"], launcher="accelerate"))
+    summary = json.loads((tmp_path / "node0" / "out" / "teacher.summary.json").read_text())
+    assert (summary["nodes"], summary["processes"], summary["in_output"], summary["unaccounted"]) == (2, 2, 8, 0)
+    assert summary["parts_sent_over_network_by_ranks"] == [1]  # node 1's records came over the process group
 
 
 @pytest.mark.multiprocess
@@ -249,3 +266,17 @@ def test_nodes_resume_from_the_newest_checkpoint_they_all_hold_or_say_which_lack
     with pytest.raises(TrainError, match=r"do not hold a common checkpoint .*\{0: 'step-00000004', 1: 'none'\}.* "
                                          r"copy the newest checkpoint folder"):
         checkpoints.agreed_checkpoint(FakeAccelerator(), tmp_path)
+
+
+def test_fsdp_without_a_gpu_stops_before_training_instead_of_silently_training_ddp(tmp_path, monkeypatch):
+    """accelerate shards with FSDP only from a GPU process group; on CPU (gloo) it would keep DDP."""
+    import torch
+    from workbook import params
+    from workbook.paths import PARAMS_DIR
+    from workbook.training import TrainError, config_from_params, train
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch --use_fsdp` sets
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # this machine, and any without a GPU
+    config = config_from_params(params.load(PARAMS_DIR / "cpu.yaml"), tmp_path)
+    with pytest.raises(TrainError, match=r"FSDP was asked for .* no GPU: .* launch without --use_fsdp"):
+        train(config)
+    assert not any(tmp_path.iterdir())  # stopped before anything was written

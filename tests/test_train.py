@@ -4,6 +4,9 @@ sequence length, overfitting, exact resume, and 2 processes giving the 1-process
 import dataclasses
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from workbook import arithmetic, cli, jsonl, params, planner, runner, training
 from workbook.training import batches as sft_batches, checkpoints, cli as training_cli, examples as sft_examples
 from workbook.training import run_folder, run_plan
-from workbook.paths import NOTEBOOKS_DIR
+from workbook.paths import NOTEBOOKS_DIR, REPO_ROOT
 from workbook.tiny_model import BOS_ID, EOS_ID, PAD_ID
 
 IGNORE = sft_examples.IGNORE_INDEX
@@ -401,6 +404,51 @@ def fake_run(root, name, settings, step=None, status=None, fingerprint=None):
     if status is not None:
         (folder / "training" / "training_result.json").write_text(json.dumps({"status": status}))
     return folder
+
+
+KILLED_WHILE_SAVING = """
+import os, pathlib, signal, sys, types
+from workbook.training import checkpoints
+
+class Accelerator:  # one process, as accelerate's is to checkpoints.save
+    is_main_process = is_local_main_process = True
+    project_configuration = types.SimpleNamespace(save_on_each_node=False)
+    def save_state(self, folder):
+        pathlib.Path(folder).mkdir(parents=True)
+        (pathlib.Path(folder) / "model.safetensors").write_bytes(b"weights")
+    def wait_for_everyone(self):
+        pass
+
+def save(step):
+    checkpoints.save(Accelerator(), sys.argv[1], step, {"data": "d"}, [{"step": step, "loss": 1.0}] * 2000, [], None)
+
+save(1)
+opened = pathlib.Path.open
+def open_then_die(self, *args, **kwargs):  # half the state file reaches the disk, then SIGKILL
+    handle = opened(self, *args, **kwargs)
+    if checkpoints.STATE_FILE not in self.name:
+        return handle
+    class Torn:
+        def __enter__(self): return self
+        def __exit__(self, *exc): return False
+        def write(self, text):
+            handle.write(text[:len(text) // 2]); handle.flush(); os.fsync(handle.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+    return Torn()
+pathlib.Path.open = open_then_die
+save(2)
+"""
+
+
+def test_a_kill_while_the_checkpoint_state_is_written_leaves_the_previous_checkpoint_to_resume(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}
+    killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_SAVING, str(tmp_path)], env=env, capture_output=True,
+                            text=True, timeout=60)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (checkpoints.checkpoint_dir(tmp_path, 2) / "model.safetensors").exists()  # it died saving step 2
+    latest = checkpoints.latest_checkpoint(tmp_path)
+    assert latest == checkpoints.checkpoint_dir(tmp_path, 1)
+    assert checkpoints.saved_state(latest)["step"] == 1  # whole, and a resume reads it
 
 
 def test_only_an_unfinished_run_of_the_same_settings_with_a_checkpoint_is_resumed(tmp_path, monkeypatch):

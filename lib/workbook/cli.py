@@ -94,7 +94,7 @@ def _cmd_calibrate(args) -> int:
 
 
 def _cmd_forecast(args) -> int:
-    from workbook.planner.pilot import cli_main
+    from workbook.planner.forecast_command import cli_main
     return cli_main(args.params, args.set, mode=args.mode, as_json=args.json, share=args.pilot_share,
                     seconds=args.pilot_seconds, clock=args.clock)
 

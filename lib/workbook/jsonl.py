@@ -333,6 +333,11 @@ def write_whole(path: str | Path, records: Iterable[dict]) -> None:
     _replace_atomically(Path(path), "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
 
 
+def write_text_atomically(path: str | Path, text: str) -> None:
+    """Replace ``path`` with ``text``: a reader, or a kill mid-write, sees the old file or the new."""
+    _replace_atomically(Path(path), text)
+
+
 def _temporary(path: Path) -> Path:
     return path.with_name(path.name + ".merging")
 

@@ -96,6 +96,7 @@ def say(line: str) -> None:
 
 def run(args, work: Path, log=say) -> dict:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib"), "OMP_NUM_THREADS": str(args.threads)}
+    load_at_start = os.getloadavg()  # the neighbours' work: what stretches the wall times
     shipped = ["verifier=final_number"]
     mixed = mixed_prompts(work / "mixed.jsonl", args.mixed_prompts)
     cases = [
@@ -124,12 +125,17 @@ def run(args, work: Path, log=say) -> dict:
             "machine_note": "a 2-core machine shared with other work: wall times carry its load, which changes "
                             "between the pilot and the run; CPU seconds (the process's user + system time, one "
                             "thread) do not, and are what the same run takes on this machine when idle",
+            "load_average_1_5_15_min": {"start": [round(x, 2) for x in load_at_start],
+                                        "end": [round(x, 2) for x in os.getloadavg()]},
             "cases": rows}
 
 
 def markdown(result: dict) -> str:
     lines = [f"`{result['command']}`", "", result["what"] + f"; goal {result['goal']}. "
              f"OMP_NUM_THREADS={result['threads']}; {result['machine_note']}.", "",
+             *([f"Load average (1, 5, 15 min) of the {result['hardware'].get('logical_cores', '?')}-core machine: "
+                f"{load['start']} at the start, {load['end']} at the end.", ""]
+               if (load := result.get("load_average_1_5_15_min")) else []),
              "| case | seconds of | pilot | forecast (s) | range (s) | measured (s) | error | in range |",
              "|---|---|---|---|---|---|---|---|"]
     for row in result["cases"]:

@@ -250,9 +250,10 @@ def simulate_training(total_steps: int, evaluations: int, timings: TrainingTimin
 # Cost and projection to the other profiles.
 
 
-def cost(wall_seconds: float, profile: dict) -> dict:
-    """GPU-hours and dollars of ``wall_seconds`` on a profile at its usd_per_gpu_hour."""
-    gpu_hours = wall_seconds / SECONDS_PER_HOUR * max(profile["gpu_count"], 0)
+def cost(wall_seconds: float, profile: dict, num_nodes: int = 1) -> dict:
+    """GPU-hours and dollars of ``wall_seconds`` on ``num_nodes`` machines of a profile (its
+    gpu_count GPUs each) at its usd_per_gpu_hour."""
+    gpu_hours = wall_seconds / SECONDS_PER_HOUR * max(profile["gpu_count"], 0) * num_nodes
     return {"gpu_hours": round(gpu_hours, 4), "usd": round(gpu_hours * profile["usd_per_gpu_hour"], 4),
             "usd_per_gpu_hour": profile["usd_per_gpu_hour"]}
 
@@ -326,8 +327,10 @@ def project(phases: Phases, here: Peaks, there: Peaks, gpus_there: int, processe
 
 
 def profile_rows(phases: Phases, this_profile: dict, here: Peaks, profiles: dict, wall_seconds: float,
-                 mode: str, processes_here: int = 1) -> list[dict]:
-    """One row per profile: wall seconds, GPU-hours and dollars, and the basis of the number."""
+                 mode: str, processes_here: int = 1, num_nodes: int = 1) -> list[dict]:
+    """One row per profile: wall seconds, GPU-hours and dollars, and the basis of the number. Every
+    profile runs the job on ``num_nodes`` machines of its gpu_count GPUs; ``processes_here``: the
+    processes over all nodes that ``phases`` were simulated for."""
     rows = []
     for name, profile in sorted(profiles.items()):
         if name == this_profile["profile"]:
@@ -339,11 +342,12 @@ def profile_rows(phases: Phases, this_profile: dict, here: Peaks, profiles: dict
                              "basis": "not projected: the profile states no peak compute or bandwidth"})
                 continue
             reference = reference_efficiencies(name, mode)
-            seconds = project(phases, here, there, profile["gpu_count"], processes_here, reference)
+            seconds = project(phases, here, there, profile["gpu_count"] * num_nodes, processes_here, reference)
             basis = (f"projected from {name}'s committed reference (outputs/reference/{name}/forecast.json)"
                      if reference else f"projected from here ({this_profile['profile']}: {here.source}) by "
                      "bandwidth (decode) and compute (prefill, steps) ratios")
-        rows.append({"profile": name, "wall_seconds": round(seconds, 2), **cost(seconds, profile), "basis": basis})
+        rows.append({"profile": name, "wall_seconds": round(seconds, 2), **cost(seconds, profile, num_nodes),
+                     "basis": basis})
     return rows
 
 
@@ -365,9 +369,11 @@ def relative_error(predicted: list[float], measured: list[float]) -> float:
     return max((abs(p - m) / m for p, m in zip(predicted, measured) if m > 0), default=0.0)
 
 
-def round_floats(value, digits: int = 4):
+def round_floats(value, digits: int = 6):
+    """``value`` with every float to ``digits`` significant digits (not decimals: a per-token time
+    of 8e-05 s read back by the job's ETA must not become 0.0001)."""
     if isinstance(value, float):
-        return round(value, digits) if math.isfinite(value) else None
+        return float(f"{value:.{digits}g}") if math.isfinite(value) else None
     if isinstance(value, dict):
         return {key: round_floats(item, digits) for key, item in value.items()}
     if isinstance(value, list):
@@ -392,6 +398,7 @@ class Forecast:
     efficiency: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     clock: str = "wall"  # seconds of: 'wall' (what a user waits for) or 'cpu' (this process's CPU time)
+    network: dict = field(default_factory=dict)  # what crosses the network over num_nodes (planner.network)
 
     def to_dict(self) -> dict:
         return round_floats(asdict(self))

@@ -15,6 +15,7 @@ bounded (``share`` of its batches or steps, and ``seconds``)::
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import statistics
@@ -43,6 +44,7 @@ PARAMS_USED = (
     "learning_rate", "lr_scaling", "base_batch", "gradient_accumulation_steps", "epochs", "max_steps",
     "warmup_steps", "weight_decay", "optimizer", "tf32", "torch_compile", "attn_implementation",
     "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps", "train_output_dir", "train_processes",
+    "num_nodes", "seq_len", "tensor_parallel_size",
 )
 DEFAULT_SHARE = 0.1
 # What the forecast predicts: wall seconds (what a user waits and pays for), or this process's CPU
@@ -123,19 +125,26 @@ def fit_generation(calls: list[Call], warm_up_seconds: float, startup_seconds: f
     return timings, forecast.relative_error(predicted, [c.written_seconds for c in calls])
 
 
-def warm_up(model, device: torch.device, token_id: int, clock: Callable[[], float] = time.perf_counter) -> float:
-    """The first forward's extra cost over a steady one (allocator, kernels, thread pools): the
-    job pays it once, in its first batch."""
-    ids = torch.full((1, 8), token_id, dtype=torch.long, device=device)
+def warm_up(model, device: torch.device, token_id: int, rows: int, length: int,
+            clock: Callable[[], float] = time.perf_counter) -> float:
+    """The first forward's extra cost over a steady one, at the pilot's first (largest) batch shape,
+    ``rows`` x ``length`` tokens: the job pays it once, in its first batch. A warm-up at a smaller
+    shape leaves the pilot's first batch to grow the allocator and caches (measured on CPU: its
+    prefill 18% slower than the same batch warm), which the fit would spread over every batch."""
+    ids = torch.full((max(rows, 1), max(length, 1)), token_id, dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    mask[0, 0] = 0  # one left-padded row: the masked attention path the job's padded batches take
+    # Logits of the last position only, as generate() asks: all of them could outgrow the GPU.
+    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
     seconds = []
     with torch.no_grad():
-        for _ in range(3):
+        for _ in range(2):
             runtime.synchronize(device)
             began = clock()
-            model(input_ids=ids)
+            model(input_ids=ids, attention_mask=mask, **keep)
             runtime.synchronize(device)
             seconds.append(clock() - began)
-    return max(seconds[0] - min(seconds[1:]), 0.0)
+    return max(seconds[0] - seconds[1], 0.0)
 
 
 def host_peaks(device: torch.device) -> Peaks:
@@ -184,7 +193,9 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         pending = [ordered[start:start + size] for start in range(0, len(ordered), size)]  # the engine's batches
         chosen = pick_batches(pending, share) if pending else []
         startup_seconds = _startup_seconds(clock)
-        warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id, CLOCKS[clock])
+        first = pending[chosen[0]] if chosen else []
+        warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id, len(first),
+                                  max((len(p.token_ids) for p in first), default=1), CLOCKS[clock])
         pilot_began = time.perf_counter()
         calls = run_pilot(params, share_, files, rank, [pending[i] for i in chosen], seconds, log, CLOCKS[clock])
         pilot_seconds = time.perf_counter() - pilot_began
@@ -193,7 +204,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
                                   "nothing to forecast (point output_path at a new file to forecast a fresh run)")
     timings, fit_error = fit_generation(calls, warm_up_seconds, startup_seconds)
     outputs = OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls])
-    processes = params["data_parallel_processes"]
+    processes = params["data_parallel_processes"] * params["num_nodes"]  # the job's global split, every node's
     simulate = dict(prompts_per_call=backend.prompts_per_call, max_new_tokens=params["max_new_tokens"],
                     timings=timings, outputs=outputs, processes=processes)
     whole = forecast.simulate_generation(every, **simulate)
@@ -271,14 +282,18 @@ def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings
     profiles = params_module.load_all()
     profiles[params["profile"]] = params  # this run's settings (--set) for its own row
     rows = forecast.profile_rows(phases, params, here, profiles, wall, mode,
-                                 processes_here=job_facts.get("processes", 1))
-    notes = ["projections keep start-up and per-call overheads as measured here and scale only the decode "
+                                 processes_here=job_facts.get("processes", 1), num_nodes=params["num_nodes"])
+    from workbook.planner import profile  # the planner says what crosses the network over num_nodes
+    network = profile.plan(params, mode=mode).network
+    notes = [f"not in the time: the network ({network['explanation']}); the profiles state no network bandwidth"
+             ] if params["num_nodes"] > 1 and network["network_bytes_per_node_per_step"] else []
+    notes += ["projections keep start-up and per-call overheads as measured here and scale only the decode "
              "(bandwidth) and compute phases; a small model on a CPU is overhead-bound, so its projections "
              "understate GPU overheads"] if not forecast.profile_peaks(params, params["dtype"]) else []
     return forecast.Forecast(
         mode=mode, profile=params["profile"], predicted_wall_seconds=wall, predicted_wall_seconds_range=wall_range,
         remaining_wall_seconds=remaining, pilot=pilot, timings=timings, job=job_facts,
-        cost=forecast.cost(wall, params), profiles=rows,
+        cost=forecast.cost(wall, params, params["num_nodes"]), profiles=rows, network=network,
         efficiency={mode: forecast.efficiencies(phases, here), "peaks": dataclasses.asdict(here),
                     "phases": phases.to_dict()}, notes=notes, clock=clock)
 
@@ -297,7 +312,9 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     with tempfile.TemporaryDirectory(prefix="forecast-") as scratch:
         config = training_config.config_from_params(params, scratch)
         prepared = prepare_data(config, log=log)
-        run = plan_run(config, prepared)
+        # The run over every node: the same micro-batches and accumulation per process, so more
+        # processes make a larger effective batch and (by epochs) fewer steps.
+        run = plan_run(config, prepared, processes=config.processes * params["num_nodes"])
         steps = min(run.total_steps, max(2, math.floor(share * run.total_steps)))
         startup_seconds = _startup_seconds(clock)
         pilot_config = dataclasses.replace(config, stop_after_steps=steps, output_dir=str(Path(scratch) / "pilot"),
@@ -333,7 +350,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
                      {"total_steps": run.total_steps, "micro_batch_size": run.micro_batch_size,
                       "max_seq_length": prepared.max_seq_length, "padding": config.padding,
                       "train_examples": len(prepared.train), "validation_examples": len(prepared.validation),
-                      "evaluations": evaluations, "tokens_per_step": tokens_per_step, "processes": config.processes},
+                      "evaluations": evaluations, "tokens_per_step": tokens_per_step, "processes": run.processes},
                      clock)
 
 
@@ -348,81 +365,3 @@ def _save_seconds(parameters: int, dtype: str) -> float:
         os.fsync(handle.fileno())
         rate = len(block) / (time.perf_counter() - began)
     return parameters * (4 if dtype == "fp32" else 2) / rate
-
-
-def forecast_lines(result: forecast.Forecast) -> list[str]:
-    """The forecast in words and a table, for the terminal."""
-    from workbook import notebook
-    low, high = result.predicted_wall_seconds_range
-    pilot = result.pilot
-    what = (f"{pilot['batches']} batch(es), {pilot['prompts']} prompts ({pilot['share_of_job_batches']:.1%} of the "
-            f"job's batches), written to {pilot['written_to']}" if result.mode == "generate" else
-            f"{pilot['steps']} steps ({pilot['share_of_job_steps']:.1%} of the run; not reused by it)")
-    lines = [f"pilot on this machine ({result.profile}): {what}, {pilot['seconds']:.1f} s",
-             f"forecast, the whole job as a fresh run here: {result.predicted_wall_seconds:.1f} s "
-             f"(range {low:.1f}-{high:.1f} s), {result.cost['gpu_hours']:.3f} GPU-hours, ${result.cost['usd']:.2f} "
-             f"at ${result.cost['usd_per_gpu_hour']:g}/GPU-hour (usd_per_gpu_hour: your rate)"]
-    if result.mode == "generate":
-        lines.append(f"still to run after the pilot (its outputs count): {result.remaining_wall_seconds:.1f} s")
-    rows = [{"profile": row["profile"], "wall": "-" if row["wall_seconds"] is None else units_seconds(row["wall_seconds"]),
-             "GPU-hours": row["gpu_hours"], "USD": row["usd"], "basis": row["basis"]} for row in result.profiles]
-    return lines + ["", notebook.markdown_table(rows)] + [f"note: {note}" for note in result.notes]
-
-
-def units_seconds(seconds: float) -> str:
-    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
-
-
-def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json: bool, share: float,
-             seconds: float | None, clock: str = "wall") -> int:
-    """`workbook forecast`: pilot, forecast, print; the forecast is also written beside the job's
-    output (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``) so the
-    run records the forecast it started with."""
-    import contextlib
-    import json
-    import sys
-    from workbook import jsonl, runner
-    from workbook.generation.engine import GenerationError
-    from workbook.training.config import TrainError
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    params, _, _ = runner.resolve_params(params_arg, overrides, log=say)
-    mode = mode or params["plan_mode"]
-    if not 0 < share <= 1:
-        print(f"error: --pilot-share {share}: expected a share of the job in (0, 1], e.g. 0.1", file=sys.stderr)
-        return 2
-    try:
-        with contextlib.redirect_stdout(sys.stderr):  # the training loop prints its progress; --json owns stdout
-            result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock)
-    except (GenerationError, TrainError, jsonl.DataError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    record.parent.mkdir(parents=True, exist_ok=True)
-    record.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-    if as_json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print("\n".join(forecast_lines(result)) + f"\nforecast: {record}")
-    return 0
-
-
-def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock):
-    """The forecast, and the file it is recorded in for the run to read back."""
-    from workbook import notebook
-    from workbook.generation.files import OUTPUT_FILE_NAME
-    if mode == "generate":
-        if not params["output_path"]:
-            params = params_module.Params({**params, "output_path": str(notebook.new_run_dir(params["profile"])
-                                                                        / OUTPUT_FILE_NAME)})
-        result = forecast_generation(params, share=share, seconds=seconds, log=say, clock=clock)
-        record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
-        settings = " ".join(item for item in overrides if not item.startswith("output_path="))
-        say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: workbook generate "
-            f"--params {params_arg} --set {settings + ' ' if settings else ''}output_path={params['output_path']}")
-    else:
-        result = forecast_training(params, share=share, seconds=seconds, log=say, clock=clock)
-        record = (Path(params["train_output_dir"]) / "forecast.json" if params["train_output_dir"]
-                  else notebook.new_run_dir(params["profile"]) / "forecast.json")
-    return result, record

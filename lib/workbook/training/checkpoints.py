@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from workbook import runtime
+from workbook import jsonl, runtime
 
 STATE_FILE = "workbook_state.json"  # written last into a checkpoint: its presence marks it complete
 KEEP_CHECKPOINTS = 2  # older checkpoints are deleted: one holds weights and optimizer (16 B/param)
@@ -126,7 +126,8 @@ def save(accelerator, output_dir, step, fingerprint, history, eval_history, accu
     if accelerator.is_main_process or (each_node and accelerator.is_local_main_process):
         state = {"step": step, "fingerprint": fingerprint, "history": history, "eval_history": eval_history,
                  "accuracy_before": accuracy_before}
-        (target / STATE_FILE).write_text(json.dumps(state, default=str) + "\n")
+        # Atomic: a kill while it is written must not leave a torn file that marks the checkpoint complete.
+        jsonl.write_text_atomically(target / STATE_FILE, json.dumps(state, default=str) + "\n")
         older = sorted(p for p in target.parent.glob("step-*") if p != target)
         for stale in older[:max(0, len(older) - (KEEP_CHECKPOINTS - 1))]:
             shutil.rmtree(stale, ignore_errors=True)

@@ -45,6 +45,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
     from accelerate.utils import DistributedType
 
     started = time.perf_counter()
+    _refuse_fsdp_on_cpu()
     accelerator = Accelerator(mixed_precision=MIXED_PRECISION[config.dtype], cpu=not torch.cuda.is_available(),
                               dynamo_backend="inductor" if config.torch_compile else None)
     try:
@@ -183,6 +184,20 @@ def reset_accelerate_state() -> None:
     from accelerate.state import AcceleratorState, GradientState
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+def _refuse_fsdp_on_cpu() -> None:
+    """A TrainError when the launcher asks for FSDP (``accelerate launch --use_fsdp`` or an FSDP
+    config) and there is no GPU. accelerate (1.15, ``AcceleratorState``) turns a run into FSDP only
+    from a GPU-like process group (MULTI_GPU, MULTI_XPU, ...); from a CPU one (MULTI_CPU, gloo) it
+    keeps DDP, so every process would silently hold the whole model; and FSDP1's plugin, with the
+    launcher's default --fsdp_sync_module_states true, stops with "no available devices" instead."""
+    from accelerate.utils import parse_flag_from_env
+    if parse_flag_from_env("ACCELERATE_USE_FSDP") and not torch.cuda.is_available():
+        raise TrainError("FSDP was asked for (accelerate launch --use_fsdp or an FSDP config), but there is no GPU: "
+                         "accelerate shards a model with FSDP only on GPUs, and on CPU would silently train DDP, every "
+                         "process holding the whole model. On CPU, launch without --use_fsdp (DDP, also over several "
+                         "nodes); for FSDP, run on GPUs")
 
 
 def _set_tf32(enabled: bool, device: torch.device) -> bool:

@@ -1,0 +1,93 @@
+"""`workbook forecast`: run the pilot (``pilot``), print the forecast, and record it where the job
+reads it back (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from workbook import params as params_module
+from workbook.planner import forecast
+from workbook.planner.pilot import forecast_generation, forecast_training
+
+
+def forecast_lines(result: forecast.Forecast) -> list[str]:
+    """The forecast in words and a table, for the terminal."""
+    from workbook import notebook
+    from workbook.planner import network
+    low, high = result.predicted_wall_seconds_range
+    nodes = result.network.get("num_nodes", 1)
+    where = "here" if nodes == 1 else f"on {nodes} nodes like this one"
+    pilot = result.pilot
+    what = (f"{pilot['batches']} batch(es), {pilot['prompts']} prompts ({pilot['share_of_job_batches']:.1%} of the "
+            f"job's batches), written to {pilot['written_to']}" if result.mode == "generate" else
+            f"{pilot['steps']} steps ({pilot['share_of_job_steps']:.1%} of the run; not reused by it)")
+    lines = [f"pilot on this machine ({result.profile}): {what}, {pilot['seconds']:.1f} s",
+             f"forecast, the whole job as a fresh run {where}: {result.predicted_wall_seconds:.1f} s "
+             f"(range {low:.1f}-{high:.1f} s), {result.cost['gpu_hours']:.3f} GPU-hours, ${result.cost['usd']:.2f} "
+             f"at ${result.cost['usd_per_gpu_hour']:g}/GPU-hour (usd_per_gpu_hour: your rate)"]
+    if result.mode == "generate":
+        lines.append(f"still to run after the pilot (its outputs count): {result.remaining_wall_seconds:.1f} s")
+    if nodes > 1:
+        lines.append(network.traffic_line(result.network))
+    rows = [{"profile": row["profile"], "wall": "-" if row["wall_seconds"] is None else units_seconds(row["wall_seconds"]),
+             "GPU-hours": row["gpu_hours"], "USD": row["usd"], "basis": row["basis"]} for row in result.profiles]
+    return lines + ["", notebook.markdown_table(rows)] + [f"note: {note}" for note in result.notes]
+
+
+def units_seconds(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json: bool, share: float,
+             seconds: float | None, clock: str = "wall") -> int:
+    """`workbook forecast`: pilot, forecast, print; the forecast is also written beside the job's
+    output (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``) so the
+    run records the forecast it started with."""
+    import contextlib
+    import json
+    import sys
+    from workbook import jsonl, runner
+    from workbook.generation.engine import GenerationError
+    from workbook.training.config import TrainError
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    params, _, _ = runner.resolve_params(params_arg, overrides, log=say)
+    mode = mode or params["plan_mode"]
+    if not 0 < share <= 1:
+        print(f"error: --pilot-share {share}: expected a share of the job in (0, 1], e.g. 0.1", file=sys.stderr)
+        return 2
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the training loop prints its progress; --json owns stdout
+            result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock)
+    except (GenerationError, TrainError, jsonl.DataError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print("\n".join(forecast_lines(result)) + f"\nforecast: {record}")
+    return 0
+
+
+def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock):
+    """The forecast, and the file it is recorded in for the run to read back."""
+    from workbook import notebook
+    from workbook.generation.files import OUTPUT_FILE_NAME
+    if mode == "generate":
+        if not params["output_path"]:
+            params = params_module.Params({**params, "output_path": str(notebook.new_run_dir(params["profile"])
+                                                                        / OUTPUT_FILE_NAME)})
+        result = forecast_generation(params, share=share, seconds=seconds, log=say, clock=clock)
+        record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
+        settings = " ".join(item for item in overrides if not item.startswith("output_path="))
+        say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: workbook generate "
+            f"--params {params_arg} --set {settings + ' ' if settings else ''}output_path={params['output_path']}")
+    else:
+        result = forecast_training(params, share=share, seconds=seconds, log=say, clock=clock)
+        record = (Path(params["train_output_dir"]) / "forecast.json" if params["train_output_dir"]
+                  else notebook.new_run_dir(params["profile"]) / "forecast.json")
+    return result, record
