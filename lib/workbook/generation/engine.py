@@ -125,6 +125,7 @@ class BatchStats:
     token_slots: int | None  # positions computed, padding included (None: continuous, no padding)
     splits: int  # times a failing call was split in two
     rank: int = 0
+    first_result_seconds: float | None = None  # since the engine started; None: this batch's end
 
 
 @dataclass
@@ -197,8 +198,13 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
     BatchStats per batch.
 
     ``progress`` is a tqdm bar (or None); a log line every ``log_every_batches`` batches (0: none).
-    ``sort_by_length=False`` keeps input order (the benchmark's comparison).
+    ``sort_by_length=False`` keeps input order (the benchmark's comparison). A streaming backend
+    (``continuous``: one manager for every prompt) runs the whole list itself, writing each prompt
+    as it finishes.
     """
+    if callable(getattr(backend, "stream", None)):
+        return backend.stream(prompts, write=write, sort_by_length=sort_by_length, progress=progress, log=log,
+                              log_every_batches=log_every_batches, rank=rank)
     ordered = sort_longest_first(prompts) if sort_by_length else list(prompts)
     size = backend.prompts_per_call
     batches = [ordered[start:start + size] for start in range(0, len(ordered), size)]
@@ -250,6 +256,9 @@ def summarize(batches: list[BatchStats], seconds: float) -> dict:
         "output_tokens": output_tokens,
         "prompt_tokens": sum(b.prompt_tokens for b in batches),
         "output_tokens_per_second": round(output_tokens / seconds, 1) if seconds else None,
+        # When the first output was written (a static batch writes all of its outputs at its end).
+        "first_result_seconds": min((b.finished_at_seconds if b.first_result_seconds is None else b.first_result_seconds
+                                     for b in batches), default=None),
         # Share of computed positions that were padding: prompts padded to the batch's longest,
         # and rows that had finished while the batch's longest output went on.
         "padding_waste": round(1 - useful / slots, 4) if slots else None,

@@ -221,8 +221,9 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
         torch.manual_seed(share.settings.seed + rank.index)
     bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
     try:
-        with jsonl.LineAppender(files.output_part(rank)) as outputs, \
-                jsonl.LineAppender(files.failures_part(rank)) as failures:
+        fsync_every = getattr(share.backend, "fsync_every", None)  # continuous: one line per call, synced by count/time
+        with jsonl.LineAppender(files.output_part(rank), fsync_every) as outputs, \
+                jsonl.LineAppender(files.failures_part(rank), fsync_every) as failures:
             if rank.index == 0:
                 failures.write(bad_line_failure(bad) for bad in share.bad_lines)
             failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,

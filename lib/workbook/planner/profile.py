@@ -19,6 +19,7 @@ from typing import Callable, ClassVar
 from workbook import presets
 from workbook.params import AUTO, PLAN_MODES
 from workbook.planner.generation import plan_generate
+from workbook.planner.paged import plan_generate_paged
 from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, Plan
 from workbook.planner.training import plan_train
 from workbook.units import GiB, format_bytes
@@ -62,10 +63,14 @@ def capacity_bytes(params) -> int:
 
 
 def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, new_tokens: int,
-                  dtype: str) -> Plan:
+                  dtype: str, backend: str = "static") -> Plan:
     """Generation plans one replica per GPU (data parallel: every GPU holds the whole model); only
     when the model does not fit one GPU of a multi-GPU profile are its layers split over all of
-    them (as ``device_map="auto"`` does)."""
+    them (as ``device_map="auto"`` does). The continuous backend is planned by its paged cache."""
+    if backend == "continuous":
+        return plan_generate_paged(model, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                                   dtype=dtype, gpu_memory_bytes=budget.capacity_bytes,
+                                   overhead_bytes=budget.overhead_bytes, safety_margin=budget.safety_margin)
     make = functools.partial(plan_generate, model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype,
                              gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                              safety_margin=budget.safety_margin)
@@ -103,7 +108,8 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
     if mode == "generate":
         def make(batch: int) -> Plan:
             return generate_plan(config, budget, batch_size=batch, prompt_len=settings["prompt_len"],
-                                 new_tokens=settings["max_new_tokens"], dtype=settings["dtype"])
+                                 new_tokens=settings["max_new_tokens"], dtype=settings["dtype"],
+                                 backend=settings.get("backend", "static"))
         wanted = batch_size or settings["batch_size"]
     elif mode == "train":
         def make(batch: int) -> Plan:
