@@ -432,3 +432,21 @@ def test_two_processes_share_the_job_and_merge_into_the_one_process_output(tmp_p
     assert summary["processes"] == 2 and summary["in_output"] == 24 and summary["unaccounted"] == 0
     assert [share["rank"] for share in summary["per_process"]] == [0, 1]
     assert all(share["generated"] == 12 for share in summary["per_process"])
+
+
+def test_backend_auto_follows_the_profiles_measurement_and_says_why(tmp_path):
+    values = params.load(PARAMS_DIR / "cpu.yaml")
+    values.update(backend="auto", profile="cpu")
+    name, why = generation.resolve_backend(values, tmp_path)
+    assert name == "static" and "nothing measured for the cpu profile" in why
+    report = tmp_path / "cpu" / "continuous_batching.json"
+    report.parent.mkdir()
+    for ratio, expected in [(1.8, "continuous"), (0.7, "static")]:
+        report.write_text(json.dumps({"device": "cpu", "model": "tiny", "results": [
+            {"workload": "full", "continuous_vs_static": 0.5}, {"workload": "uneven", "continuous_vs_static": ratio}]}))
+        name, why = generation.resolve_backend(values, tmp_path)
+        assert name == expected and f"{ratio}x" in why and "uneven" in why and str(report) in why
+    report.write_text("{}")
+    with pytest.raises(generation.GenerationError, match=r"continuous_batching.json, which is not a continuous"):
+        generation.resolve_backend(values, tmp_path)
+    assert generation.resolve_backend({**values, "backend": "continuous"}, tmp_path)[0] == "continuous"

@@ -10,14 +10,19 @@ the tokens one-at-a-time generation gives (tests/test_generate.py).
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from pathlib import Path
+from typing import Any, Callable
 
 from workbook.generation.continuous import ContinuousBackend
 from workbook.generation.engine import BackendOutput, DecodingSettings, GenerationError, Prompt, finish
 from workbook.models import left_pad
-from workbook.params import SCHEMA
+from workbook.params import AUTO, SCHEMA
+from workbook.paths import REFERENCE_DIR
 
-BACKENDS = SCHEMA["backend"].choices  # static, static-compiled, continuous
+BACKENDS = tuple(name for name in SCHEMA["backend"].choices if name != AUTO)  # static, static-compiled, continuous
+# What ``backend: auto`` reads: the continuous-batching benchmark of the profile, under REFERENCE_DIR.
+MEASUREMENT_FILE = "continuous_batching.json"
 FINISH_EOS, FINISH_LENGTH = "eos", "length"
 
 
@@ -29,6 +34,8 @@ class StaticBackend:
         self.name = "static-compiled" if compiled else "static"
         self.prompts_per_call = batch_size
         self.extra: dict[str, Any] = {}
+        # prompts -> logits processors for their batch (the benchmark forces each row's length with one)
+        self.logits_processors: Callable[[list[Prompt]], list] | None = None
         if compiled:
             self.extra["cache_implementation"] = "static"
             if model.device.type != "cuda":
@@ -45,7 +52,8 @@ class StaticBackend:
         input_ids, attention_mask = left_pad([p.token_ids for p in prompts], self.settings.pad_token_id,
                                              self.model.device)
         new_tokens = max(p.max_new_tokens for p in prompts)
-        output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+        processors = self.logits_processors(prompts) if self.logits_processors is not None else None
+        output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, logits_processor=processors,
                                      generation_config=self.settings.generation_config(new_tokens, **self.extra))
         generated = output[:, input_ids.shape[1]:].tolist()  # sliced at the padded prompt length
         completions = [finish(row, p.max_new_tokens, self.settings.eos_token_ids)
@@ -61,3 +69,30 @@ def make_backend(name: str, model, settings: DecodingSettings, batch_size: int):
     if name == "continuous":
         return ContinuousBackend(model, settings, batch_size)
     raise GenerationError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}")
+
+
+def resolve_backend(params, reference_dir: Path = REFERENCE_DIR) -> tuple[str, str]:
+    """(backend, why). ``auto`` reads the profile's continuous-batching benchmark
+    (``python -m workbook.bench.continuous_batching``): continuous where it beat length-sorted static
+    batches on uneven outputs (teacher outputs are uneven), static where it did not or where nothing
+    was measured for this profile."""
+    name, profile_name = params["backend"], params["profile"]
+    if name != AUTO:
+        return name, f"backend {name}: set in params"
+    path = Path(reference_dir) / profile_name / MEASUREMENT_FILE
+    if not path.exists():
+        return "static", (f"backend auto -> static: nothing measured for the {profile_name} profile ({path} is "
+                          f"missing); python -m workbook.bench.continuous_batching --out {path.parent} measures it")
+    try:
+        report = json.loads(path.read_text())
+        results = {result["workload"]: result for result in report["results"]}
+        measured = results.get("uneven") or results["full"]
+        ratio = float(measured["continuous_vs_static"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise GenerationError(f"backend auto reads {path}, which is not a continuous-batching benchmark report "
+                              f"({type(error).__name__}: {error}); rerun python -m workbook.bench.continuous_batching "
+                              f"--out {path.parent}, or set backend to static or continuous.") from None
+    chosen = "continuous" if ratio >= 1 else "static"
+    return chosen, (f"backend auto -> {chosen}: on the {profile_name} profile ({report.get('device')}, "
+                    f"{report.get('model')}) continuous batching ran at {ratio}x the speed of length-sorted static "
+                    f"batches on {measured['workload']} outputs ({path})")

@@ -153,6 +153,15 @@ class ContinuousBackend:
 
     def _start(self, limit: int, prompt_tokens: int, new_tokens: int):
         """A started manager with ``limit`` requests in flight and the planner's paged cache."""
+        manager = self.model.init_continuous_batching(**self.manager_arguments(limit, prompt_tokens, new_tokens))
+        if callable(getattr(manager, "warmup", None)) and not getattr(manager, "warmed_up", True):
+            manager.warmup()  # as generate_batch does: CUDA graphs captured before the first request
+        manager.start()
+        return manager
+
+    def manager_arguments(self, limit: int, prompt_tokens: int, new_tokens: int, *, hints: bool = True) -> dict:
+        """Keyword arguments of ``init_continuous_batching`` (``generate_batch`` too, ``hints=False``)
+        for ``limit`` requests in flight of up to ``prompt_tokens`` + ``new_tokens``."""
         from transformers import GenerationConfig
         page_size = _default_page_size()
         self.layout = paged_layout(limit, prompt_tokens, new_tokens, page_size)
@@ -160,10 +169,9 @@ class ContinuousBackend:
                    "max_batch_tokens": self.layout.max_batch_tokens, "seed": self.settings.seed,
                    # The cache holds every in-flight request at full length, so transformers need not
                    # keep blocks free for decoding (its default holds back 15% from new requests).
-                   "safety_margin": 0.0, "page_size": page_size, "block_size": page_size}
+                   "safety_margin": 0.0, "page_size": page_size}
         generation_config: GenerationConfig = self.settings.generation_config(new_tokens)
-        init = self.model.init_continuous_batching
-        accepted = inspect.signature(init).parameters
+        accepted = inspect.signature(self.model.init_continuous_batching).parameters
         kwargs: dict[str, Any] = {}
         try:
             from transformers import ContinuousBatchingConfig
@@ -171,20 +179,18 @@ class ContinuousBackend:
             ContinuousBatchingConfig = None
         if ContinuousBatchingConfig is not None and "continuous_batching_config" in accepted:
             names = {field.name for field in dataclasses.fields(ContinuousBatchingConfig)}
+            if "page_size" not in names:  # its name before transformers 5.17
+                options["block_size"] = options.pop("page_size")
             kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
                 **{key: value for key, value in options.items() if key in names})
         else:
             for key, value in options.items():
                 setattr(generation_config, key, value)
-        if "workload_hints" in accepted:  # sizes the decode fast path's block table (flash attention)
+        if hints and "workload_hints" in accepted:  # sizes the decode fast path's block table (flash attention)
             from transformers.generation.continuous_batching.utils import WorkloadHints
             kwargs["workload_hints"] = WorkloadHints(max_prompt_length=prompt_tokens, max_generated_length=new_tokens,
                                                      num_requests=limit)
-        manager = init(generation_config=generation_config, **kwargs)
-        if callable(getattr(manager, "warmup", None)) and not getattr(manager, "warmed_up", True):
-            manager.warmup()  # as generate_batch does: CUDA graphs captured before the first request
-        manager.start()
-        return manager
+        return {"generation_config": generation_config, **kwargs}
 
     def _add(self, manager, prompt: Prompt) -> str:
         request_id = f"{prompt.index}:{prompt.sample}"

@@ -22,7 +22,7 @@ import torch
 
 from workbook import jsonl, models, runtime
 from workbook.generation import records, verify
-from workbook.generation.backends import make_backend
+from workbook.generation.backends import make_backend, resolve_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
 )
@@ -160,6 +160,7 @@ class Share:
     tokenizer: Any
     settings: DecodingSettings
     prompts_path: Path
+    backend_choice: str = ""  # why this backend (backend: auto says what it measured)
 
 
 def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, model=None, tokenizer=None,
@@ -171,8 +172,9 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.count))
         model, tokenizer = load_model(params["model"], params["dtype"], rank.device)
     settings = decoding_settings(params, model, tokenizer)
-    batch_size = profile.resolve_batch_size(params, "generate")
-    backend = make_backend(params["backend"], model, settings, batch_size)
+    backend_name, backend_choice = resolve_backend(params)
+    batch_size = profile.resolve_batch_size({**params, "backend": backend_name}, "generate")  # continuous: paged plan
+    backend = make_backend(backend_name, model, settings, batch_size)
     token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], params["use_chat_template"],
                                  system_prompt_text(params))
     # A candidate is one sample of one example; batch_size counts candidates (sequences), so a batch
@@ -199,10 +201,13 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
         log(f"{len(examples)} examples{each} in {prompts_path}; {len(examples) * samples - len(pending)} already in "
             f"{files.output}; {len(pending)} to generate with {params['model']} ({backend.name}, batch {batch_size}, "
             f"{rank.count} process{'es' if rank.count > 1 else ''}); {len(bad_lines)} bad input lines skipped")
+        if params["backend"] == "auto":
+            log(backend_choice)
     return Share(examples, bad_lines, token_ids,
                  prompts=[Prompt(i, token_ids[i], room[i], s) for i, s in mine if room[i] > 0],
                  too_long=[(i, s) for i, s in mine if room[i] <= 0], backend=backend, batch_size=batch_size,
-                 model=model, tokenizer=tokenizer, settings=settings, prompts_path=prompts_path)
+                 model=model, tokenizer=tokenizer, settings=settings, prompts_path=prompts_path,
+                 backend_choice=backend_choice)
 
 
 def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log: Callable[[str], None] = print,
@@ -298,7 +303,8 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
                                   samples=params["samples_per_prompt"], log=log)
-        summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
+        summary.update(backend=share.backend.name, backend_choice=share.backend_choice, batch_size=share.batch_size,
+                       processes=rank.count,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
         if verifier is not None and summary["in_output"]:
