@@ -67,10 +67,16 @@ class ContinuousBackend:
         new_tokens = max((p.max_new_tokens for p in prompts), default=1)
         tally = _Tally(len(prompts), self.batch_size, rank, progress, log, log_every_batches)
         limit, restore_after, restore = self.batch_size, set(), False
+        ceiling = self.batch_size  # the in-flight limit to go back to; an out-of-memory lowers it for good
         consecutive_errors = 0
         manager, in_flight = None, {}
         try:
             while queue or in_flight:
+                if restore and not restore_after and not in_flight:
+                    # The requests retried after an error are done: the rest runs at the full limit again.
+                    if manager is not None:
+                        self._stop(manager)
+                    manager, limit, restore = None, ceiling, False
                 if manager is None:
                     manager = self._start(limit, prompt_tokens, new_tokens)
                 while queue and len(in_flight) < limit and not (restore and not restore_after):
@@ -89,10 +95,6 @@ class ContinuousBackend:
                     tally.add(outcome)
                     consecutive_errors = 0
                     restore_after.discard(_key(prompt))
-                    if restore and not restore_after and not in_flight:
-                        # The retried requests are done: the rest runs at the full limit again.
-                        self._stop(manager)
-                        manager, limit, restore = None, self.batch_size, False
                     continue
                 # A failure (or a manager that stopped): transformers fails everything in flight.
                 error_text = (result.error if result is not None else None) or _stopped_text(manager)
@@ -112,6 +114,7 @@ class ContinuousBackend:
                     limit = max(1, min(limit, len(failed)) // 2)
                     tally.splits += 1
                     restore = not out_of_memory
+                    ceiling = limit if out_of_memory else ceiling
                     restore_after = {_key(p) for p in failed}
                     log(f"{'out of memory' if out_of_memory else 'error'} with {len(failed)} requests in flight "
                         f"({error_text[:120]}); retrying them first with at most {limit} in flight"
