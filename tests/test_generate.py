@@ -385,11 +385,14 @@ def test_kill_9_at_random_moments_then_resume_leaves_every_id_exactly_once(tmp_p
     prompts = write_prompts(tmp_path / "in.jsonl", records)
     output = tmp_path / "out.jsonl"
     settings = (f"prompts_path={prompts}", f"output_path={output}", f"batch_size={batch_size}", f"backend={backend}")
+    # One thread per process: torch's two threads spin against each other on a busy shared machine
+    # (3.5 s per example measured under load), which made the waits below run out.
+    one_thread = {"env": {**os.environ, "OMP_NUM_THREADS": "1"}}
     killed_mid_run = 0
     for attempt in range(3):
         before = complete_lines(output)
         target = before + rng.randint(2, 12)
-        process = run_cli(*settings)
+        process = run_cli(*settings, **one_thread)
         deadline = time.monotonic() + 120
         while complete_lines(output) < target and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -403,7 +406,7 @@ def test_kill_9_at_random_moments_then_resume_leaves_every_id_exactly_once(tmp_p
             with output.open("a") as handle:
                 handle.write(last[: len(last) // 2])
     assert killed_mid_run == 3 and 0 < complete_lines(output) < len(records)
-    finished = run_cli(*settings)
+    finished = run_cli(*settings, **one_thread)
     out, err = finished.communicate(timeout=300)
     assert finished.returncode == 0, err[-3000:]
     text = output.read_text()
