@@ -172,6 +172,7 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_size, repeats, folder
     details, memory = {}, {arm: 0 for arm in ARMS}
     for repeat in range(repeats):
         for arm in ARMS:
+            runtime.reset_peak_memory(device)
             with ResidentPeak() as peak:
                 if arm == "direct":
                     elapsed, result = timed(device, lambda: direct_arm(model, continuous, prompts, name == "uneven"))
@@ -180,7 +181,8 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_size, repeats, folder
                         static if arm == "static-sorted" else continuous, prompts, folder, device))
             seconds[arm].append(elapsed)
             details[arm] = result
-            memory[arm] = max(memory[arm], peak.increase_bytes)
+            on_device = runtime.peak_memory(device)  # a GPU: its whole peak, weights included
+            memory[arm] = max(memory[arm], on_device.total_bytes if on_device else peak.increase_bytes)
             log(f"{name}: {arm} run {repeat + 1}/{repeats}: {elapsed:.2f} s, {result['output_tokens']} output tokens")
     median = {arm: statistics.median(values) for arm, values in seconds.items()}
     lengths = [p.max_new_tokens for p in prompts]
@@ -207,31 +209,35 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_size, repeats, folder
         "continuous_vs_static": round(median["static-sorted"] / median["continuous"], 3),
         "continuous_vs_direct": round(median["direct"] / median["continuous"], 3),
         "failed": {arm: details[arm]["failed"] for arm in ARMS},
-        "peak_resident_increase_bytes": memory,
-        "planned_beyond_weights_bytes": {"continuous": paged.total_bytes - paged.weights_bytes,
-                                         "static-sorted": dense.total_bytes - dense.weights_bytes},
+        "peak_memory_bytes": memory,
+        "peak_memory_measured_as": "resident memory above its level before the arm, sampled every 10 ms (CPU)"
+        if device.type == "cpu" else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
+        "planned_bytes": {"continuous": paged.total_bytes - (paged.weights_bytes if device.type == "cpu" else 0),
+                          "static-sorted": dense.total_bytes - (dense.weights_bytes if device.type == "cpu" else 0)},
         "paged_layout": vars(continuous.layout) if continuous.layout else None,
     }
 
 
 def markdown(report: dict) -> str:
-    rows = ["| workload | arm | median s | output tok/s | first result s | padding waste | peak RSS increase MiB | "
-            "planned beyond weights MiB |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| workload | arm | median s | output tok/s | first result s | padding waste | peak memory MiB | "
+            "planned MiB |", "|---|---|---|---|---|---|---|---|"]
     for result in report["results"]:
         for arm in ARMS:
             first = result["first_result_seconds"][arm]
-            planned = result["planned_beyond_weights_bytes"].get(arm)
+            planned = result["planned_bytes"].get(arm)
             waste = result["padding_waste"] if arm == "static-sorted" else "none (no padded rows)"
             rows.append(f"| {result['workload']} | {arm} | {result['median_seconds'][arm]} | "
                         f"{result['output_tokens_per_second'][arm]} | "
                         f"{'n/a (one call)' if first is None else round(first, 3)} | {waste} | "
-                        f"{result['peak_resident_increase_bytes'][arm] / 2**20:.0f} | "
+                        f"{result['peak_memory_bytes'][arm] / 2**20:.0f} | "
                         f"{'' if planned is None else round(planned / 2**20)} |")
     ratios = [f"- {r['workload']}: continuous {r['continuous_vs_static']}x static-sorted, "
               f"{r['continuous_vs_direct']}x direct (1.0 = as fast)" for r in report["results"]]
     return "\n".join([f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads), "
                       f"medians of {report['repeats']}; uneven lengths: {report['uneven_lengths']}", "",
-                      *rows, "", *ratios, "", f"Command: `{report['command']}`", ""])
+                      *rows, "", f"Peak memory: {report['results'][0]['peak_memory_measured_as']}; planned: the "
+                      "planner's peak (CPU: beyond the weights, no overheads; continuous: the paged plan, static: "
+                      "the dense one, direct: as continuous)", "", *ratios, "", f"Command: `{report['command']}`", ""])
 
 
 def parse_arguments(argv):
