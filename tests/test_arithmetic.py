@@ -15,6 +15,19 @@ def test_shipped_sample_file_matches_the_generator(tmp_path):
     assert arithmetic.load_prompts() == arithmetic.sample_records()
 
 
+def test_shipped_rejection_sampling_files_match_the_generator_and_are_disjoint(tmp_path):
+    pool_path, held_out_path = arithmetic.write_variant_task(tmp_path / "pool.jsonl", tmp_path / "held.jsonl")
+    assert pool_path.read_bytes() == arithmetic.VARIANT_POOL_PATH.read_bytes(), (
+        "the shipped rejection-sampling files are stale; regenerate them with "
+        "python -c 'from workbook import arithmetic; arithmetic.write_variant_task()'")
+    assert held_out_path.read_bytes() == arithmetic.VARIANT_HELD_OUT_PATH.read_bytes()
+    pool, held_out = (arithmetic.load_prompts(path) for path in (pool_path, held_out_path))
+    problems = [{arithmetic.parse_question(record["input"]) for record in records} for records in (pool, held_out)]
+    assert [len(found) for found in problems] == [arithmetic.VARIANT_POOL_SIZE, arithmetic.VARIANT_HELD_OUT_SIZE]
+    assert not problems[0] & problems[1] and not (problems[0] | problems[1]) & set(arithmetic.sample_problems())
+    assert all(record["input"].startswith("What's ") for record in pool + held_out)  # words the tiny model never saw
+
+
 def test_sample_prompts_are_held_out_from_training():
     training_questions = {problem.question for problem in arithmetic.training_problems()}
     sample_questions = {record["input"] for record in arithmetic.load_prompts()}

@@ -124,13 +124,16 @@ def test_claims_table_lists_every_seed_claim_with_a_figure_or_why_not():
                   "points": [fake_point("seed-before", 1, 50.0), fake_point("seed-after", 32, 500.0)]}
     rows = bench.claims_table(generation, {"points": []}, None, on_gpu=False)
     text = {row["claim"]: row["measured"] for row in rows}
-    assert len(rows) == 9 and all(row["measured"] for row in rows)
+    assert len(rows) == 10 and all(row["measured"] for row in rows)
     assert "20 of 20 outputs" in text["slice each output at its count of non-pad prompt tokens"]
     assert text["~300-400 examples/minute, 8B model, batch 32, 2048 new tokens"].startswith("not measurable")
     assert text["TF32 gives 8x faster matrix ops"].startswith("not measurable")
     assert text["GPU utilization 85-95% (nvidia-smi)"].startswith("not measurable")
     assert "336 MB" in text["KV cache ~500MB per example (8B, 2048 new tokens)"]  # 128 KiB/token x 2560 tokens
     assert text["a failed batch counts all its examples as lost"].startswith("0 examples lost")
+    tensor_parallel = text["~20GB per GPU with TP=4 (30B teacher on 4 of 8 H100s)"]
+    assert tensor_parallel.startswith("planned, not measured") and "Qwen2.5-32B (32.8B) at T=4 holds 16.4 GB" in \
+        tensor_parallel  # 32.8B x 2 B / 4, norms whole
 
 
 def test_auto_batch_is_the_planners_point_and_named_as_such():

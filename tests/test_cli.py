@@ -177,3 +177,41 @@ def test_head_of_the_json_gets_its_line():
 def test_plan_refuses_a_safety_margin_of_nan(capsys):
     assert cli.main(["plan", "--profile", "h200", "--mode", "generate", "--safety-margin", "nan"]) == 2
     assert "error: --safety-margin: 'safety_margin' is nan; expected a finite number" in capsys.readouterr().err
+
+
+TINY_LLAMA_CONFIG = {"model_type": "llama", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+                     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+@pytest.mark.parametrize("text, key", [
+    ("", "empty"),
+    ('{"model_type": "llama",', "not valid JSON"),
+    (json.dumps({**TINY_LLAMA_CONFIG, "hidden_size": "64"}), "'hidden_size'"),
+    (json.dumps({**TINY_LLAMA_CONFIG, "num_hidden_layers": 0}), "'num_hidden_layers'"),
+    (json.dumps({**TINY_LLAMA_CONFIG, "intermediate_size": -1}), "'intermediate_size'"),
+    (json.dumps({**TINY_LLAMA_CONFIG, "num_key_value_heads": 3}), "'num_key_value_heads' 3"),
+])
+def test_plan_refuses_a_bad_config_json_in_one_line_naming_file_and_key(tmp_path, capsys, text, key):
+    (tmp_path / "config.json").write_text(text)
+    assert cli.main(["plan", "--profile", "h100", "--mode", "generate", "--model", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and error.startswith(f"error: {tmp_path / 'config.json'}: ") and key in error
+
+
+@pytest.mark.parametrize("mode", ["generate", "train"])
+def test_plan_refuses_batch_size_0_instead_of_planning_auto(capsys, mode):
+    assert cli.main(["plan", "--profile", "h100", "--mode", mode, "--model", "llama-3.2-1b", "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: --batch-size: 0 is not a batch")
+
+
+def test_plan_refusing_new_tokens_0_names_the_flag_the_user_typed(capsys):
+    assert cli.main(["plan", "--profile", "h100", "--mode", "generate", "--new-tokens", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: --new-tokens: 'max_new_tokens' is 0")
+
+
+def test_plan_accepts_the_long_dtype_names(capsys):
+    from workbook.planner.shape import DTYPE_ALIASES
+    assert cli.PLAN_DTYPE_ALIASES == DTYPE_ALIASES  # the CLI's copy, kept so --help needs no torch
+    assert cli.main(["plan", "--profile", "h100", "--mode", "generate", "--model", "llama-3.2-1b",
+                     "--dtype", "bfloat16", "--batch-size", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["dtype"] == "bf16"

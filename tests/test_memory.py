@@ -399,10 +399,11 @@ def test_ddp_replicas_hold_everything_plus_gradient_buckets():
     assert term_bytes(two, "ddp_gradient_buckets") == term_bytes(one, "gradients")
 
 
-def test_generate_split_across_gpus_holds_a_share_of_the_layers():
+def test_generate_sharded_over_gpus_holds_a_share_of_the_weights_and_kv_cache():
     one = generate_8b(batch_size=16)
-    four = generate_8b(batch_size=16, gpu_count=4)
-    assert term_bytes(four, "weights") == pytest.approx(term_bytes(one, "weights") / 4, abs=1)
+    four = generate_8b(batch_size=16, tensor_parallel_size=4)
+    assert term_bytes(four, "weights") == pytest.approx(term_bytes(one, "weights") / 4, rel=1e-4)
+    assert four.kv_cache_bytes_per_token * 4 == one.kv_cache_bytes_per_token
     assert four.max_batch_size > 3 * one.max_batch_size
 
 
@@ -437,7 +438,7 @@ def test_plans_accept_preset_names():
     (dict(batch_size=0), "batch_size"),
     (dict(prompt_len=-1), "prompt_len"),
     (dict(new_tokens=0), "new_tokens"),
-    (dict(gpu_count=0), "gpu_count"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(gpu_memory_bytes=0), "gpu_memory_bytes"),
     (dict(attn_implementation="flash"), "attn_implementation"),
     (dict(safety_margin=1.5), "safety_margin"),

@@ -17,7 +17,18 @@ PUBLISHED_PARAMETER_COUNTS = {
     "Llama-3.2-3B": 3_212_749_824,
     "Qwen2.5-0.5B": 494_032_768,
     "Qwen2.5-7B": 7_615_616_512,
+    "Qwen2.5-32B": 32_763_876_352,
     "Mistral-7B-v0.1": 7_241_732_096,
+    # Beyond Llama, one per family (the Hub's safetensors parameter count of each repository, which
+    # these match when counted by hand from the published config.json):
+    "Mixtral-8x7B-v0.1": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1, "46.7B params"
+    "Qwen1.5-MoE-A2.7B": 14_315_784_192,  # Qwen/Qwen1.5-MoE-A2.7B, "14.3B params"
+    "Qwen3-30B-A3B": 30_532_122_624,  # Qwen/Qwen3-30B-A3B, "30.5B params"
+    "Qwen3-8B": 8_190_735_360,  # Qwen/Qwen3-8B, "8.19B params"
+    "gemma-2-9b": 9_241_705_984,  # google/gemma-2-9b, "9.24B params"
+    "gemma-3-1b-pt": 999_885_952,  # google/gemma-3-1b-pt, "1000M params"
+    "Phi-3-mini-4k-instruct": 3_821_079_552,  # microsoft/Phi-3-mini-4k-instruct, "3.82B params"
+    "DeepSeek-V2-Lite": 15_706_484_224,  # deepseek-ai/DeepSeek-V2-Lite, "15.7B params"
 }
 
 
@@ -123,11 +134,13 @@ def test_a_broken_config_json_is_named_not_a_traceback(tmp_path, text, message):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"hidden_size": "4096"}, "config.json: transformers refuses it: .*hidden_size.* expected int"),
-    ({"num_hidden_layers": 0}, "num_hidden_layers is 0; expected a positive integer"),
-    ({"intermediate_size": -8}, "intermediate_size is -8; expected a positive integer"),
+    ({"hidden_size": "4096"}, "config.json: 'hidden_size' is \"4096\" \\(str\\); expected a positive integer"),
+    ({"num_key_value_heads": 2.0}, "config.json: 'num_key_value_heads' is 2.0 \\(float\\)"),
+    ({"vocab_size": True}, "config.json: 'vocab_size' is true \\(bool\\)"),
+    ({"num_hidden_layers": 0}, "config.json: 'num_hidden_layers' is 0; expected a positive integer"),
+    ({"intermediate_size": -8}, "config.json: 'intermediate_size' is -8; expected a positive integer"),
     ({"hidden_size": 48, "num_attention_heads": 6, "num_key_value_heads": 4},
-     "6 is not a multiple of num_key_value_heads 4"),
+     "config.json: 'num_attention_heads' 6 is not a multiple of 'num_key_value_heads' 4"),
 ])
 def test_impossible_sizes_are_refused_with_the_key(tmp_path, change, message):
     from workbook.planner import model_shape
@@ -136,3 +149,11 @@ def test_impossible_sizes_are_refused_with_the_key(tmp_path, change, message):
     (tmp_path / "config.json").write_text(json.dumps(values))
     with pytest.raises(ValueError, match=message):
         model_shape(str(tmp_path))
+
+
+def test_impossible_sizes_of_a_config_object_are_refused_with_the_key():
+    from workbook.planner import model_shape
+    config = load_config("llama-3.2-1b")
+    config.num_key_value_heads = 5
+    with pytest.raises(ValueError, match="num_attention_heads 32 is not a multiple of num_key_value_heads 5"):
+        model_shape(config)

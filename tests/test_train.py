@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from workbook import cli, jsonl, params, planner, runner, training
+from workbook import arithmetic, cli, jsonl, params, planner, runner, training
 from workbook.training import batches as sft_batches, checkpoints, cli as training_cli, examples as sft_examples
 from workbook.training import run_folder, run_plan
 from workbook.paths import NOTEBOOKS_DIR
@@ -188,6 +188,23 @@ def test_the_bad_line_policy_comes_from_the_params(tmp_path):
     profile = params.load_all()["cpu"]
     assert training.config_from_params(profile, tmp_path).on_bad_line == "fail"
     assert training.config_from_params({**profile, "on_bad_line": "skip"}, tmp_path).on_bad_line == "skip"
+
+
+def test_held_out_questions_are_read_before_the_model_loads_and_must_be_the_arithmetic_task(tmp_path):
+    profile = {**params.load_all()["cpu"], "eval_prompts_path": "lib/workbook/data/arithmetic_contraction_held_out.jsonl"}
+    config = training.config_from_params(profile, tmp_path)  # the shipped held-out file, found from the repo root
+    assert config.eval_prompts_path == str(arithmetic.VARIANT_HELD_OUT_PATH)
+    prepared = training.prepare_data(dataclasses.replace(config, data_path=arithmetic_pairs(tmp_path)))
+    assert prepared.accuracy_records == arithmetic.load_prompts(arithmetic.VARIANT_HELD_OUT_PATH)
+    assert prepared.accuracy_source == f"held-out prompts of {arithmetic.VARIANT_HELD_OUT_PATH}"
+    assert training.config_from_params({**profile, "eval_prompts_path": ""}, tmp_path).eval_prompts_path == ""
+
+    with pytest.raises(training.TrainError, match=r"eval_prompts_path 'nope.jsonl': no such file"):
+        training.config_from_params({**profile, "eval_prompts_path": "nope.jsonl"}, tmp_path)
+    other_task = write_jsonl(tmp_path / "questions.jsonl", [{"input": "What is 1 + 2?"}, {"input": "Name a colour."}])
+    with pytest.raises(training.TrainError, match=r"questions.jsonl:2: eval_prompts_path holds held-out questions"):
+        training.prepare_data(dataclasses.replace(config, data_path=arithmetic_pairs(tmp_path),
+                                                  eval_prompts_path=other_task))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,6 +28,15 @@ DOMAIN = "arithmetic"
 SAMPLE_SIZE = 300  # records in the shipped sample file, held out from the tiny model's training
 SAMPLE_SEED = 1234  # picks which problems are held out; changing it changes the sample file
 SAMPLE_PROMPTS_PATH = Path(__file__).parent / "data" / "arithmetic_prompts.jsonl"
+# One round of rejection-sampling fine-tuning (the cpu profile's run, bench/rejection_sampling.py):
+# questions asked in words the tiny model never saw ("What's 22 + 70?"), which it answers right
+# only now and then. A pool to sample training data from and held-out questions to score, disjoint
+# from each other and from the sample file, shipped so the profile can name them.
+VARIANT_STYLE = "contraction"
+VARIANT_POOL_SIZE, VARIANT_HELD_OUT_SIZE = 1500, 300
+VARIANT_POOL_SEED, VARIANT_HELD_OUT_SEED = 2, 1
+VARIANT_POOL_PATH = SAMPLE_PROMPTS_PATH.with_name("arithmetic_contraction_pool.jsonl")
+VARIANT_HELD_OUT_PATH = SAMPLE_PROMPTS_PATH.with_name("arithmetic_contraction_held_out.jsonl")
 
 # The first integer in a generated text, with an optional minus sign ("-3", " 68</s>", "68.").
 _FIRST_INTEGER = re.compile(r"-?\d+")
@@ -124,18 +133,39 @@ def variant_records(style: str, count: int, seed: int, exclude: set[Problem] = f
              "input": question_text(problem.left, problem.right, style)} for index, problem in enumerate(chosen)]
 
 
+def variant_task_records(pool_size: int = VARIANT_POOL_SIZE,
+                         held_out_size: int = VARIANT_HELD_OUT_SIZE) -> tuple[list[dict], list[dict]]:
+    """(pool, held-out) records of the rejection-sampling task: disjoint from each other and from
+    the sample file's problems."""
+    seen = set(sample_problems())
+    held_out = variant_records(VARIANT_STYLE, held_out_size, VARIANT_HELD_OUT_SEED, exclude=seen)
+    seen |= {parse_question(record["input"]) for record in held_out}
+    return variant_records(VARIANT_STYLE, pool_size, VARIANT_POOL_SEED, exclude=seen), held_out
+
+
 def sample_records() -> list[dict]:
     """The records of the shipped sample file, as the generator produces them."""
     return [make_record(problem, index) for index, problem in enumerate(sample_problems())]
 
 
-def write_sample_prompts(path: str | Path = SAMPLE_PROMPTS_PATH) -> Path:
-    """Write the sample records as JSON lines to ``path`` (default: the shipped file)."""
+def write_records(path: str | Path, records: list[dict]) -> Path:
+    """Write ``records`` as JSON lines to ``path``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    lines = [json.dumps(record) + "\n" for record in sample_records()]
-    path.write_text("".join(lines), encoding="utf-8")
+    path.write_text("".join(json.dumps(record) + "\n" for record in records), encoding="utf-8")
     return path
+
+
+def write_sample_prompts(path: str | Path = SAMPLE_PROMPTS_PATH) -> Path:
+    """Write the sample records as JSON lines to ``path`` (default: the shipped file)."""
+    return write_records(path, sample_records())
+
+
+def write_variant_task(pool_path: str | Path = VARIANT_POOL_PATH,
+                       held_out_path: str | Path = VARIANT_HELD_OUT_PATH) -> tuple[Path, Path]:
+    """Write the rejection-sampling task's pool and held-out files (default: the shipped ones)."""
+    pool, held_out = variant_task_records()
+    return write_records(pool_path, pool), write_records(held_out_path, held_out)
 
 
 def load_prompts(path: str | Path = SAMPLE_PROMPTS_PATH) -> list[dict]:

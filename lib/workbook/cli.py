@@ -17,6 +17,12 @@ from workbook import params as params_module
 from workbook.runner import RunError
 
 
+# `workbook plan --dtype`: the planner's names (planner.shape.BITS_PER_PARAMETER, DTYPE_ALIASES), written
+# out here so `workbook --help` does not import torch.
+PLAN_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
+PLAN_DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
 def _cmd_gpu(args) -> int:
     from workbook import gpu, notebook
     detection = gpu.detect()
@@ -40,20 +46,32 @@ def _cmd_run(args) -> int:
     return 0 if result.ok else 1
 
 
+def _int_or_auto(text: str) -> int | str:
+    if text == "auto" or (text.isdigit() and int(text) >= 1):
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"expected an integer >= 1 or 'auto', got {text!r}")
+
+
 def _cmd_plan(args) -> int:
     from workbook import runner
     from workbook.planner import profile as planner_profile
     profile = runner.resolve_params(args.profile, [], log=lambda line: print(line, file=sys.stderr))[0]
+    dtype = args.dtype and PLAN_DTYPE_ALIASES.get(args.dtype, args.dtype)  # "bfloat16" -> "bf16"
     overrides = {key: value for key, value in {
-        "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
+        "model": args.model, "dtype": dtype, "prompt_len": args.prompt_len,
         "max_new_tokens": args.new_tokens, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
-        "optimizer": args.optimizer, "sharding": args.sharding,
+        "optimizer": args.optimizer, "sharding": args.sharding, "tensor_parallel_size": args.tensor_parallel_size,
+        "num_nodes": args.num_nodes,
     }.items() if value is not None}
+    flags = {"max_new_tokens": "--new-tokens"}  # the params key's flag, where the two names differ
     for key, value in overrides.items():
         # int8/int4 are weight formats the planner knows but no profile runs in.
         if key in params_module.SCHEMA and not (key == "dtype" and value in ("int8", "int4")):
-            params_module.validate_value(key, value, f"--{key.replace('_', '-')}")
+            params_module.validate_value(key, value, flags.get(key, f"--{key.replace('_', '-')}"))
+    if args.batch_size is not None and args.batch_size < 1:  # 0 is no batch; 'auto' is the profile's word
+        raise params_module.ParamsError(f"--batch-size: {args.batch_size} is not a batch; give 1 or more, "
+                                        "or leave it out to use the profile's (its 'auto': the largest that fits)")
     try:
         result = planner_profile.plan(profile, mode=args.mode, batch_size=args.batch_size, **overrides)
     except ValueError as error:
@@ -73,6 +91,12 @@ def _cmd_plan(args) -> int:
 def _cmd_calibrate(args) -> int:
     from workbook.planner import calibration
     return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile])
+
+
+def _cmd_forecast(args) -> int:
+    from workbook.planner.pilot import cli_main
+    return cli_main(args.params, args.set, mode=args.mode, as_json=args.json, share=args.pilot_share,
+                    seconds=args.pilot_seconds, clock=args.clock)
 
 
 def _cmd_generate(args) -> int:
@@ -103,6 +127,9 @@ JOBS = {
                  "workbook.generation.job"),
     "train": (_cmd_train, "supervised fine-tuning on input/output JSONL", "workbook.training.config"),
     "bench": (_cmd_bench, "generation and training sweeps against the hardware's limits", "workbook.bench.report"),
+    "forecast": (_cmd_forecast, "how long the job takes and what it costs, here and on every profile: a pilot of "
+                 "its own batches (their outputs count toward the job), then the whole job simulated",
+                 "workbook.planner.pilot"),
     "verify": (_cmd_verify, "check an existing output with a verifier; the right ones go to <output>.accepted.jsonl",
                "workbook.generation.verify"),
 }
@@ -183,14 +210,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--prompt-len", type=int, help="prompt tokens (generate)")
     plan_parser.add_argument("--new-tokens", type=int, help="new tokens per sequence (generate)")
     plan_parser.add_argument("--seq-len", type=int, help="sequence length (train)")
-    plan_parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16", "int8", "int4"),
-                             help="weights dtype (int8/int4: bitsandbytes weight formats)")
+    plan_parser.add_argument("--dtype", choices=(*PLAN_DTYPES, *PLAN_DTYPE_ALIASES), metavar="DTYPE",
+                             help=f"weights dtype: {', '.join(PLAN_DTYPES)} (int8/int4: bitsandbytes weight "
+                                  f"formats; {', '.join(PLAN_DTYPE_ALIASES)} are accepted too)")
     plan_parser.add_argument("--grad-checkpointing", action="store_true", help="plan with activation recomputation")
     plan_parser.add_argument("--lora-rank", type=int, help="LoRA rank (train); 0 = full fine-tune")
     plan_parser.add_argument("--optimizer", choices=("adamw", "adamw-8bit"), help="train: optimizer states")
     plan_parser.add_argument("--sharding", choices=("none", "fsdp"),
                              help="train: 'fsdp' shards weights, gradients and optimizer over the profile's GPUs")
+    plan_parser.add_argument("--tensor-parallel-size", type=_int_or_auto, metavar="N",
+                             help="generate: shard the model over N GPUs (tensor parallel) and run gpu_count / N copies "
+                                  "(data parallel); 'auto' picks the smallest N that fits a useful batch "
+                                  "(default: the profile's tensor_parallel_size)")
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
+    plan_parser.add_argument("--num-nodes", type=int, help="machines of the profile's GPUs (default: the profile's "
+                             "num_nodes); the plan says what crosses the network between them")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)
 
@@ -206,6 +240,17 @@ def build_parser() -> argparse.ArgumentParser:
         job.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
         add_set_argument(job)
         job.set_defaults(handler=handler)
+        if name == "forecast":
+            job.add_argument("--mode", choices=params_module.PLAN_MODES, help="default: the profile's plan_mode")
+            job.add_argument("--json", action="store_true", help="print the forecast as JSON")
+            job.add_argument("--pilot-share", type=float, default=0.1,
+                             help="the pilot runs at most this share of the job's batches (training: steps), "
+                                  "at least one; default 0.1")
+            job.add_argument("--pilot-seconds", type=float,
+                             help="generation: also stop the pilot after this many seconds (after its first batch)")
+            job.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                             help="forecast wall seconds (default), or this process's CPU seconds: a machine "
+                                  "shared with other work stretches wall time, not CPU time (use OMP_NUM_THREADS=1)")
     return parser
 
 

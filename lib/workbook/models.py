@@ -45,11 +45,13 @@ class LoadedModel:
 
 
 def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device, *,
-               attn_implementation: str = DEFAULT_ATTENTION) -> LoadedModel:
+               attn_implementation: str = DEFAULT_ATTENTION, sharding: dict | None = None) -> LoadedModel:
     """``model`` on ``device`` in ``dtype`` (a name in TORCH_DTYPES or a torch dtype), in eval mode.
 
     'tiny' or a local directory loads its weights; a preset name builds the architecture with random
-    weights (``build_random``)."""
+    weights (``build_random``). ``sharding``, keyword arguments of ``from_pretrained`` such as
+    ``{"distributed_config": DistributedConfig(...)}``, loads this process's shard of the weights onto
+    its own device instead (tensor parallel: ``generation.tensor_parallel.sharding_arguments``)."""
     from transformers import AutoModelForCausalLM
 
     from workbook import tiny_model
@@ -57,8 +59,13 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
         return build_random(model, dtype, device, attn_implementation=attn_implementation)
     torch_dtype = _torch_dtype(dtype)
     path = tiny_model.resolve_model_path(model)
+    description = f"{model}: weights from {path}, {DTYPE_NAMES[torch_dtype]}"
+    if sharding:  # transformers places each shard on this rank's device
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                                      **sharding)
+        return LoadedModel(loaded.eval(), f"{description}, tensor parallel over {loaded.tp_size} processes", path)
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
-    return LoadedModel(loaded.to(device).eval(), f"{model}: weights from {path}, {DTYPE_NAMES[torch_dtype]}", path)
+    return LoadedModel(loaded.to(device).eval(), description, path)
 
 
 def build_random(model: str, dtype: str | torch.dtype, device: str | torch.device, *,

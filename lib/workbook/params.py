@@ -105,6 +105,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("log_every_batches", int, "print a progress line every N batches; 0: never", minimum=0),
     Key("data_parallel_processes", int, "processes sharing the job, one per GPU, each holding the whole model",
         minimum=1),
+    Key("tensor_parallel_size", int, "GPUs (processes) each copy of the model is sharded over with transformers' "
+        "tensor parallelism; data_parallel_processes / tensor_parallel_size copies share the prompts; 'auto': the "
+        "planner's smallest that fits a useful batch", minimum=1, auto=True),
     Key("samples_per_prompt", int, "outputs per prompt, each its own record (metadata.sample_index); > 1 needs "
         "do_sample (rejection sampling: sample, verify, keep the right ones); batch_size counts outputs", minimum=1),
     Key("verifier", str, "checks each output after generation and keeps the right ones in <output>.accepted.jsonl: "
@@ -126,6 +129,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
         "(similar lengths batched, padded to the longest)", choices=("packing", "length_grouped")),
     Key("validation_fraction", float, "fraction of the examples held out for validation loss and accuracy",
         minimum=0, maximum=0.5),
+    Key("eval_prompts_path", str, "held-out arithmetic questions answered greedily before and after training and "
+        "scored against their true answers (a rejection-sampling round's proof); '' scores the validation split"),
     Key("learning_rate", float, "peak learning rate (linear warmup, cosine decay to 10%)", minimum=0),
     Key("lr_scaling", str, "heuristic applied when the effective batch differs from base_batch",
         choices=("none", "linear", "sqrt")),
@@ -165,6 +170,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16'", int_list=True),
     Key("bench_train_steps", int, "optimizer steps per training point (the first 2 are warm-up); 0: no training "
         "sweep", minimum=0),
+    # Several nodes (the planner, notebook 01, `workbook plan`).
+    Key("num_nodes", int, "machines the job spans, each with gpu_count GPUs (torchrun --nnodes, accelerate launch "
+        "--num_machines); the plan says what crosses the network between them", minimum=1),
 )}
 
 

@@ -390,3 +390,41 @@ def pass_rates(rates: list[float], title: str):
     axis.set_title(title, fontsize=10)
     axis.set_xlim(0, 1)
     return figure
+
+
+def forecast_costs(rows: list[dict], title: str):
+    """Hours and dollars per profile of one forecast (``workbook forecast``'s ``profiles``); the
+    bars of projected rows are lighter than the one measured here."""
+    rows = [row for row in rows if row["wall_seconds"] is not None]
+    figure, (hours, dollars) = plt.subplots(1, 2, figsize=(10, 0.45 * len(rows) + 1.8), sharey=True)
+    names = [row["profile"] for row in rows]
+    colors = ["#4c72b0" if row["basis"].startswith("measured") else "#a6bddb" for row in rows]
+    hours.barh(names, [row["wall_seconds"] / 3600 for row in rows], color=colors)
+    hours.set_xlabel("wall hours (dark: measured here by the pilot; light: projected)")
+    dollars.barh(names, [row["usd"] for row in rows], color=colors)
+    dollars.set_xlabel("US dollars at each profile's usd_per_gpu_hour")
+    figure.suptitle(title, fontsize=10)
+    figure.tight_layout()
+    return figure
+
+
+def forecast_against_measured(points: list[dict]):
+    """Each run's forecast wall time against its measured one, with the +-10% band (notebook 05)."""
+    figure, axis = plt.subplots(figsize=(6, 5))
+    for kind, marker in (("generation", "o"), ("training", "s")):
+        chosen = [p for p in points if p["kind"] == kind]
+        axis.scatter([p["measured_seconds"] for p in chosen], [p["predicted_seconds"] for p in chosen],
+                     marker=marker, label=kind)
+    if points:
+        top = max(max(p["measured_seconds"], p["predicted_seconds"]) for p in points) * 1.1
+        axis.plot([0, top], [0, top], color="black", linewidth=1, label="forecast = measured")
+        axis.fill_between([0, top], [0, 0.9 * top], [0, 1.1 * top], color="grey", alpha=0.2, label="within 10%")
+        axis.legend(fontsize=8)
+    else:
+        axis.text(0.5, 0.5, "no run recorded a forecast yet\n(workbook forecast, then the job)",
+                  transform=axis.transAxes, ha="center")
+    axis.set_xlabel("measured wall seconds (process start to end)")
+    axis.set_ylabel("forecast wall seconds")
+    axis.set_title("Forecast against measured, every run with a forecast", fontsize=10)
+    figure.tight_layout()
+    return figure

@@ -1,6 +1,6 @@
 """Model architectures the memory planner knows by name, and how to count their parameters.
 
-One place for each fact: the table below copies the published ``config.json`` of each model (the
+One place for each fact: the table in ``preset_configs`` copies the published ``config.json`` of each model (the
 Hugging Face repository is named in ``_name_or_path``), so a plan for "Llama-3.1-8B" needs neither
 a download nor the weights. Any other model is planned from a local Hugging Face directory, of
 which only ``config.json`` is read::
@@ -23,150 +23,9 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
+from workbook.preset_configs import PRESETS
+
 TINY_PRESET = "tiny"  # the workbook's own model (workbook.tiny_model), built locally
-
-# Published config.json values, copied field by field (generation-only fields such as
-# torch_dtype and use_cache are left out: they change no shape). Keep the hub id in
-# "_name_or_path" so a plan can say which model it describes.
-_LLAMA_3_1_ROPE = {  # Llama 3.1 and 3.2 stretch RoPE from 8k to 128k positions ("llama3" scaling)
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-}
-_LLAMA_3_2_ROPE = {
-    "rope_theta": 500000.0,
-    "rope_scaling": {**_LLAMA_3_1_ROPE["rope_scaling"], "factor": 32.0},
-}
-_LLAMA_COMMON = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "mlp_bias": False,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "pretraining_tp": 1,
-    "rms_norm_eps": 1e-05,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}
-_QWEN2_COMMON = {
-    "model_type": "qwen2",
-    "architectures": ["Qwen2ForCausalLM"],
-    "attention_dropout": 0.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "rms_norm_eps": 1e-06,
-    "rope_theta": 1000000.0,
-    "use_sliding_window": False,  # so every layer attends to all positions; window values unused
-    "use_mrope": False,
-    "bos_token_id": 151643,
-    "eos_token_id": 151643,
-}
-
-PRESETS: dict[str, dict] = {
-    "Llama-3.1-8B": {
-        **_LLAMA_COMMON,
-        **_LLAMA_3_1_ROPE,
-        "_name_or_path": "meta-llama/Llama-3.1-8B",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": False,
-    },
-    "Llama-3.1-70B": {
-        **_LLAMA_COMMON,
-        **_LLAMA_3_1_ROPE,
-        "_name_or_path": "meta-llama/Llama-3.1-70B",
-        "hidden_size": 8192,
-        "intermediate_size": 28672,
-        "num_hidden_layers": 80,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "tie_word_embeddings": False,
-    },
-    "Llama-3.2-1B": {
-        **_LLAMA_COMMON,
-        **_LLAMA_3_2_ROPE,
-        "_name_or_path": "meta-llama/Llama-3.2-1B",
-        "hidden_size": 2048,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 16,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "tie_word_embeddings": True,
-    },
-    "Llama-3.2-3B": {
-        **_LLAMA_COMMON,
-        **_LLAMA_3_2_ROPE,
-        "_name_or_path": "meta-llama/Llama-3.2-3B",
-        "hidden_size": 3072,
-        "intermediate_size": 8192,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 24,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "tie_word_embeddings": True,
-    },
-    "Qwen2.5-0.5B": {
-        **_QWEN2_COMMON,
-        "_name_or_path": "Qwen/Qwen2.5-0.5B",
-        "hidden_size": 896,
-        "intermediate_size": 4864,
-        "num_hidden_layers": 24,
-        "num_attention_heads": 14,
-        "num_key_value_heads": 2,
-        "vocab_size": 151936,
-        "max_position_embeddings": 32768,
-        "sliding_window": 32768,
-        "max_window_layers": 24,
-        "tie_word_embeddings": True,
-    },
-    "Qwen2.5-7B": {
-        **_QWEN2_COMMON,
-        "_name_or_path": "Qwen/Qwen2.5-7B",
-        "hidden_size": 3584,
-        "intermediate_size": 18944,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 28,
-        "num_key_value_heads": 4,
-        "vocab_size": 152064,
-        "max_position_embeddings": 131072,
-        "sliding_window": 131072,
-        "max_window_layers": 28,
-        "tie_word_embeddings": False,
-    },
-    "Mistral-7B-v0.1": {
-        "model_type": "mistral",
-        "architectures": ["MistralForCausalLM"],
-        "_name_or_path": "mistralai/Mistral-7B-v0.1",
-        "hidden_act": "silu",
-        "initializer_range": 0.02,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 32000,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-05,
-        "rope_theta": 10000.0,
-        "sliding_window": 4096,  # every layer attends to the last 4096 positions only
-        "tie_word_embeddings": False,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    },
-}
 
 
 def preset_names() -> list[str]:
@@ -217,11 +76,40 @@ def _config_from_directory(directory: Path) -> PretrainedConfig:
     if not isinstance(values, dict) or not isinstance(values.get("model_type"), str):
         raise ValueError(f"{path}: expected a JSON object with a 'model_type' (e.g. \"llama\"), as Hugging Face "
                          "writes it; restore the model's config.json")
+    _check_size_fields(path, values)
     try:
         return AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as error:  # transformers' own checks (types, head counts) raise several kinds
         reason = " ".join(str(error).split())
         raise ValueError(f"{path}: transformers refuses it: {reason}") from None
+
+
+# Sizes every decoder config gives as a positive integer (null where optional). Checked on the raw
+# JSON, so the error names the file and key instead of transformers' validator or a torch shape error.
+SIZE_FIELDS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "vocab_size", "max_position_embeddings", "sliding_window", "num_local_experts",
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank", "q_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
+)
+
+
+def _check_size_fields(path: Path, values: dict) -> None:
+    for key in SIZE_FIELDS:
+        value = values.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{path}: {key!r} is {json.dumps(value)} ({type(value).__name__}); expected a "
+                             "positive integer; restore the model's config.json")
+        if value < 1:
+            raise ValueError(f"{path}: {key!r} is {value}; expected a positive integer; "
+                             "restore the model's config.json")
+    heads, key_value_heads = values.get("num_attention_heads"), values.get("num_key_value_heads")
+    if heads and key_value_heads and heads % key_value_heads:
+        raise ValueError(f"{path}: 'num_attention_heads' {heads} is not a multiple of 'num_key_value_heads' "
+                         f"{key_value_heads} (grouped-query attention shares each key/value head among a whole "
+                         "number of query heads)")
 
 
 def count_parameters(config: PretrainedConfig) -> int:

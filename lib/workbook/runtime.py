@@ -12,9 +12,11 @@ import fcntl
 import gc
 import json
 import os
+import secrets
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -30,11 +32,47 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1")) if inside_launcher() else 1
 
 
+def launched_nodes() -> int:
+    """How many machines the launcher spans (1 outside a launcher): torchrun, and accelerate launch
+    through it, set GROUP_WORLD_SIZE to the number of nodes (``--nnodes``, ``--num_machines``)."""
+    return int(os.environ.get("GROUP_WORLD_SIZE", "1")) if inside_launcher() else 1
+
+
+def folder_shared_with_first(folder: str | Path, index: int, all_gather: Callable[[Any], list]) -> list[bool]:
+    """For each process, whether its ``folder`` is the first process's (a shared filesystem) or one of
+    the same name on its own node's disk. The first process (``index`` 0) makes the folder and a file of
+    a random name in it; every process looks for that file. ``all_gather(value)`` returns every
+    process's value in rank order (a collective: every process must call this, in the same order)."""
+    folder = Path(folder)
+    marker = None
+    if index == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        marker = folder / f".shared-check-{secrets.token_hex(8)}"
+        marker.touch()
+    name = all_gather(marker.name if marker else None)[0]
+    try:
+        return [bool(seen) for seen in all_gather((folder / name).exists())]
+    finally:
+        if marker is not None:
+            marker.unlink(missing_ok=True)
+
+
 def free_port() -> int:
     """A port no one listens on, so two jobs on one machine do not collide on accelerate's 29500."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def process_age_seconds() -> float | None:
+    """Seconds since this process started (interpreter start-up and imports included), from
+    /proc on Linux; None elsewhere. A job's wall time is measured from here, as a user's clock would."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
 def default_device() -> torch.device:

@@ -35,6 +35,8 @@ LABEL_WIDTH = "160px"  # wide enough for the longest label with its unit, at Jup
 FIGURE_INCHES = (10, 3.2)
 FIGURE_MIN_HEIGHT = "335px"  # the figure's height: the page does not jump while an image swaps
 # CSS classes: a handle for the browser test and for anyone styling the tuner.
+AUTO_LAYOUT = "auto"  # the tensor-parallel size the planner chooses (planner.layout)
+TENSOR_PARALLEL_SIZES = [1, 2, 4, 8]  # divisors of an 8-GPU machine
 CSS_CLASSES = {"widget": "workbook-tuner", "verdict": "workbook-tuner-verdict",
                "max_batch": "workbook-tuner-max-batch", "advice": "workbook-tuner-advice",
                "error": "workbook-tuner-error", "output": "workbook-tuner-figure"}
@@ -100,6 +102,12 @@ class PlannerTuner:
                                     "prompt (tokens)", "prompt tokens per sequence (use your data's longest)")
         self.new_tokens = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["max_new_tokens"]),
                                     "new (tokens)", "tokens generated per sequence; the KV cache grows with them")
+        sizes = [AUTO_LAYOUT, *TENSOR_PARALLEL_SIZES]
+        size = params.get("tensor_parallel_size", 1)
+        self.tensor_parallel = _labelled(widgets.Dropdown(options=sizes + ([size] if size not in sizes else []),
+                                                          value=size), "tensor parallel",
+                                         "GPUs one copy of the model is sharded over (T; the profile's other GPUs "
+                                         "run copies, D); auto: the smallest T that fits a useful batch")
         self.seq_len = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["seq_len"]),
                                  "sequence (tokens)", "training sequence length; activations grow with it")
         # indent: the box lines up with the other controls, its label beside it.
@@ -126,14 +134,14 @@ class PlannerTuner:
         self.update()
 
     def _controls(self):
-        return (self.model, self.profile, self.dtype, self.mode, self.batch_size, self.prompt_len,
-                self.new_tokens, self.seq_len, self.grad_checkpointing, self.lora_rank)
+        return (self.model, self.profile, self.dtype, self.mode, self.batch_size, self.tensor_parallel,
+                self.prompt_len, self.new_tokens, self.seq_len, self.grad_checkpointing, self.lora_rank)
 
     def _layout(self):
         groups = [
             _group("Model and hardware", [self.model, self.profile, self.dtype]),
             _group("Workload", [self.mode, self.batch_size]),
-            _group("Generation lengths", [self.prompt_len, self.new_tokens], "(mode generate)"),
+            _group("Generation", [self.tensor_parallel, self.prompt_len, self.new_tokens], "(mode generate)"),
             _group("Training", [self.seq_len, self.grad_checkpointing, self.lora_rank], "(mode train)"),
         ]
         controls = widgets.HBox(groups, layout=widgets.Layout(flex_flow="row wrap"))
@@ -147,7 +155,7 @@ class PlannerTuner:
         return {**facts, "model": self.model.value, "dtype": self.dtype.value,
                 "prompt_len": self.prompt_len.value, "max_new_tokens": self.new_tokens.value,
                 "seq_len": self.seq_len.value, "grad_checkpointing": self.grad_checkpointing.value,
-                "lora_rank": self.lora_rank.value}
+                "lora_rank": self.lora_rank.value, "tensor_parallel_size": self.tensor_parallel.value}
 
     def _on_change(self, change) -> None:
         if self._quiet:
@@ -182,7 +190,7 @@ class PlannerTuner:
                                 f"{html.escape(type(error).__name__)}: {html.escape(str(error))}\n"
                                 f"{html.escape(traceback.format_exc(limit=2))}</pre>")
             self.error.layout.display = None
-        for control in (self.prompt_len, self.new_tokens):
+        for control in (self.tensor_parallel, self.prompt_len, self.new_tokens):
             control.disabled = self.mode.value != "generate"
         self.seq_len.disabled = self.grad_checkpointing.disabled = self.lora_rank.disabled = \
             self.mode.value != "train"
@@ -194,7 +202,9 @@ class PlannerTuner:
         self.verdict.value = (f"<span style='font-size:1.2em;color:{color}'><b>{word}</b></span> "
                               f"batch {plan.batch_size} ({plan.mode}): {format_bytes(plan.total_bytes)} predicted of "
                               f"{format_bytes(plan.budget_bytes)} budget{per}&nbsp;&nbsp;")
-        self.max_batch.value = f"<span style='font-size:1.2em'>max batch: <b>{plan.max_batch_size}</b></span>"
+        layout = (f" &nbsp;layout: <b>T={plan.tensor_parallel_size} x D={plan.data_parallel_size}</b>"
+                  if plan.mode == "generate" else "")
+        self.max_batch.value = f"<span style='font-size:1.2em'>max batch: <b>{plan.max_batch_size}</b>{layout}</span>"
         # Always one line (the spare memory when it fits), so the plot below does not jump when the
         # verdict flips.
         spare = f"{format_bytes(plan.budget_bytes - plan.total_bytes)} of the budget left{per}."

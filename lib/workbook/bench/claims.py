@@ -88,7 +88,9 @@ def claims_table(generation: dict | None, training: dict | None, matmul: dict | 
     rows.append({"seed": "000", "claim": "KV cache ~500MB per example (8B, 2048 new tokens)",
                  "measured": (f"counted from the Llama-3.1-8B config: {kv_8b / 1e6:.0f} MB per example at 512 prompt + "
                               "2048 new tokens (bf16): arithmetic, not hardware")})
-    rows.append({"seed": "004/001", "claim": "memory figures per batch size; ~20GB per GPU with TP=4",
+    rows.append({"seed": "001", "claim": "~20GB per GPU with TP=4 (30B teacher on 4 of 8 H100s)",
+                 "measured": tensor_parallel_claim()})
+    rows.append({"seed": "004", "claim": "memory figures per batch size",
                  "measured": ("measured peak / planner: " + ", ".join(
                      f"{p['strategy']} b{p['batch_size']} {p['peak_memory_bytes'] / p['predicted_peak_bytes']:.2f}"
                      for p in measured_memory)) if measured_memory else
@@ -104,6 +106,22 @@ def claims_table(generation: dict | None, training: dict | None, matmul: dict | 
                      "measured": f"MFU {min(mfus):.1%}-{max(mfus):.1%} over the training points" if mfus else
                      "not measurable on this hardware (no GPU peak: MFU n/a)"})
     return rows
+
+
+def tensor_parallel_claim(model: str = "Qwen2.5-32B", tensor_parallel_size: int = 4) -> str:
+    """The planner's per-GPU figure for a 30B-class teacher sharded over 4 H100s (the h100x8 profile,
+    512 prompt + 2048 new tokens, bf16): planned from the config, not measured (no multi-GPU machine)."""
+    from workbook import params
+    from workbook.paths import PARAMS_DIR
+    from workbook.planner import profile
+    h100x8 = params.load(PARAMS_DIR / "h100x8.yaml")
+    plan = profile.plan(h100x8, mode="generate", model=model, batch_size=1, tensor_parallel_size=tensor_parallel_size,
+                        prompt_len=512, max_new_tokens=2048, dtype="bf16")
+    return (f"planned, not measured (no multi-GPU machine): {model} ({plan.params / 1e9:.1f}B) at T={tensor_parallel_size}"
+            f" holds {plan.weights_bytes / 1e9:.1f} GB of weights per GPU; batch 1 peaks at "
+            f"{plan.total_bytes / 1e9:.1f} GB per GPU, and the largest batch per GPU ({plan.max_batch_size}) fills "
+            f"the {plan.budget_bytes / 1e9:.0f} GB budget with KV cache ({plan.kv_cache_bytes_per_token:,} B/token "
+            "per GPU; 512 prompt + 2048 new tokens, bf16)")
 
 
 def goals_table(generation: dict | None, training: dict | None) -> list[dict]:

@@ -6,7 +6,8 @@ questions before and after. A benchmark, not a test: it writes ``rejection_sampl
     python -m workbook.bench.rejection_sampling --out outputs/reference/cpu
 
 The task is the tiny model's arithmetic asked in words it was not trained on ("What's 23 + 45?",
-``arithmetic.QUESTION_STYLES["contraction"]``), which it answers right only now and then. Every
+``arithmetic.variant_task_records``: the cpu profile's default run uses the same task from its
+shipped files), which it answers right only now and then. Every
 step runs through the workbook's own jobs with the cpu profile (``generation.run_job``,
 ``verify``, ``training.launch``), so this is the loop notebooks 02 and 03 run, with numbers.
 """
@@ -26,15 +27,6 @@ from workbook import arithmetic, gpu, notebook, params as params_module, trainin
 from workbook.generation import job, task_accuracy
 from workbook.generation.files import read_outputs
 
-STYLE = "contraction"
-HELD_OUT_SEED, POOL_SEED = 1, 2
-
-
-def write_jsonl(path: Path, records: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(record) + "\n" for record in records))
-    return path
-
-
 def generate(profile: dict, prompts: Path, output: Path, **changes) -> dict:
     """The generation job on ``prompts`` with the cpu profile and ``changes``; its summary."""
     settings = {**profile, "prompts_path": str(prompts), "output_path": str(output), "log_every_batches": 0,
@@ -50,11 +42,9 @@ def held_out_accuracy(profile: dict, model: str, prompts: Path, output: Path) ->
 
 def run(args: argparse.Namespace, work: Path, log=print) -> dict:
     profile = params_module.load(params_module.profile_path("cpu"))
-    seen = set(arithmetic.sample_problems())
-    held = arithmetic.variant_records(STYLE, args.held_out, HELD_OUT_SEED, exclude=seen)
-    seen |= {arithmetic.parse_question(record["input"]) for record in held}
-    pool = arithmetic.variant_records(STYLE, args.pool, POOL_SEED, exclude=seen)
-    held_path, pool_path = write_jsonl(work / "held_out.jsonl", held), write_jsonl(work / "pool.jsonl", pool)
+    pool, held = arithmetic.variant_task_records(args.pool, args.held_out)
+    held_path = arithmetic.write_records(work / "held_out.jsonl", held)
+    pool_path = arithmetic.write_records(work / "pool.jsonl", pool)
     timings = {}
 
     began = time.perf_counter()
@@ -85,7 +75,7 @@ def run(args: argparse.Namespace, work: Path, log=print) -> dict:
     log(f"held-out accuracy after: {after:.1%}")
     return {
         "what": "one round of rejection-sampling fine-tuning of the tiny model on questions asked in unseen words",
-        "task": {"style": STYLE, "example": held[0]["input"], "held_out_questions": len(held),
+        "task": {"style": arithmetic.VARIANT_STYLE, "example": held[0]["input"], "held_out_questions": len(held),
                  "pool_questions": len(pool), "disjoint": True},
         "sampling": {"samples_per_prompt": args.samples, "temperature": args.temperature,
                      "verifier": "final_number", "max_accepted_per_prompt": args.max_accepted_per_prompt,
@@ -117,8 +107,8 @@ def markdown(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbook.bench.rejection_sampling",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--pool", type=int, default=1500, help="questions sampled for training data")
-    parser.add_argument("--held-out", type=int, default=300, help="questions scored before and after")
+    parser.add_argument("--pool", type=int, default=arithmetic.VARIANT_POOL_SIZE, help="questions sampled for training data")
+    parser.add_argument("--held-out", type=int, default=arithmetic.VARIANT_HELD_OUT_SIZE, help="questions scored before and after")
     parser.add_argument("--samples", type=int, default=8, help="samples per question")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-accepted-per-prompt", type=int, default=1)

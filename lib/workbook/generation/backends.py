@@ -74,11 +74,15 @@ def make_backend(name: str, model, settings: DecodingSettings, batch_size: int):
 def resolve_backend(params, reference_dir: Path = REFERENCE_DIR) -> tuple[str, str]:
     """(backend, why). ``auto`` reads the profile's continuous-batching benchmark
     (``python -m workbook.bench.continuous_batching``): continuous where it beat length-sorted static
-    batches on uneven outputs (teacher outputs are uneven), static where it did not or where nothing
-    was measured for this profile."""
+    batches on uneven outputs (teacher outputs are uneven), static where it did not, where nothing
+    was measured for this profile, or under tensor parallelism (which continuous cannot run)."""
     name, profile_name = params["backend"], params["profile"]
     if name != AUTO:
         return name, f"backend {name}: set in params"
+    tensor_parallel_size = params.get("tensor_parallel_size", 1)
+    if tensor_parallel_size not in (1, AUTO):  # the job passes the size 'auto' resolved to
+        return "static", (f"backend auto -> static: tensor_parallel_size {tensor_parallel_size}, and continuous "
+                          "batching does not run sharded")
     path = Path(reference_dir) / profile_name / MEASUREMENT_FILE
     if not path.exists():
         return "static", (f"backend auto -> static: nothing measured for the {profile_name} profile ({path} is "

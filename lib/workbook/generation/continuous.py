@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import inspect
 import time
 from typing import Any, Callable
@@ -29,6 +30,7 @@ from workbook.generation.engine import (
     MAX_CONSECUTIVE_ERRORS, BackendOutput, BatchStats, DecodingSettings, GenerationError, Outcome, PartialFailure,
     Prompt, _error_text, finish, sort_longest_first,
 )
+from workbook.planner.forecast import remaining_seconds
 from workbook.planner.paged import PAGE_SIZE, PagedLayout, paged_layout
 
 FSYNC_EVERY_LINES = 64  # the job's appenders fsync this often (lines) ...
@@ -58,14 +60,17 @@ class ContinuousBackend:
 
     def stream(self, prompts: list[Prompt], *, write: Callable[[Outcome], None], sort_by_length: bool = True,
                progress=None, log: Callable[[str], None] = print, log_every_batches: int = 0,
-               rank: int = 0) -> list[BatchStats]:
+               rank: int = 0, planned_batch_seconds: list[float] | None = None) -> list[BatchStats]:
         """Generate every prompt; ``write`` receives each finished request's Outcome at once (it may
         move the completion to ``failed``, as in ``engine.run_batches``). One BatchStats per
-        ``batch_size`` finished requests (``token_slots`` None: no padded positions)."""
+        ``batch_size`` finished requests (``token_slots`` None: no padded positions). The ETA is
+        ``planner.forecast.remaining_seconds`` over ``planned_batch_seconds`` (the planned seconds of
+        each ``batch_size`` prompts in queue order, as ``engine.run_batches`` plans them)."""
         queue = collections.deque(sort_longest_first(prompts) if sort_by_length else prompts)
         prompt_tokens = max((len(p.token_ids) for p in prompts), default=1)
         new_tokens = max((p.max_new_tokens for p in prompts), default=1)
-        tally = _Tally(len(prompts), self.batch_size, rank, progress, log, log_every_batches)
+        tally = _Tally(len(prompts), self.batch_size, rank, progress, log, log_every_batches,
+                       planned_batch_seconds or [])
         limit, restore_after, restore = self.batch_size, set(), False
         ceiling = self.batch_size  # the in-flight limit to go back to; an out-of-memory lowers it for good
         consecutive_errors = 0
@@ -255,6 +260,7 @@ class _Tally:
     progress: Any
     log: Callable[[str], None]
     log_every_batches: int
+    planned_batch_seconds: list[float]
     splits: int = 0
     started: float = dataclasses.field(default_factory=time.perf_counter)
     stats: list = dataclasses.field(default_factory=list)
@@ -263,6 +269,8 @@ class _Tally:
     done: int = 0
     failed: int = 0
     output_tokens: int = 0
+    remaining_seconds: float | None = None  # the ETA when the last group closed ...
+    _closed_at: float = 0.0  # ... at this many seconds into the stream
 
     def add(self, outcome: Outcome) -> None:
         now = time.perf_counter() - self.started
@@ -275,7 +283,8 @@ class _Tally:
         if self.progress is not None:
             self.progress.update(len(outcome.completed) + len(outcome.failed))
             self.progress.set_postfix_str(f"done {self.done}, failed {self.failed}, "
-                                          f"{self.output_tokens / max(now, 1e-9):.0f} tok/s", refresh=False)
+                                          f"{self.output_tokens / max(now, 1e-9):.0f} tok/s{self._eta_text(now)}",
+                                          refresh=False)
         if len(self.current) >= self.group:
             self._close_group(now)
 
@@ -291,11 +300,21 @@ class _Tally:
             first_result_seconds=self.first_result_seconds if not self.stats else None))
         self.current, self.splits = [], 0
         index = len(self.stats)
+        self._closed_at = now
+        if self.planned_batch_seconds:
+            self.remaining_seconds = remaining_seconds(self.planned_batch_seconds, index, now)
         if self.log_every_batches and index % self.log_every_batches == 0:
             finished = self.done + self.failed
             self.log(f"{'[rank %d] ' % self.rank if self.rank else ''}{finished}/{self.total} "
                      f"({100 * finished / max(self.total, 1):.1f}%) - generated {self.done}, failed {self.failed}, "
-                     f"{self.output_tokens / max(now, 1e-9):.0f} output tokens/s")
+                     f"{self.output_tokens / max(now, 1e-9):.0f} output tokens/s{self._eta_text(now)}")
+
+    def _eta_text(self, now: float) -> str:
+        """The ETA of the last closed group, counted down since (none before the first group closes)."""
+        if self.remaining_seconds is None:
+            return ""
+        left = max(0.0, self.remaining_seconds - (now - self._closed_at))
+        return f", ETA {datetime.timedelta(seconds=round(left))}"
 
     def finish(self) -> list[BatchStats]:
         if self.current:

@@ -191,23 +191,28 @@ def _error_text(error: BaseException) -> str:
 
 def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], None], sort_by_length: bool = True,
                 progress=None, log: Callable[[str], None] = print, log_every_batches: int = 0,
-                rank: int = 0) -> list[BatchStats]:
+                rank: int = 0, planned_seconds: Callable[[list[Prompt]], float] | None = None) -> list[BatchStats]:
     """Generate for every prompt in batches of ``backend.prompts_per_call``; ``write`` receives each
     batch's outcome before the next batch starts, and may move a completed prompt to ``failed``
     (its record could not be written): the batch's statistics count it there. Returns one
     BatchStats per batch.
 
     ``progress`` is a tqdm bar (or None); a log line every ``log_every_batches`` batches (0: none).
-    ``sort_by_length=False`` keeps input order (the benchmark's comparison). A streaming backend
-    (``continuous``: one manager for every prompt) runs the whole list itself, writing each prompt
-    as it finishes.
+    ``sort_by_length=False`` keeps input order (the benchmark's comparison). The ETA is the
+    forecast's (``planner.forecast.remaining_seconds``) over ``planned_seconds`` of each batch
+    (default: ``planner.forecast.positions_cost``), not examples left times seconds per example:
+    the first batches hold the longest prompts. A streaming backend (``continuous``: one manager
+    for every prompt) runs the whole list itself, writing each prompt as it finishes; its ETA
+    plans the same batches, each ``prompts_per_call`` finished prompts counting as one.
     """
-    if callable(getattr(backend, "stream", None)):
-        return backend.stream(prompts, write=write, sort_by_length=sort_by_length, progress=progress, log=log,
-                              log_every_batches=log_every_batches, rank=rank)
+    from workbook.planner.forecast import positions_cost, remaining_seconds
     ordered = sort_longest_first(prompts) if sort_by_length else list(prompts)
     size = backend.prompts_per_call
     batches = [ordered[start:start + size] for start in range(0, len(ordered), size)]
+    planned = [(planned_seconds or positions_cost)(batch) for batch in batches]
+    if callable(getattr(backend, "stream", None)):
+        return backend.stream(ordered, write=write, sort_by_length=False, progress=progress, log=log,
+                              log_every_batches=log_every_batches, rank=rank, planned_batch_seconds=planned)
     stats: list[BatchStats] = []
     started = time.perf_counter()
     done = failed = output_tokens = 0
@@ -227,13 +232,14 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
         failed += len(outcome.failed)
         output_tokens += sum(lengths)
         elapsed = now - started
+        remaining = remaining_seconds(planned, index, elapsed)
         if progress is not None:
             progress.update(len(batch))
             progress.set_postfix_str(f"done {done}, failed {failed}, batch {index}/{len(batches)}, "
-                                     f"{output_tokens / elapsed:.0f} tok/s", refresh=False)
+                                     f"{output_tokens / elapsed:.0f} tok/s, ETA {dt.timedelta(seconds=round(remaining))}",
+                                     refresh=False)
         if log_every_batches and (index % log_every_batches == 0 or index == len(batches)):
             finished = done + failed
-            remaining = elapsed / finished * (len(ordered) - finished) if finished else 0.0
             log(f"{'[rank %d] ' % rank if rank else ''}batch {index}/{len(batches)}: {finished}/{len(ordered)} "
                 f"({100 * finished / max(len(ordered), 1):.1f}%) - generated {done}, failed {failed}, "
                 f"{output_tokens / elapsed:.0f} output tokens/s, ETA {dt.timedelta(seconds=round(remaining))}")

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from workbook import jsonl, models, runtime
-from workbook.generation import records, verify
+from workbook.generation import nodes, records, tensor_parallel, verify
 from workbook.generation.backends import make_backend, resolve_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
@@ -30,7 +30,7 @@ from workbook.generation.files import OutputFiles, lock_output, merge_and_audit,
 from workbook.generation.inputs import (
     Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_text,
 )
-from workbook.planner import profile
+from workbook.planner import forecast, profile
 
 # The params keys this job reads; notebook 02 declares them all in its parameters cell.
 PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt_len", "max_new_tokens",
@@ -38,18 +38,31 @@ PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt
                "prompt_field", "output_path", "backend", "do_sample", "temperature", "top_p", "seed",
                "max_examples", "on_bad_line", "on_long_prompt", "use_chat_template", "log_every_batches",
                "data_parallel_processes", "verifier", "max_accepted_per_prompt", "system_prompt",
-               "samples_per_prompt")
+               "samples_per_prompt", "tensor_parallel_size")
 
 
 
 @dataclass(frozen=True)
 class Rank:
-    """This process's place in a data-parallel job (index 0 of 1 when alone)."""
+    """This process's place in a data-parallel job (index 0 of 1 when alone); with tensor
+    parallelism, consecutive groups of ``tensor_parallel_size`` processes share one copy of the model."""
 
     index: int
     count: int
     device: torch.device
     state: Any = None  # accelerate's PartialState when there are several processes
+    tensor_parallel_size: int = 1
+
+    @property
+    def share(self) -> "Rank":
+        """The data-parallel share this process computes: its group's (itself without tensor parallelism)."""
+        size = self.tensor_parallel_size
+        return Rank(self.index // size, self.count // size, self.device) if size > 1 else self
+
+    @property
+    def writes(self) -> bool:
+        """Only the first process of a tensor-parallel group writes; the others compute the same tokens."""
+        return self.index % self.tensor_parallel_size == 0
 
     def gather(self, value) -> list:
         if self.state is None:
@@ -58,15 +71,15 @@ class Rank:
         return gather_object([value])
 
 
-def current_rank() -> Rank:
+def current_rank(tensor_parallel_size: int = 1) -> Rank:
     if runtime.launched_processes() > 1:
         from accelerate import PartialState
         state = PartialState(cpu=not torch.cuda.is_available())  # gloo on CPU, NCCL on GPUs
-        return Rank(state.process_index, state.num_processes, state.device, state)
+        return Rank(state.process_index, state.num_processes, state.device, state, tensor_parallel_size)
     return Rank(0, 1, runtime.default_device())
 
 
-def load_model(model: str, dtype: str, device) -> tuple[Any, Any]:
+def load_model(model: str, dtype: str, device, sharding: dict | None = None) -> tuple[Any, Any]:
     """(model, tokenizer) from 'tiny' or a local Hugging Face directory; nothing is downloaded. A
     preset architecture is refused: its random weights have no tokenizer and write no text."""
     try:
@@ -74,7 +87,8 @@ def load_model(model: str, dtype: str, device) -> tuple[Any, Any]:
             raise GenerationError(f"model {model!r} is a preset architecture (random weights, no tokenizer): the "
                                   "generation job writes text, so point model at a local Hugging Face directory or "
                                   "use 'tiny'. The benchmark (workbook bench) times presets.")
-        return models.load_model(model, dtype, device).model, models.load_tokenizer(model)
+        loaded = models.load_model(model, dtype, device, sharding=sharding)
+        return loaded.model, models.load_tokenizer(model)
     except ValueError as error:  # an unknown name: neither a preset nor a directory
         raise GenerationError(str(error)) from None
 
@@ -137,12 +151,16 @@ def output_locked(files: OutputFiles, rank: Rank, *, held_by_parent: bool):
 
 def progress_bar(total: int, interactive: bool):
     """tqdm: the notebook widget when ``interactive`` (JupyterLab), else text on stderr (terminals,
-    papermill), redrawn at most once a second so a saved notebook stays small."""
+    papermill), redrawn at most once a second so a saved notebook stays small. tqdm's own time left
+    (examples left at the rate so far) is left out: the engine's ETA in the postfix knows that the
+    longest prompts run first."""
+    bar_format = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
     if interactive:
         from tqdm.auto import tqdm
-        return tqdm(total=total, desc="generating", unit="example")
+        return tqdm(total=total, desc="generating", unit="example", bar_format=bar_format)
     from tqdm.std import tqdm
-    return tqdm(total=total, desc="generating", unit="example", mininterval=1.0, file=sys.stderr)
+    return tqdm(total=total, desc="generating", unit="example", mininterval=1.0, file=sys.stderr,
+                bar_format=bar_format)
 
 
 @dataclass
@@ -170,7 +188,9 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     if model is None:
         if rank.device.type == "cpu" and rank.count > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.count))
-        model, tokenizer = load_model(params["model"], params["dtype"], rank.device)
+        layout = tensor_parallel.Layout(rank.tensor_parallel_size, rank.count // rank.tensor_parallel_size)
+        model, tokenizer = load_model(params["model"], params["dtype"], rank.device,
+                                      tensor_parallel.sharding_arguments(layout))
     settings = decoding_settings(params, model, tokenizer)
     backend_name, backend_choice = resolve_backend(params)
     batch_size = profile.resolve_batch_size({**params, "backend": backend_name}, "generate")  # continuous: paged plan
@@ -190,7 +210,8 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     by_length = sorted(((i, s) for i in range(len(examples)) for s in range(samples)),
                        key=lambda candidate: (-len(token_ids[candidate[0]]), *candidate))
     pending_set = set(pending)
-    mine = [candidate for candidate in by_length[rank.index::rank.count] if candidate in pending_set]
+    share = rank.share  # a tensor-parallel group computes one share together
+    mine = [candidate for candidate in nodes.shard(by_length, share.index, share.count) if candidate in pending_set]
     longest = max((len(token_ids[i]) for i, _ in pending), default=0)
     if params["batch_size"] == "auto" and longest > params["prompt_len"]:
         log(f"note: the longest prompt has {longest} tokens but batch_size 'auto' was planned for prompt_len "
@@ -200,7 +221,8 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
         each = f" x {samples} samples" if samples > 1 else ""
         log(f"{len(examples)} examples{each} in {prompts_path}; {len(examples) * samples - len(pending)} already in "
             f"{files.output}; {len(pending)} to generate with {params['model']} ({backend.name}, batch {batch_size}, "
-            f"{rank.count} process{'es' if rank.count > 1 else ''}); {len(bad_lines)} bad input lines skipped")
+            f"{rank.count} process{'es' if rank.count > 1 else ''}{_layout_text(rank)}); {len(bad_lines)} bad input "
+            "lines skipped")
         if params["backend"] == "auto":
             log(backend_choice)
     return Share(examples, bad_lines, token_ids,
@@ -222,13 +244,16 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
     def sample_index(sample: int) -> int | None:  # recorded only with several samples: one-sample records unchanged
         return sample if params["samples_per_prompt"] > 1 else None
 
-    if params["do_sample"]:
-        torch.manual_seed(share.settings.seed + rank.index)
+    if params["do_sample"]:  # the ranks of a tensor-parallel group must draw the same tokens
+        torch.manual_seed(share.settings.seed + rank.share.index)
+    if not rank.writes:  # its group's first rank writes what this one computes too
+        return run_batches(share.backend, share.prompts, write=lambda outcome: None, sort_by_length=sort_by_length,
+                           log=lambda line: None, log_every_batches=0, rank=rank.index)
     bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
     try:
         fsync_every = getattr(share.backend, "fsync_every", None)  # continuous: one line per call, synced by count/time
-        with jsonl.LineAppender(files.output_part(rank), fsync_every) as outputs, \
-                jsonl.LineAppender(files.failures_part(rank), fsync_every) as failures:
+        with jsonl.LineAppender(files.output_part(rank.share), fsync_every) as outputs, \
+                jsonl.LineAppender(files.failures_part(rank.share), fsync_every) as failures:
             if rank.index == 0:
                 failures.write(bad_line_failure(bad) for bad in share.bad_lines)
             failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,
@@ -258,12 +283,18 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
 
             return run_batches(share.backend, share.prompts, write=write, sort_by_length=sort_by_length,
                                progress=bar, log=log, log_every_batches=params["log_every_batches"],
-                               rank=rank.index)
+                               rank=rank.index, planned_seconds=forecast.planned_batch_seconds(
+                                   files.output.with_suffix(forecast.FORECAST_SUFFIX)))
     except OSError as error:  # from the appenders, which name the file: a full disk, or one gone read-only
         raise GenerationError(_write_failed_text(error, files, len(examples))) from None
     finally:
         if bar is not None:
             bar.close()
+
+
+def _layout_text(rank: Rank) -> str:
+    size = rank.tensor_parallel_size
+    return f": tensor parallel {size} x data parallel {rank.count // size}" if size > 1 else ""
 
 
 def _write_failed_text(error: OSError, files: OutputFiles, total: int) -> str:
@@ -285,30 +316,41 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
     """
     require_keys(params)
     verifier = _verifier(params)  # a mistyped verifier stops the job before hours of generation
-    rank = current_rank()
+    layout = tensor_parallel.launched_layout(params)  # a size the model or launcher cannot run stops here
+    params = {**params, "tensor_parallel_size": layout.tensor_parallel_size}  # 'auto' resolved, for the planner
+    rank = current_rank(layout.tensor_parallel_size)
     files = OutputFiles(Path(output_path))
     began = time.perf_counter()
     with output_locked(files, rank, held_by_parent=lock_held_by_parent):
-        inputs = read_inputs(params, files, record_skipped=rank.index == 0)
-        share = prepare_share(params, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
+        inputs = nodes.in_step(rank, lambda: read_inputs(params, files, record_skipped=rank.index == 0))
+        shared = nodes.output_folder_shared(files, rank)  # False: a node with its own disk (several nodes)
+        inputs.done = nodes.written_anywhere(inputs.done, rank)
+        share = nodes.in_step(rank, lambda: prepare_share(params, inputs, files, rank, model=model,
+                                                          tokenizer=tokenizer, log=log))
         engine_began = time.perf_counter()
         batches = generate_share(params, share, files, rank, log=log, sort_by_length=sort_by_length,
                                  show_progress=show_progress)
         counts = {"rank": rank.index, **summarize(batches, time.perf_counter() - engine_began),
                   "too_long": len(share.too_long), "setup_seconds": round(engine_began - began, 3),
                   "batch_list": [dataclasses.asdict(b) for b in batches]}
-        # A collective: the first process passes it only when every process has closed its part.
-        every_process = rank.gather(counts)
+        # A collective: the first process passes it only when every process has closed its part. A
+        # tensor-parallel rank that wrote nothing sends nothing: its group's writer counted its work.
+        every_process = [each for each in rank.gather(counts if rank.writes else None) if each is not None]
+        over_network = nodes.bring_parts_to_first(files, rank, shared)
         if rank.index != 0:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
                                   samples=params["samples_per_prompt"], log=log)
         summary.update(backend=share.backend.name, backend_choice=share.backend_choice, batch_size=share.batch_size,
-                       processes=rank.count,
+                       processes=rank.count, tensor_parallel_size=rank.tensor_parallel_size,
+                       nodes=runtime.launched_nodes(), parts_sent_over_network_by_ranks=over_network,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
         if verifier is not None and summary["in_output"]:
             summary["verification"] = _verify(files, params, verifier, log)
+        summary["forecast"] = forecast.forecast_beside_measured(  # the forecast this run started with, if any
+            files.output.with_suffix(forecast.FORECAST_SUFFIX), runtime.process_age_seconds(),
+            "this process's start to its summary (start-up included, as forecast)", after_pilot=bool(inputs.done))
         write_summary(files, summary, log=log)
         return summary
 

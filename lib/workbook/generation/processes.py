@@ -2,7 +2,8 @@
 started: who this process is in a data-parallel job, and starting the job.
 
 N processes, each with the whole model on its own GPU, take every N-th prompt of the length-sorted
-list, write their own part, and the first merges the parts (deduplicated, ordered). Nothing here
+list, write their own part, and the first merges the parts (deduplicated, ordered); over several
+nodes without a shared disk the parts come to it over the process group (``nodes``). Nothing here
 touches CUDA before the processes exist.
 """
 
@@ -15,7 +16,7 @@ from typing import Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from workbook import runtime
-from workbook.generation import job
+from workbook.generation import job, tensor_parallel
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
 
@@ -42,6 +43,8 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
         output_path = resolve_output_path(params["output_path"], run_dir)
     output_path = Path(output_path)
     processes = params["data_parallel_processes"]
+    if not runtime.inside_launcher():  # a tensor-parallel size these processes cannot run stops before they start
+        tensor_parallel.resolve_layout(params, processes, launched=processes > 1)
     if processes > 1 and not runtime.inside_launcher():
         from accelerate import notebook_launcher
         files = OutputFiles(output_path)

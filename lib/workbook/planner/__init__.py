@@ -32,6 +32,7 @@ Where each part lives:
 - ``formulas``: weights, KV cache, LoRA adapters and training activations, one function each;
 - ``plans``: ``Term``, ``Plan``, the budget and the largest-batch search;
 - ``generation`` / ``training``: ``plan_generate`` and ``plan_train``;
+- ``layout``: tensor x data parallel generation (what one GPU of a sharded model holds, which T);
 - ``profile``: the same from a params profile ('auto' batch sizes, the per-GPU tables, the text);
 - ``finder`` / ``probes``: prove a planned batch by running its worst case on the device;
 - ``calibration`` / ``exact_checks``: the planner against measured peaks (GPU) and real tensors (CPU).

@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from workbook.planner.architectures import attention_implementation_run
 from workbook.planner.shape import (
-    ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, QUANTIZED_DTYPES,
+    ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES,
+    QUANTIZED_DTYPES,
     ModelShape, canonical_dtype, check_choice, compute_bytes, lora_targets, model_shape, require_non_negative,
     require_positive,
 )
@@ -29,7 +31,8 @@ def weights_bytes(model: PretrainedConfig | ModelShape | str, dtype: str) -> int
     gives for the loaded model. int8/int4 follow bitsandbytes (``load_in_8bit``/``load_in_4bit``):
     every ``nn.Linear`` except the lm_head is quantized, with its scales (LLM.int8: one fp32 per
     output row; NF4: one fp32 absmax per 64 weights); embeddings, norms, biases and the lm_head
-    stay bf16.
+    stay bf16, and so do mixture-of-experts experts: transformers 5.x stores them as 3-D parameters,
+    not ``nn.Linear``, and ``replace_with_bnb_linear`` swaps ``nn.Linear`` only.
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
@@ -91,7 +94,8 @@ def kv_cache_bytes(
 
 
 def kv_bytes_per_token_per_layer(shape: ModelShape, dtype: str) -> int:
-    return 2 * shape.key_value_width * compute_bytes(dtype)
+    """2 x kv_heads x head_dim values, or DeepSeek's compressed latent (planner/architectures.py)."""
+    return shape.architecture.kv_cache_values_per_token_per_layer * compute_bytes(dtype)
 
 
 def lora_parameter_count(
@@ -163,11 +167,50 @@ def training_precision(dtype: str, mixed_precision: bool, *, lora: bool) -> Prec
 
 
 def layer_activation_bytes_per_token(
+    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int, *,
+    routed: bool | None = None, windowed: bool | None = None,
+) -> int:
+    """What one decoder layer saves per token: its attention (full or sliding-window) and its MLP (dense or
+    routed experts). None picks the larger of the kinds the model has."""
+    routed_kinds = [routed] if routed is not None else _kinds(shape.architecture.moe_layers, shape.num_layers)
+    windowed_kinds = [windowed] if windowed is not None else _kinds(
+        sum(_masked(window, seq_len) for window in shape.attention_windows), shape.num_layers)
+    return (max(attention_saved_bytes_per_token(shape, precision, attn_implementation, seq_len, windowed=kind)
+                for kind in windowed_kinds)
+            + max(mlp_saved_bytes_per_token(shape, precision, routed=kind) for kind in routed_kinds))
+
+
+def decoder_activation_bytes_per_token(
     shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int
 ) -> int:
+    """All decoder layers together, per token: each layer's attention and MLP at its own kind."""
+    moe_layers = shape.architecture.moe_layers
+    attention = sum(attention_saved_bytes_per_token(shape, precision, attn_implementation, seq_len,
+                                                    windowed=_masked(window, seq_len))
+                    for window in shape.attention_windows)
+    mlp = sum(count * mlp_saved_bytes_per_token(shape, precision, routed=routed)
+              for routed, count in ((True, moe_layers), (False, shape.num_layers - moe_layers)) if count)
+    return attention + mlp
+
+
+def _masked(window: int | None, seq_len: int) -> bool:
+    """A window shorter than the sequence needs an explicit mask (transformers skips it otherwise)."""
+    return window is not None and window < seq_len
+
+
+def _kinds(count: int, num_layers: int) -> list[bool]:
+    return [kind for kind, present in ((True, count > 0), (False, count < num_layers)) if present]
+
+
+def attention_saved_bytes_per_token(
+    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int, *, windowed: bool = False
+) -> int:
+    """The attention half of a layer, with the norm before it (and after it: Gemma)."""
+    architecture = shape.architecture
+    attn_implementation = attention_implementation_run(shape, attn_implementation)  # Gemma-2: eager, not sdpa
     p = precision.compute_bytes
-    attention_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=3)
-    mlp_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=2)
+    norms = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 3)
+    norms += _post_norm_bytes_per_token(shape)
     if attn_implementation == "eager":
         # Softmax runs in fp32 and is cast back to p; in pure fp32 the cast is the same tensor.
         probabilities_bytes = FP32_BYTES + (p if p != FP32_BYTES else 0)
@@ -175,11 +218,76 @@ def layer_activation_bytes_per_token(
             p * 4 * shape.query_width
             + shape.num_attention_heads * seq_len * probabilities_bytes
         )
+        if architecture.attention_logit_softcapping:  # tanh(scores / cap) saves its output
+            attention += shape.num_attention_heads * seq_len * p
     else:
-        attention = p * (2 * shape.query_width + 2 * shape.key_value_width)
+        # A sliding window is an explicit mask, and transformers then repeats keys and values to every head
+        # itself (integrations/sdpa_attention.py, use_gqa_in_sdpa) instead of sdpa's grouped-query path.
+        # torch converts that boolean mask to an additive one in the query's dtype at every call, and keeps
+        # it for backward: one (batch, 1, seq, seq) tensor per windowed layer.
+        # (one key/value head is repeated as a view: no copy).
+        repeated = windowed and shape.num_key_value_heads > 1
+        key_value_width = shape.query_width if repeated else shape.key_value_width
+        attention = p * (2 * shape.query_width + 2 * key_value_width)
         attention += FP32_BYTES * shape.num_attention_heads  # logsumexp kept for backward
-    mlp = 4 * p * shape.intermediate_size
-    return attention_norm + attention + mlp_norm + mlp
+        attention += p * seq_len if windowed else 0
+    return norms + attention + _attention_variant_bytes_per_token(shape, p)
+
+
+def mlp_saved_bytes_per_token(shape: ModelShape, precision: Precision, *, routed: bool = False) -> int:
+    """The MLP half of a layer, with the norm before it (and after it: Gemma): SwiGLU/GeGLU (gate, act(gate),
+    up, their product) or the routed experts."""
+    architecture = shape.architecture
+    if routed:
+        norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=_router_linears(architecture.moe))
+        return norm + experts_saved_bytes_per_token(shape, precision) + _post_norm_bytes_per_token(shape)
+    norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 2)
+    return norm + 4 * precision.compute_bytes * shape.intermediate_size + _post_norm_bytes_per_token(shape)
+
+
+def _post_norm_bytes_per_token(shape: ModelShape) -> int:
+    """Gemma's norm after attention and after the MLP (4 per layer): its fp32 input, the fp32 normalized value
+    and the rsqrt; its output goes to the residual add, which saves nothing."""
+    return FP32_BYTES * (2 * shape.hidden_size + 1) if shape.architecture.norms_per_layer == 4 else 0
+
+
+def _attention_variant_bytes_per_token(shape: ModelShape, p: int) -> int:
+    """What a family's attention saves beyond Llama's (measured tensor by tensor, tests/test_architectures.py)."""
+    architecture = shape.architecture
+    extra = 0
+    if architecture.per_head_qk_norm:  # Qwen3, Gemma-3: q and k upcast to fp32 and normalized, + an fp32 rsqrt per head
+        extra += (FP32_BYTES + p) * (shape.query_width + shape.key_value_width)
+        extra += FP32_BYTES * (shape.num_attention_heads + shape.num_key_value_heads)
+    if architecture.fused_qkv:  # the value is a view of qkv_proj's output: it keeps q and k's part alive too
+        extra += p * (shape.query_width + shape.key_value_width)
+    if architecture.rotary_by_concatenation:  # attention's output is head-major: o_proj gets a real copy
+        extra += p * shape.query_width
+    return extra
+
+
+def experts_saved_bytes_per_token(shape: ModelShape, precision: Precision) -> int:
+    """A mixture-of-experts MLP, per token (transformers 5.x grouped_mm experts, its default).
+
+    Each of the top-k routed experts saves its gathered input and its output (2 h) and gate|up, silu(gate) and
+    their product (4 expert_intermediate); grouped_mm is not autocast, so experts compute in the weights' own
+    dtype (fp32 master weights under autocast). Add the int64 ids of the routing (top-k, the sort's gather,
+    the un-permute), the router's fp32 softmax (Mixtral/Qwen; DeepSeek's grouped sigmoid router is close),
+    the top-k weights, and the shared experts as a dense SwiGLU (Qwen2-MoE also gates them with a sigmoid).
+    """
+    moe = shape.architecture.moe
+    h, k, p = shape.hidden_size, moe.experts_per_token, precision.compute_bytes
+    routed = k * (2 * h + 4 * moe.expert_intermediate_size) * precision.residual_bytes
+    routing_ids = 4 * k * INT64_BYTES
+    router = FP32_BYTES * (moe.num_experts + k) + (FP32_BYTES * (k + 1) if moe.normalizes_top_k else 0)
+    shared = 4 * p * moe.shared_intermediate_size
+    if moe.shared_expert_gate:  # sigmoid(gate) x shared output saves both
+        shared += p * (h + 1)
+    return routed + routing_ids + router + shared
+
+
+def _router_linears(moe) -> int:
+    """Linear layers reading the post-attention norm's output in a MoE layer (autocast casts it for each)."""
+    return 1 + (2 if moe.shared_intermediate_size else 0) + (1 if moe.shared_expert_gate else 0)
 
 
 def norm_saved_bytes_per_token(
@@ -197,14 +305,13 @@ def norm_saved_bytes_per_token(
 
 
 
-def weights_explanation(shape: ModelShape, dtype: str, share: float = 1.0) -> str:
+def weights_explanation(shape: ModelShape, dtype: str) -> str:
     if dtype in QUANTIZED_DTYPES:
         how = (f"{shape.parameters:,} params: Linear weights at {BITS_PER_PARAMETER[dtype]} bits "
                "+ scales, embeddings/norms/lm_head in bf16 (bitsandbytes)")
+        moe = shape.architecture.moe
+        if moe is not None:  # transformers keeps experts as 3-D tensors; bitsandbytes swaps nn.Linear only
+            how += f"; the {moe.expert_parameters:,} expert params are no nn.Linear and stay bf16"
     else:
         how = f"{shape.parameters:,} params x {BITS_PER_PARAMETER[dtype] // 8} B ({dtype})"
-    return how + share_note(share)
-
-
-def share_note(share: float) -> str:
-    return f", this GPU's {share:.0%} of the layers" if share < 1 else ""
+    return how

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import math
-
 from transformers import PretrainedConfig
 
 from workbook.planner.formulas import kv_bytes_per_token_per_layer, kv_cache_bytes, kv_cache_bytes_per_token, \
-    share_note, weights_bytes, weights_explanation
+    weights_bytes, weights_explanation
+from workbook.planner.layout import LayoutError, check_tensor_parallel_size, per_rank, sharded_weights_bytes
 from workbook.planner.plans import (
     DEFAULT_FRAGMENTATION_FRACTION, DEFAULT_OVERHEAD_BYTES, DEFAULT_SAFETY_MARGIN, Plan, Term, check_overheads,
     make_plan, overhead_terms,
 )
+from workbook.units import MiB
 from workbook.planner.shape import (
-    ATTENTION_IMPLEMENTATIONS, FP32_BYTES, ModelShape, canonical_dtype, check_choice, compute_bytes, has_window,
+    ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, FP32_BYTES, ModelShape, canonical_dtype, check_choice, compute_bytes, has_window,
     model_shape, positive_bytes, require_positive,
 )
 
@@ -26,7 +26,8 @@ def plan_generate(
     new_tokens: int,
     gpu_memory_bytes: int,
     dtype: str = "bf16",
-    gpu_count: int = 1,
+    tensor_parallel_size: int = 1,
+    data_parallel_size: int = 1,
     attn_implementation: str = "sdpa",
     logits_last_position_only: bool = True,
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
@@ -38,33 +39,44 @@ def plan_generate(
 
     The peak is the larger of two phases: prefill (the prompt's KV cache, one layer's activations,
     the prompt's logits) and the last decode step (the full KV cache plus the copy ``torch.cat``
-    makes while appending). With ``gpu_count`` > 1 the layers are split across GPUs like
-    ``device_map="auto"`` (weights and KV cache of ceil(layers / gpus) layers per GPU); the
-    activations, logits and overhead are counted in full on each GPU.
+    makes while appending). With ``tensor_parallel_size`` T > 1 the model is sharded as
+    transformers' ``tp_plan="auto"`` shards it (``layout.sharded_weights_bytes``): each GPU holds
+    1/T of the projections and the embedding, whole norms, 1/T of the key/value heads' cache, 1/T of
+    the heads and MLP width in its activations, the full hidden state and the gathered logits, and
+    the all-reduce buffers. ``data_parallel_size`` groups of T GPUs each run their own batch: it
+    changes the GPU count, not the bytes per GPU.
     ``logits_last_position_only`` mirrors generate(), which passes ``logits_to_keep=1``
     (transformers 5.x generation/utils.py); False plans a forward pass that returns all logits.
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
     require_positive(
-        batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens, gpu_count=gpu_count
+        batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+        tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
     )
     gpu_memory_bytes = positive_bytes("gpu_memory_bytes", gpu_memory_bytes)
     check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS)
     check_overheads(overhead_bytes, fragmentation_fraction, safety_margin)
 
-    layer_share = math.ceil(shape.num_layers / gpu_count) / shape.num_layers
-    weights = math.ceil(weights_bytes(shape, dtype) * layer_share)
+    tp = tensor_parallel_size
+    check_tensor_parallel_size(tp, shape.num_key_value_heads, model=shape.name)
+    if tp == 1:
+        weights, how = weights_bytes(shape, dtype), weights_explanation(shape, dtype)
+    elif isinstance(model, ModelShape):
+        raise LayoutError("a tensor-parallel plan reads the model's sharding plan from its config: pass the "
+                          "config or the preset name, not a ModelShape")
+    else:
+        weights = sharded_weights_bytes(model, dtype, tp)
+        how = (f"{weights // (BITS_PER_PARAMETER[dtype] // 8):,} of {shape.parameters:,} params x "
+               f"{BITS_PER_PARAMETER[dtype] // 8} B on each of {tp} GPUs (projections and embedding split "
+               "over T as transformers' tp_plan 'auto' splits them, norms whole)")
 
     def terms_for(batch: int) -> list[Term]:
         phase = _generate_peak_phase(
             shape, dtype, batch, prompt_len, new_tokens, attn_implementation,
-            logits_last_position_only, layer_share,
+            logits_last_position_only, tp,
         )
-        terms = [
-            Term("weights", weights, weights_explanation(shape, dtype, layer_share)),
-            *phase,
-        ]
+        terms = [Term("weights", weights, how), *phase]
         return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
 
     notes = []
@@ -86,77 +98,79 @@ def plan_generate(
             "fragmentation_fraction": fragmentation_fraction,
         },
         terms_for=terms_for, weights=weights, trainable=0,
-        kv_per_token=kv_cache_bytes_per_token(shape, dtype),
-        gpu_memory_bytes=gpu_memory_bytes, gpu_count=gpu_count, safety_margin=safety_margin,
-        notes=notes,
+        kv_per_token=kv_cache_bytes_per_token(shape, dtype) // tp,
+        gpu_memory_bytes=gpu_memory_bytes, gpu_count=tp * data_parallel_size, safety_margin=safety_margin,
+        notes=notes, tensor_parallel_size=tp, data_parallel_size=data_parallel_size,
     )
 
 
 def _generate_peak_phase(
     shape, dtype, batch, prompt_len, new_tokens, attn_implementation,
-    logits_last_position_only, layer_share,
+    logits_last_position_only, tp,
 ) -> list[Term]:
     """The terms of the larger phase: prefill, or the last decode step."""
     prefill = _prefill_terms(
-        shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only,
-        layer_share,
+        shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only, tp,
     )
     if new_tokens == 1:  # the prefill's logits give the only new token
         return prefill
     decode = _last_decode_terms(
-        shape, dtype, batch, prompt_len + new_tokens - 1, attn_implementation, layer_share
+        shape, dtype, batch, prompt_len + new_tokens - 1, attn_implementation, tp
     )
     return max(prefill, decode, key=lambda terms: sum(term.bytes for term in terms))
 
 
 def _prefill_terms(
-    shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only, layer_share
+    shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only, tp
 ) -> list[Term]:
     p = compute_bytes(dtype)
     kv = kv_cache_bytes(shape, dtype, batch_size=batch, tokens=prompt_len,
                         last_step_tokens=prompt_len)
     logit_positions = 1 if logits_last_position_only else prompt_len
     return [
-        Term("kv_cache", math.ceil(kv * layer_share),
+        Term("kv_cache", kv // tp,
              f"prefill: {batch} x {prompt_len} prompt tokens x "
-             f"{kv_cache_bytes_per_token(shape, dtype):,} B/token "
-             f"(2 x layers x kv_heads x head_dim x {p} B){share_note(layer_share)}"),
+             f"{kv_cache_bytes_per_token(shape, dtype) // tp:,} B/token "
+             f"(layers x {shape.architecture.kv_cache_explanation} x {p} B{_over_tp(tp, 'kv_heads')})"),
         Term("activations",
              _inference_layer_peak_bytes(shape, p, batch, prompt_len, prompt_len,
-                                         attn_implementation),
+                                         attn_implementation, tp),
              f"prefill: largest transient inside one layer for {batch} x {prompt_len} tokens "
-             f"(MLP or {attn_implementation} attention, whichever is larger)"),
-        _generate_logits_term(shape, p, batch, logit_positions, "prefill"),
+             f"(MLP or {attn_implementation} attention, whichever is larger{_over_tp(tp, 'heads and MLP width')})"),
+        _generate_logits_term(shape, p, batch, logit_positions, "prefill", tp),
+        *_communication_terms(shape, p, batch * prompt_len, tp, "prefill"),
     ]
 
 
 def _last_decode_terms(
-    shape, dtype, batch, cached_tokens, attn_implementation, layer_share
+    shape, dtype, batch, cached_tokens, attn_implementation, tp
 ) -> list[Term]:
     # generate() feeds back every new token but the last, so the cache ends at
     # prompt_len + new_tokens - 1 tokens (``cached_tokens``).
     p = compute_bytes(dtype)
     kv = kv_cache_bytes(shape, dtype, batch_size=batch, tokens=cached_tokens)
     # DynamicLayer.update builds the longer tensor with torch.cat before dropping the old one.
-    one_layer_old_copy = batch * kv_bytes_per_token_per_layer(shape, dtype) * max(
+    one_layer_old_copy = batch * kv_bytes_per_token_per_layer(shape, dtype) // tp * max(
         cached_tokens if window is None else min(cached_tokens, window)
         for window in shape.attention_windows
     )
     capped = ", sliding layers capped at their window" if has_window(shape) else ""
     return [
-        Term("kv_cache", math.ceil(kv * layer_share) + one_layer_old_copy,
+        Term("kv_cache", kv // tp + one_layer_old_copy,
              f"last decode step: {batch} x {cached_tokens} tokens (prompt + new - 1: the last "
-             f"token is never fed back) x {kv_cache_bytes_per_token(shape, dtype):,} B/token"
-             f"{capped}{share_note(layer_share)}, + one layer's old copy while torch.cat appends"),
+             f"token is never fed back) x {kv_cache_bytes_per_token(shape, dtype) // tp:,} B/token"
+             f"{capped}{_over_tp(tp, 'kv_heads')}, + one layer's old copy while torch.cat appends"),
         Term("activations",
-             _inference_layer_peak_bytes(shape, p, batch, 1, cached_tokens, attn_implementation),
+             _inference_layer_peak_bytes(shape, p, batch, 1, cached_tokens, attn_implementation, tp),
              f"last decode step: largest transient inside one layer for {batch} x 1 token"),
-        _generate_logits_term(shape, p, batch, 1, "last decode step"),
+        _generate_logits_term(shape, p, batch, 1, "last decode step", tp),
+        *_communication_terms(shape, p, batch, tp, "last decode step"),
     ]
 
 
 def _inference_layer_peak_bytes(
-    shape: ModelShape, p: int, batch: int, query_len: int, key_len: int, attn_implementation: str
+    shape: ModelShape, p: int, batch: int, query_len: int, key_len: int, attn_implementation: str,
+    tp: int = 1,
 ) -> int:
     """The largest set of tensors alive at once inside one layer without autograd.
 
@@ -164,31 +178,57 @@ def _inference_layer_peak_bytes(
     (silu(gate), up and their product: 3 p intermediate, gate itself is freed first) and attention
     (q, k, v, rotated q and k, the output: p (3 q_width + 3 kv_width)). eager attention adds the
     scores (p), their fp32 softmax and its p copy per head and key, and keys and values repeated
-    to all heads for the whole cache.
+    to all heads for the whole cache. Under tensor parallelism (``tp`` > 1) each GPU computes its
+    1/tp of the heads and of the MLP width; the residual stream stays whole.
     """
-    h, i = shape.hidden_size, shape.intermediate_size
+    h, i = shape.hidden_size, per_rank(shape.intermediate_size, tp)
+    query_width, key_value_width = shape.query_width // tp, shape.key_value_width // tp
     mlp = 3 * p * i
-    attention = p * (3 * shape.query_width + 3 * shape.key_value_width)
+    attention = p * (3 * query_width + 3 * key_value_width)
     eager_extra = 0
     if attn_implementation == "eager":
         scores_bytes = p + FP32_BYTES + (p if p != FP32_BYTES else 0)
-        eager_extra = shape.num_attention_heads * key_len * scores_bytes * query_len
+        eager_extra = shape.num_attention_heads // tp * key_len * scores_bytes * query_len
         if shape.num_key_value_heads < shape.num_attention_heads:
-            eager_extra += 2 * p * shape.query_width * key_len
+            eager_extra += 2 * p * query_width * key_len
     tokens = batch * query_len
     return tokens * (2 * p * h + max(mlp, attention)) + batch * eager_extra
 
 
 def _generate_logits_term(
-    shape: ModelShape, p: int, batch: int, positions: int, phase: str
+    shape: ModelShape, p: int, batch: int, positions: int, phase: str, tp: int = 1
 ) -> Term:
     # The lm_head writes logits in the compute dtype for the kept positions; generate() then
     # copies the last position to fp32 to pick the next token (generation/utils.py, _sample).
+    # Under tensor parallelism (colwise_gather_output) each GPU writes its 1/tp of the vocab, then
+    # all-gathers the whole: both are alive at once.
     logits = batch * positions * shape.vocab_size * p
+    local = batch * positions * per_rank(shape.vocab_size, tp) * p if tp > 1 else 0
     fp32_copy = batch * shape.vocab_size * FP32_BYTES
+    gathered = f", + this GPU's 1/{tp} of the vocab before the all-gather" if tp > 1 else ""
     return Term(
-        "logits", logits + fp32_copy,
-        f"{phase}: {batch} x {positions} position(s) x {shape.vocab_size:,} vocab x {p} B, "
+        "logits", logits + local + fp32_copy,
+        f"{phase}: {batch} x {positions} position(s) x {shape.vocab_size:,} vocab x {p} B{gathered}, "
         f"+ fp32 copy of the last position ({batch} x {shape.vocab_size:,} x 4 B)",
     )
+
+
+# NCCL's communicator buffers per GPU (NCCL_BUFFSIZE 4 MiB per channel and peer, plus its proxy
+# state): a prior of the same standing as the CUDA context until calibrated on a multi-GPU machine.
+TP_COMMUNICATOR_BYTES = 256 * MiB
+
+
+def _communication_terms(shape: ModelShape, p: int, tokens: int, tp: int, phase: str) -> list[Term]:
+    """Tensor parallelism's buffers: the all-reduce that sums the row-split projections' partial
+    outputs writes a new tensor of the full hidden size, and the communicator keeps its own."""
+    if tp == 1:
+        return []
+    all_reduce = tokens * shape.hidden_size * p
+    return [Term("tp_communication", all_reduce + TP_COMMUNICATOR_BYTES,
+                 f"{phase}: all-reduce output of {tokens:,} tokens x {shape.hidden_size:,} hidden x {p} B, + "
+                 f"NCCL communicator buffers {TP_COMMUNICATOR_BYTES // MiB} MiB (prior until calibrated)")]
+
+
+def _over_tp(tp: int, what: str) -> str:
+    return f"; {what} split over {tp} GPUs" if tp > 1 else ""
 

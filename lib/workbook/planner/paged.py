@@ -74,10 +74,11 @@ def plan_generate_paged(
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
     fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    data_parallel_size: int = 1,
 ) -> Plan:
     """Peak memory of one GPU running continuous batching with ``batch_size`` requests in flight,
     each a prompt of ``prompt_len`` tokens and ``new_tokens`` new ones, and the largest in-flight
-    limit that fits. One replica per GPU (data parallel); the paged cache is allocated in full at
+    limit that fits. One replica per GPU (``data_parallel_size`` of them); the paged cache is allocated in full at
     the start, so the peak does not depend on how far the requests have got."""
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
@@ -89,7 +90,7 @@ def plan_generate_paged(
 
     def terms_for(batch: int) -> list[Term]:
         layout = paged_layout(batch, prompt_len, new_tokens, page_size)
-        terms = [Term("weights", weights, weights_explanation(shape, dtype, 1.0)),
+        terms = [Term("weights", weights, weights_explanation(shape, dtype)),
                  *_paged_terms(shape, dtype, layout, attn_implementation, per_token)]
         return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
 
@@ -99,7 +100,8 @@ def plan_generate_paged(
         settings={"backend": "continuous", "attn_implementation": attn_implementation, "page_size": page_size,
                   "overhead_bytes": overhead_bytes, "fragmentation_fraction": fragmentation_fraction},
         terms_for=terms_for, weights=weights, trainable=0, kv_per_token=per_token,
-        gpu_memory_bytes=gpu_memory_bytes, gpu_count=1, safety_margin=safety_margin,
+        gpu_memory_bytes=gpu_memory_bytes, gpu_count=data_parallel_size, safety_margin=safety_margin,
+        data_parallel_size=data_parallel_size,
         notes=["continuous backend: paged KV cache sized for batch_size requests in flight at prompt_len + "
                "new_tokens (sliding-window layers planned as full attention)"],
     )

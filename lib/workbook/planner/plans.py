@@ -52,6 +52,10 @@ class Plan:
     fits: bool  # total_bytes <= budget_bytes
     max_batch_size: int  # largest batch that fits; 0 when not even batch 1 does
     notes: list[str] = field(default_factory=list)
+    tensor_parallel_size: int = 1  # GPUs one copy of the model is sharded over (generate)
+    data_parallel_size: int = 1  # copies of the model, each with its own batch (generate)
+    # What crosses the network over several nodes (planner.network); empty when not asked.
+    network: dict = field(default_factory=dict)
 
     @property
     def budget_bytes(self) -> int:
@@ -134,7 +138,7 @@ def _bisect(total_bytes_for_batch, budget: int, fits: int, too_big: int) -> int:
 
 def make_plan(
     *, mode, shape, dtype, batch_size, lengths, settings, terms_for, weights, trainable,
-    kv_per_token, gpu_memory_bytes, gpu_count, safety_margin, notes,
+    kv_per_token, gpu_memory_bytes, gpu_count, safety_margin, notes, tensor_parallel_size=1, data_parallel_size=1,
 ) -> Plan:
     terms = terms_for(batch_size)
     total = sum(term.bytes for term in terms)
@@ -149,6 +153,7 @@ def make_plan(
         weights_bytes=weights, kv_cache_bytes_per_token=kv_per_token, total_bytes=total,
         capacity_bytes=gpu_memory_bytes, gpu_count=gpu_count, safety_margin=safety_margin,
         fits=total <= budget, max_batch_size=max_batch_size(total_for, budget), notes=notes,
+        tensor_parallel_size=tensor_parallel_size, data_parallel_size=data_parallel_size,
     )
 
 
@@ -174,7 +179,8 @@ def _changes_that_save_memory(plan: Plan) -> list[str]:
             changes.append("a smaller weight dtype (bf16, int8 or int4)" if plan.dtype == "fp32"
                            else "quantized weights (dtype int8 or int4)")
         changes.append("shorter prompt_len or new_tokens (the KV cache grows with both)")
-        changes.append("more GPUs (gpu_count) to split the layers")
+        changes.append("tensor parallelism over more GPUs (tensor_parallel_size, or 'auto' on a multi-GPU "
+                       "profile): each GPU then holds 1/T of the weights and KV cache")
         return changes
     if settings["lora_rank"] == 0:
         changes.append("LoRA (lora_rank=16) to train adapters only")

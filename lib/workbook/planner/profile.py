@@ -12,17 +12,27 @@ job and the trainer size batches the same way::
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 from workbook import presets
 from workbook.params import AUTO, PLAN_MODES
 from workbook.planner.generation import plan_generate
+from workbook.planner.layout import LayoutError, check_tensor_parallel_size, choose_tensor_parallel_size
+from workbook.planner.network import network_traffic, traffic_line
 from workbook.planner.paged import plan_generate_paged
 from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, Plan
+from workbook.planner.shape import model_shape
 from workbook.planner.training import plan_train
 from workbook.units import GiB, format_bytes
+
+# Why the continuous backend refuses T > 1: every rank of a tensor-parallel group must run the same
+# forward passes, and transformers' continuous-batching scheduler (a thread per process, fed as
+# results arrive) would batch differently on each rank, so the group's collectives would not match.
+CONTINUOUS_NOT_SHARDED = ("backend continuous runs one whole copy of the model per process and cannot run under "
+                          "tensor parallelism (tensor_parallel_size {size}): each rank's scheduler would batch "
+                          "differently and the group's collectives would not match. Use backend static (or auto) "
+                          "with tensor_parallel_size > 1, or tensor_parallel_size 1 with continuous.")
 
 CURVE_POINTS = 13  # batch sizes per memory-vs-batch curve
 LORA_CURVE_RANK = 16  # the "frugal" training setting the curves' x axis is sized by
@@ -63,29 +73,46 @@ def capacity_bytes(params) -> int:
 
 
 def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, new_tokens: int,
-                  dtype: str, backend: str = "static") -> Plan:
-    """Generation plans one replica per GPU (data parallel: every GPU holds the whole model); only
-    when the model does not fit one GPU of a multi-GPU profile are its layers split over all of
-    them (as ``device_map="auto"`` does). The continuous backend is planned by its paged cache."""
+                  dtype: str, tensor_parallel_size: int = 1, backend: str = "static") -> Plan:
+    """Generation plans T x D GPUs: groups of ``tensor_parallel_size`` GPUs each hold one sharded copy
+    of the model, and the profile's other GPUs run more such groups (data parallel). T = 1 is plain
+    data parallel, every GPU holding the whole model; nothing else is planned, since nothing else runs.
+    The continuous backend is planned by its paged cache, at T = 1 only (it does not run sharded)."""
+    gpus = max(budget.gpu_count, 1)
+    if budget.gpu_count:  # the cpu profile runs its processes on this machine's cores, not on GPUs
+        shape = model_shape(model)
+        check_tensor_parallel_size(tensor_parallel_size, shape.num_key_value_heads, gpus, model=shape.name)
     if backend == "continuous":
+        if tensor_parallel_size > 1:
+            raise LayoutError(CONTINUOUS_NOT_SHARDED.format(size=tensor_parallel_size))
         return plan_generate_paged(model, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
                                    dtype=dtype, gpu_memory_bytes=budget.capacity_bytes,
-                                   overhead_bytes=budget.overhead_bytes, safety_margin=budget.safety_margin)
-    make = functools.partial(plan_generate, model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype,
-                             gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
-                             safety_margin=budget.safety_margin)
-    if budget.gpu_count > 1 and make(batch_size=1).max_batch_size == 0:
-        return make(batch_size=batch_size, gpu_count=budget.gpu_count)
-    return make(batch_size=batch_size)
+                                   overhead_bytes=budget.overhead_bytes, safety_margin=budget.safety_margin,
+                                   data_parallel_size=gpus)
+    return plan_generate(model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype, batch_size=batch_size,
+                         gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
+                         safety_margin=budget.safety_margin, tensor_parallel_size=tensor_parallel_size,
+                         data_parallel_size=max(gpus // tensor_parallel_size, 1))
+
+
+def tensor_parallel_size(settings, config, budget: Budget, make: Callable[[int, int], Plan]) -> tuple[int, str]:
+    """The profile's tensor_parallel_size, or for 'auto' the layout ``layout.choose_tensor_parallel_size``
+    picks (``make(batch, T)`` plans one), and why ('' when given)."""
+    wanted = settings.get("tensor_parallel_size", 1)
+    if wanted != AUTO:
+        return int(wanted), ""
+    return choose_tensor_parallel_size(lambda size: make(1, size), model_shape(config).num_key_value_heads,
+                                       budget.gpu_count)
 
 
 def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
-               lora_rank: int, optimizer: str = "adamw", sharding: str = "none") -> Plan:
-    """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs, with mixed
-    precision (fp32 master weights under autocast) whenever the dtype is 16-bit: what the trainer runs."""
+               lora_rank: int, optimizer: str = "adamw", sharding: str = "none", num_nodes: int = 1) -> Plan:
+    """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs on each of
+    ``num_nodes`` nodes, with mixed precision (fp32 master weights under autocast) whenever the dtype
+    is 16-bit: what the trainer runs."""
     return plan_train(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
                       mixed_precision=dtype != "fp32", grad_checkpointing=grad_checkpointing, lora_rank=lora_rank,
-                      optimizer=optimizer, sharding=sharding, gpu_count=max(budget.gpu_count, 1),
+                      optimizer=optimizer, sharding=sharding, gpu_count=max(budget.gpu_count, 1) * num_nodes,
                       gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                       safety_margin=budget.safety_margin)
 
@@ -99,28 +126,38 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
          **overrides) -> Plan:
     """The memory plan for the profile's settings; keyword overrides replace profile values.
 
-    A batch of 'auto' (or None with an 'auto' profile) plans at the largest batch that fits.
+    A batch of 'auto' (or None with an 'auto' profile) plans at the largest batch that fits. The
+    plan's ``network`` says what crosses the network over the profile's ``num_nodes`` nodes.
     """
     settings = {**params, **overrides}
+    num_nodes = settings.get("num_nodes", 1)
     mode = mode or settings["plan_mode"]
     config = presets.load_config(model or settings["model"])
     budget = Budget.from_params(settings)
     if mode == "generate":
-        def make(batch: int) -> Plan:
+        def make_at(batch: int, size: int) -> Plan:
             return generate_plan(config, budget, batch_size=batch, prompt_len=settings["prompt_len"],
                                  new_tokens=settings["max_new_tokens"], dtype=settings["dtype"],
-                                 backend=settings.get("backend", "static"))
-        wanted = batch_size or settings["batch_size"]
+                                 tensor_parallel_size=size, backend=settings.get("backend", "static"))
+        size, why = tensor_parallel_size(settings, config, budget, make_at)
+
+        def make(batch: int) -> Plan:
+            made = make_at(batch, size)
+            made.notes += [why] if why else []
+            return made
+        wanted = settings["batch_size"] if batch_size is None else batch_size
     elif mode == "train":
         def make(batch: int) -> Plan:
             return train_plan(config, budget, micro_batch_size=batch, seq_len=settings["seq_len"],
                               dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
                               lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
-                              sharding=settings.get("sharding", "none"))
-        wanted = batch_size or settings["micro_batch_size"]
+                              sharding=settings.get("sharding", "none"), num_nodes=num_nodes)
+        wanted = settings["micro_batch_size"] if batch_size is None else batch_size
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
-    return at_largest_batch(make) if wanted == AUTO else make(int(wanted))
+    result = at_largest_batch(make) if wanted == AUTO else make(int(wanted))
+    result.network = network_traffic(result, num_nodes, budget.gpu_count)
+    return result
 
 
 def resolve_batch_size(params, mode: str, **overrides) -> int:
@@ -146,8 +183,27 @@ def max_batch_table(profiles: dict, models: list[str], mode: str, **overrides) -
         for name, params in profiles.items():
             if params["gpu_count"] == 0:
                 continue
-            row[name] = plan(params, mode=mode, model=model, batch_size=1, **overrides).max_batch_size
+            # Each GPU holds the whole model here; layout_table shows the tensor-parallel alternative.
+            whole = {"tensor_parallel_size": 1} if mode == "generate" else {}
+            row[name] = plan(params, mode=mode, model=model, batch_size=1, **{**whole, **overrides}).max_batch_size
         rows.append(row)
+    return rows
+
+
+def layout_table(profiles: dict, models: list[str], **overrides) -> list[dict]:
+    """Per multi-GPU profile x model, the generation layout 'auto' chooses (T x D), what each GPU
+    then holds, its largest batch and why: how a teacher bigger than one GPU is run."""
+    rows = []
+    for name, params in profiles.items():
+        if params["gpu_count"] < 2:
+            continue
+        for model in models:
+            chosen = plan(params, mode="generate", model=model, batch_size=1, tensor_parallel_size=AUTO, **overrides)
+            rows.append({"profile": name, "model": model, "layout": f"T={chosen.tensor_parallel_size} x "
+                                                                     f"D={chosen.data_parallel_size}",
+                         "weights per GPU": format_bytes(chosen.weights_bytes),
+                         "largest batch per GPU": chosen.max_batch_size,
+                         "why": chosen.notes[-1].split(": ", 1)[1]})
     return rows
 
 
@@ -178,8 +234,11 @@ def memory_curves(params, plans: dict[str, Plan]) -> dict[str, dict[str, tuple[l
 
 def plan_title(plan: Plan, profile_name: str) -> str:
     lengths = ", ".join(f"{key} {value}" for key, value in plan.lengths.items())
+    layout = (f"; tensor parallel {plan.tensor_parallel_size} x data parallel {plan.data_parallel_size}"
+              if plan.mode == "generate" else "")
     return (f"{plan.model} ({plan.params:,} parameters), {plan.mode}, {plan.dtype}, batch {plan.batch_size}, "
-            f"{lengths}; profile {profile_name}: {format_bytes(plan.capacity_bytes)} per GPU x {plan.gpu_count}")
+            f"{lengths}; profile {profile_name}: {format_bytes(plan.capacity_bytes)} per GPU x {plan.gpu_count}"
+            f"{layout}")
 
 
 def plan_rows(plan: Plan) -> list[dict]:
@@ -200,6 +259,8 @@ def plan_verdict(plan: Plan) -> list[str]:
     if plan.kv_cache_bytes_per_token:
         lines.append(f"KV cache: {plan.kv_cache_bytes_per_token:,} bytes per token")
     lines += [f"note: {note}" for note in plan.notes]
+    if plan.network:
+        lines.append(traffic_line(plan.network))
     if not plan.fits:
         lines.append(plan.advice())
     return lines

@@ -10,6 +10,7 @@ import torch
 from transformers import PretrainedConfig
 
 from workbook import presets
+from workbook.planner.architectures import Architecture, describe, refuse_unsupported
 
 # Storage bits per weight, by the dtype name a user writes. int4 is NF4/FP4 (bitsandbytes).
 BITS_PER_PARAMETER = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
@@ -60,6 +61,7 @@ class ModelShape:
     vocab_size: int
     max_position_embeddings: int | None
     attention_windows: tuple[int | None, ...]  # per layer: sliding window in tokens, None = full
+    architecture: Architecture  # what differs from a Llama decoder (planner/architectures.py)
 
     @property
     def query_width(self) -> int:
@@ -82,12 +84,13 @@ def model_shape(model: PretrainedConfig | ModelShape | str) -> ModelShape:
     if isinstance(model, ModelShape):
         return model
     config = presets.load_config(model) if isinstance(model, str) else model
+    refuse_unsupported(config, f"model {_model_name(model, config)}")
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     missing = [name for name in _REQUIRED_CONFIG_FIELDS if getattr(text, name, None) is None]
     if missing:
         raise ValueError(
             f"the {config.model_type!r} config has no {', '.join(missing)}: the memory planner "
-            "supports Llama-style decoders (Llama, Qwen2, Mistral and alike)"
+            "supports decoder-only transformers (Llama, Qwen, Mistral/Mixtral, Gemma, Phi, DeepSeek and alike)"
         )
     _check_sizes(text, _model_name(model, config))
     meta_model = presets.build_on_meta_device(config)
@@ -121,6 +124,7 @@ def model_shape(model: PretrainedConfig | ModelShape | str) -> ModelShape:
         vocab_size=text.vocab_size,
         max_position_embeddings=getattr(text, "max_position_embeddings", None),
         attention_windows=_attention_windows(text),
+        architecture=describe(config, meta_model, layers),
     )
 
 

@@ -9,8 +9,9 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
+from workbook.planner.architectures import attention_implementation_run
 from workbook.planner.formulas import (
-    Precision, layer_activation_bytes_per_token, lora_parameter_count, norm_saved_bytes_per_token,
+    Precision, decoder_activation_bytes_per_token, layer_activation_bytes_per_token, lora_parameter_count, norm_saved_bytes_per_token,
     training_precision, weights_bytes, weights_explanation,
 )
 from workbook.planner.plans import (
@@ -106,6 +107,9 @@ def plan_train(
             f"seq_len {seq_len} exceeds the model's max_position_embeddings "
             f"({shape.max_position_embeddings})"
         )
+    if attention_implementation_run(shape, attn_implementation) != attn_implementation:
+        notes.append(f"{shape.name} refuses {attn_implementation} (transformers: _supports_sdpa = False); "
+                     "planned with the eager attention it runs")
     if lora:
         notes.append("LoRA activations add each adapter's saved input to the full fine-tune "
                      "formula: an upper bound, not measured against PEFT")
@@ -250,8 +254,9 @@ def _training_activations_term(
                f"{shape.hidden_size} x {precision.residual_bytes} B) + one layer recomputed "
                f"({per_layer:,} B)")
     else:
-        total = shape.num_layers * (per_layer + lora_extra) + outside
-        how = (f"{shape.num_layers} layers x {per_layer + lora_extra:,} B saved for backward "
+        all_layers = tokens * decoder_activation_bytes_per_token(shape, precision, attn_implementation, seq_len)
+        total = all_layers + shape.num_layers * lora_extra + outside
+        how = (f"{shape.num_layers} layers x {(all_layers // shape.num_layers) + lora_extra:,} B saved for backward "
                f"({tokens:,} tokens, {attn_implementation})")
     return Term("activations", total, how + " + final norm and token ids")
 
@@ -264,9 +269,12 @@ def _training_logits_term(
     # one at once, while the model output keeps the logits in the compute dtype.
     p = precision.compute_bytes
     logits = batch * seq_len * shape.vocab_size
+    # Gemma-2 soft-caps the logits (cap x tanh(logits / cap)): tanh keeps its output for backward.
+    softcap = p if shape.architecture.final_logit_softcapping else 0
     return Term(
-        "logits_and_loss", logits * (p + 3 * FP32_BYTES),
-        f"{batch} x {seq_len} tokens x {shape.vocab_size:,} vocab x ({p} B logits + 3 x 4 B: "
-        "fp32 log-softmax output and its gradient in and out)",
+        "logits_and_loss", logits * (p + softcap + 3 * FP32_BYTES),
+        f"{batch} x {seq_len} tokens x {shape.vocab_size:,} vocab x ({p} B logits"
+        + (f" + {p} B soft-capping's tanh" if softcap else "")
+        + " + 3 x 4 B: fp32 log-softmax output and its gradient in and out)",
     )
 

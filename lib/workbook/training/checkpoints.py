@@ -1,5 +1,12 @@
 """Checkpoints: accelerate's state (model, optimizer, scaler, RNG) plus ours, complete only once our
-state file is written, resumed only by a run with the same data and settings; the final model."""
+state file is written, resumed only by a run with the same data and settings; the final model.
+
+Over several nodes the checkpoint folder may be shared (NFS, a cluster filesystem) or each node's
+own disk. DDP replicates the model and optimizer, so each node then keeps a full copy of every
+checkpoint (accelerate's ``save_on_each_node``) and resumes from its own disk: nothing has to be
+mounted everywhere. FSDP shards them, and resuming reads every shard plus the first process's
+metadata, so its checkpoint folder must be shared; that is checked when training starts.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,8 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+
+from workbook import runtime
 
 STATE_FILE = "workbook_state.json"  # written last into a checkpoint: its presence marks it complete
 KEEP_CHECKPOINTS = 2  # older checkpoints are deleted: one holds weights and optimizer (16 B/param)
@@ -32,9 +41,60 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint (one whose state file was written), or None."""
-    folder = Path(output_dir) / "checkpoints"
-    complete = sorted(p for p in folder.glob("step-*") if (p / STATE_FILE).is_file()) if folder.is_dir() else []
+    complete = complete_checkpoints(output_dir)
     return complete[-1] if complete else None
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    folder = Path(output_dir) / "checkpoints"
+    return sorted(p for p in folder.glob("step-*") if (p / STATE_FILE).is_file()) if folder.is_dir() else []
+
+
+def choose_where_to_save(accelerator, output_dir: Path, *, fsdp: bool, saves_checkpoints: bool) -> bool:
+    """Whether every process sees the first process's ``output_dir``; when some do not (nodes each with
+    their own disk), DDP saves a full copy on each node, and FSDP, which cannot, stops with a TrainError
+    before the first step. A collective: every process calls it."""
+    from workbook.training.config import TrainError
+    if accelerator.num_processes == 1:
+        return True
+    shared = runtime.folder_shared_with_first(output_dir, accelerator.process_index, _all_gather)
+    if all(shared):
+        return True
+    others = [rank for rank, seen in enumerate(shared) if not seen]
+    if fsdp and saves_checkpoints:
+        raise TrainError(f"FSDP checkpoints are sharded across the processes, and process(es) {others} do not see "
+                         f"the first process's checkpoint folder {output_dir} (each node has its own disk), so a "
+                         "resume could not read them: put train_output_dir (or --run-dir) on a filesystem every node "
+                         "mounts at the same path, or set save_every_steps: 0 (no checkpoints; the final model is "
+                         "still saved on the first node)")
+    accelerator.project_configuration.save_on_each_node = True
+    return False
+
+
+def agreed_checkpoint(accelerator, output_dir: Path) -> Path | None:
+    """The newest checkpoint complete in every process's view of ``output_dir`` (nodes that keep their
+    own copies may differ by the one a kill interrupted), or None. A TrainError when some process has
+    checkpoints and another has none in common with it: resuming only some would train apart."""
+    from workbook.training.config import TrainError
+    mine = [path.name for path in complete_checkpoints(output_dir)]
+    if accelerator.num_processes == 1:
+        return output_dir / "checkpoints" / mine[-1] if mine else None
+    every = _all_gather(mine)
+    common = set(every[0]).intersection(*every[1:])
+    if common:
+        return output_dir / "checkpoints" / max(common)
+    if any(every):
+        newest = {rank: names[-1] if names else "none" for rank, names in enumerate(every)}
+        raise TrainError(f"the processes do not hold a common checkpoint in {output_dir / 'checkpoints'} (newest per "
+                         f"process: {newest}). Each node keeps its own copy when the "
+                         "folder is not shared: copy the newest checkpoint folder from a node that has it to the "
+                         "same path on the others, or move the checkpoints away to train anew")
+    return None
+
+
+def _all_gather(value) -> list:
+    from accelerate.utils import gather_object
+    return gather_object([value])
 
 
 def saved_state(checkpoint: Path) -> dict:
@@ -61,7 +121,9 @@ def save(accelerator, output_dir, step, fingerprint, history, eval_history, accu
     target = checkpoint_dir(output_dir, step)
     accelerator.save_state(str(target))
     accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
+    # One writer per copy: the first process, or each node's first when each node keeps its own.
+    each_node = accelerator.project_configuration.save_on_each_node
+    if accelerator.is_main_process or (each_node and accelerator.is_local_main_process):
         state = {"step": step, "fingerprint": fingerprint, "history": history, "eval_history": eval_history,
                  "accuracy_before": accuracy_before}
         (target / STATE_FILE).write_text(json.dumps(state, default=str) + "\n")

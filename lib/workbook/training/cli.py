@@ -15,7 +15,7 @@ from pathlib import Path
 
 from workbook import jsonl, notebook, runner, runtime
 from workbook.params import ParamsError
-from workbook.planner import DoesNotFitError
+from workbook.planner import DoesNotFitError, forecast
 from workbook.training import checkpoints, run_folder
 from workbook.training.config import TrainError, config_from_params
 from workbook.training.loop import train
@@ -72,6 +72,9 @@ def _run_and_report(params, run_dir: Path) -> int:
     except (TrainError, jsonl.DataError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    result["forecast"] = forecast.forecast_beside_measured(  # `workbook forecast --mode train` wrote it there
+        Path(config.output_dir) / "forecast.json", runtime.process_age_seconds(),
+        "this process's start to the end of training (start-up included, as forecast)")
     (Path(run_dir) / METRICS_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n")
     for line in summary_lines(result):
         print(line)

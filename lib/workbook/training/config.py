@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbook import arithmetic
-from workbook.generation.files import OutputFiles, resolve_output_path
+from workbook.generation.files import OutputFiles, resolve_input_path, resolve_output_path
 from workbook.params import AUTO
 from workbook.planner.profile import Budget
 
@@ -23,6 +23,7 @@ PARAMS_USED = (
     "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32",
     "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps",
     "train_output_dir", "train_processes",
+    "eval_prompts_path",
     "output_path",  # where notebook 02 wrote its outputs: the default training data
     "verifier",  # set: notebook 02 verified its outputs, and the accepted ones are the default training data
 )
@@ -55,6 +56,7 @@ class TrainConfig:
     length_percentile: float = 100.0
     padding: str = "packing"
     validation_fraction: float = 0.1
+    eval_prompts_path: str = ""  # held-out questions scored before and after ('' = the validation split)
     micro_batch_size: int | str = 8
     gradient_accumulation_steps: int = 1
     learning_rate: float = 1e-4
@@ -102,7 +104,8 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
         input_field=params["input_field"], output_field=params["output_field"],
         use_chat_template=params["use_chat_template"], max_seq_length=params["max_seq_length"],
         length_percentile=params["length_percentile"], padding=params["padding"],
-        validation_fraction=params["validation_fraction"], micro_batch_size=params["micro_batch_size"],
+        validation_fraction=params["validation_fraction"],
+        eval_prompts_path=resolve_eval_path(params["eval_prompts_path"]), micro_batch_size=params["micro_batch_size"],
         gradient_accumulation_steps=params["gradient_accumulation_steps"], learning_rate=params["learning_rate"],
         lr_scaling=params["lr_scaling"], base_batch=params["base_batch"], epochs=params["epochs"],
         max_steps=params["max_steps"], warmup_steps=params["warmup_steps"], weight_decay=params["weight_decay"],
@@ -115,6 +118,18 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
         budget=Budget.from_params(params),
     )
+
+
+def resolve_eval_path(eval_prompts_path: str) -> str:
+    """The held-out questions' file, found as a prompts file is (working directory, then the
+    repository root); '' stays '' (the validation split is scored)."""
+    if not eval_prompts_path:
+        return ""
+    path = resolve_input_path(eval_prompts_path)
+    if not path.is_file():
+        raise TrainError(f"eval_prompts_path {eval_prompts_path!r}: no such file. Point it at a JSONL file of "
+                         "arithmetic questions, or set it to '' to score the validation split.")
+    return str(path.resolve())  # absolute: launched processes may start elsewhere
 
 
 def resolve_data_path(train_data_path: str, output_path: str, run_dir: Path,

@@ -11,7 +11,6 @@ from workbook import arithmetic, models, tiny_model
 from workbook.training.batches import epoch_micro_batches, loss_sum, plan_rows
 from workbook.training.examples import IGNORE_INDEX, prompt_ids
 
-ACCURACY_MAX_RECORDS = 256  # validation prompts answered greedily for the arithmetic accuracy
 GENERATION_BATCH = 64
 
 
@@ -56,10 +55,11 @@ def arithmetic_references(records: list[dict], input_field: str) -> list[str] | 
 
 
 def accuracy(accelerator, model, tokenizer, prepared, config) -> dict | None:
-    """Greedy answers to (up to ACCURACY_MAX_RECORDS) validation prompts, scored against the task's
-    true answers; computed by the main process while the others wait. None if not the arithmetic task.
-    ``model`` is the unwrapped model (no DDP wrapper: only the main process generates)."""
-    records = prepared.validation_records[:ACCURACY_MAX_RECORDS]
+    """Greedy answers to ``prepared.accuracy_records`` (validation prompts, or the held-out file of
+    eval_prompts_path), scored against the task's true answers; computed by the main process while
+    the others wait. None if not the arithmetic task. ``model`` is the unwrapped model (no DDP
+    wrapper: only the main process generates)."""
+    records = prepared.accuracy_records
     references = arithmetic_references(records, config.input_field)
     result = None
     if references is not None and accelerator.is_main_process:
@@ -73,6 +73,7 @@ def accuracy(accelerator, model, tokenizer, prepared, config) -> dict | None:
         model.train(was_training)
         scored = [{"output": reference} for reference in references]
         result = {"accuracy": arithmetic.accuracy(scored, texts), "records": len(records),
+                  "of": prepared.accuracy_source,
                   "examples": [{"input": r[config.input_field], "answer": t, "reference": ref}
                                for r, t, ref in list(zip(records, texts, references))[:5]]}
     accelerator.wait_for_everyone()

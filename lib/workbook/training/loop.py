@@ -55,8 +55,8 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         prepared = prepared or prepare_data(config, tokenizer, log=lambda line: _print(accelerator, line))
         run = plan_run(config, prepared, accelerator.num_processes)
         output_dir = Path(config.output_dir)
-        if accelerator.is_main_process:
-            output_dir.mkdir(parents=True, exist_ok=True)
+        output_dir.mkdir(parents=True, exist_ok=True)  # by every process: a node may have its own disk
+        checkpoints.choose_where_to_save(accelerator, output_dir, fsdp=fsdp, saves_checkpoints=config.save_every_steps > 0)
         torch.manual_seed(config.seed)  # identical LoRA initialisation in every process
         model, model_description, lora = _load_model(config, device)
         total_parameters = sum(p.numel() for p in model.parameters())
@@ -67,7 +67,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
 
         fingerprint = checkpoints.fingerprint(config, prepared, run)
         start_step, history, eval_history, accuracy_before = 0, [], [], None
-        checkpoint = checkpoints.latest_checkpoint(output_dir)
+        checkpoint = checkpoints.agreed_checkpoint(accelerator, output_dir)
         if checkpoint is not None:
             state = checkpoints.resumable_state(checkpoint, fingerprint)
             accelerator.load_state(str(checkpoint))

@@ -14,6 +14,7 @@ from workbook.training import examples as sft_examples
 from workbook.training.config import TrainConfig, TrainError
 
 LISTED_IN_CONSOLE = 3  # left-out lines and records a console line names (the result's data summary lists 5)
+VALIDATION_ACCURACY_RECORDS = 256  # validation prompts answered greedily for the accuracy (an eval file: all of it)
 
 
 @dataclass
@@ -22,7 +23,7 @@ class PreparedData:
 
     train: list[sft_examples.TokenizedExample]
     validation: list[sft_examples.TokenizedExample]
-    validation_records: list[dict]  # the validation records as read (for the accuracy check)
+    accuracy_records: list[dict]  # records answered greedily before and after training (the accuracy check)
     max_seq_length: int
     max_seq_length_rule: str  # how it was chosen
     length_stats: dict  # of all examples, before truncation
@@ -32,6 +33,7 @@ class PreparedData:
     source: str
     pad_token_id: int
     skipped_lines: list[str] = field(default_factory=list)  # "file:line: why" of each line on_bad_line: skip left out
+    accuracy_source: str = "validation prompts"  # what accuracy_records are, for the report
 
     def summary(self) -> dict:
         return {
@@ -114,7 +116,7 @@ def prepare_data(config: TrainConfig, tokenizer=None, log=print) -> PreparedData
     }
     prepared = PreparedData(
         train=train, validation=validation,
-        validation_records=[records[i] for i in validation_index if sources[i] in by_source],
+        accuracy_records=[records[i] for i in validation_index if sources[i] in by_source][:VALIDATION_ACCURACY_RECORDS],
         max_seq_length=max_len, max_seq_length_rule=rule, length_stats=sft_examples.length_statistics(lengths),
         lengths=lengths, truncation=truncation_summary,
         tokenize_report={"chat_template": report.chat_template, "examples": report.examples,
@@ -124,9 +126,25 @@ def prepare_data(config: TrainConfig, tokenizer=None, log=print) -> PreparedData
         pad_token_id=models.pad_token_id(None, tokenizer),
         skipped_lines=skipped_lines,
     )
+    if config.eval_prompts_path:
+        prepared.accuracy_records = held_out_records(config)
+        prepared.accuracy_source = f"held-out prompts of {config.eval_prompts_path}"
     for line in left_out_lines(prepared):
         log(line)
     return prepared
+
+
+def held_out_records(config: TrainConfig) -> list[dict]:
+    """The records of ``eval_prompts_path``, read before any model loads; every one must be a
+    question of the arithmetic task (the only task whose true answers the workbook knows)."""
+    records, sources, _ = read_records(config.eval_prompts_path, jsonl.FAIL)
+    for record, source in zip(records, sources):
+        if arithmetic.parse_question(record.get(config.input_field)) is None:
+            raise TrainError(f"{source}: eval_prompts_path holds held-out questions scored against their true "
+                             f"answers, and its '{config.input_field}' is not a question of the arithmetic task "
+                             "(\"What is 12 + 34?\"); point it at such a file, or set it to '' to score the "
+                             "validation split")
+    return records
 
 
 def _model_max_positions(config: TrainConfig, tokenizer_limit: int | None) -> int | None:
@@ -165,7 +183,7 @@ def synthetic_data(config: TrainConfig) -> PreparedData:
     held = max(1, round(len(examples) * config.validation_fraction)) if config.validation_fraction else 0
     lengths = [length] * len(examples)
     return PreparedData(
-        train=examples[held:], validation=examples[:held], validation_records=[], max_seq_length=length,
+        train=examples[held:], validation=examples[:held], accuracy_records=[], max_seq_length=length,
         max_seq_length_rule="set in params (synthetic sequences of exactly this length)",
         length_stats=sft_examples.length_statistics(lengths), lengths=lengths,
         truncation={"max_seq_length": length, "truncated": 0, "dropped_without_response": 0, "tokens_cut": 0},

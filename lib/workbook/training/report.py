@@ -100,7 +100,7 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
                  "epoch_means": [sum(losses) / len(losses) for losses in epoch_losses],
                  "eval_before": eval_before, "eval_after": eval_history[-1]["eval_loss"] if eval_history else None},
         "accuracy": {"before": accuracy_before, "after": accuracy_after,
-                     "note": "greedy answers to validation prompts scored against the arithmetic task's true answers"
+                     "note": f"greedy answers to {accuracy_after['of']} scored against the arithmetic task's true answers"
                      if accuracy_after else "n/a: the validation inputs are not the arithmetic task's questions"
                      + (" (or FSDP: generation skipped)" if fsdp else "")},
         "throughput": {
@@ -140,7 +140,7 @@ def summary_lines(result: dict) -> list[str]:
         lines.append(f"validation loss {loss['eval_before']:.4f} -> {loss['eval_after']:.4f}")
     accuracy = result["accuracy"]
     if accuracy["after"]:
-        lines.append(f"arithmetic accuracy on {accuracy['after']['records']} validation prompts: "
+        lines.append(f"arithmetic accuracy on {accuracy['after']['records']} {accuracy['after']['of']}: "
                      f"{accuracy['before']['accuracy']:.1%} before -> {accuracy['after']['accuracy']:.1%} after"
                      if accuracy["before"] else f"accuracy after: {accuracy['after']['accuracy']:.1%}")
     if result["output"]["final_model_dir"]:

@@ -1,0 +1,397 @@
+"""How long a job takes and what it costs: the job simulated from timings a pilot measured.
+
+Pure arithmetic, no model: ``pilot`` measures the timings on the hardware at hand, this module
+turns them into the whole job's wall time as the engine runs it (prompts sorted longest first, cut
+into batches of the job's size; a static batch decodes until its longest output ends), with a
+range, and projects the phases to the other profiles by the hardware ratio that governs each:
+memory bandwidth for decode, compute for prefill and training steps::
+
+    timings = GenerationTimings(...)            # from pilot.measure_generation
+    result = simulate_generation(prompt_lengths, batch_size=32, timings=timings)
+    result.seconds, result.batch_seconds        # the whole job; each batch, in run order
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from workbook.paths import REFERENCE_DIR
+
+SECONDS_PER_HOUR = 3600.0
+BOOTSTRAP_DRAWS = 200  # resamples of the pilot's output lengths behind the range
+MINIMUM_SPREAD = 0.03  # the range is never narrower than +-3%: run-to-run noise of a shared machine
+FORECAST_SUFFIX = ".forecast.json"  # beside a generation output: the forecast its job started with
+
+
+@dataclass
+class OutputLengths:
+    """Output lengths (tokens, end-of-sequence included) the pilot saw, per batch, with the
+    longest prompt of that batch: a job batch draws from the pilot batch nearest in prompt length."""
+
+    by_prompt_length: list[tuple[int, list[int]]]
+
+    def nearest(self, prompt_tokens: int) -> list[int]:
+        return min(self.by_prompt_length, key=lambda entry: abs(entry[0] - prompt_tokens))[1]
+
+    def resampled(self, rng: random.Random) -> "OutputLengths":
+        return OutputLengths([(length, rng.choices(outputs, k=len(outputs)))
+                              for length, outputs in self.by_prompt_length])
+
+
+def expected_longest(lengths: list[int], rows: int, cap: int) -> float:
+    """Expected longest of ``rows`` draws from ``lengths`` (capped at ``cap``): the decode steps of
+    a static batch, whose every row waits for its longest. E[max] = sum_k P(max >= k)."""
+    capped = sorted(min(length, cap) for length in lengths)
+    total = 0.0
+    for k in range(1, (capped[-1] if capped else 0) + 1):
+        below = sum(1 for length in capped if length < k) / len(capped)
+        total += 1 - below ** rows
+    return total
+
+
+@dataclass
+class GenerationTimings:
+    """What one backend call costs, in seconds, as a pilot measured it."""
+
+    prefill_fixed_seconds: float  # per call, whatever its size
+    prefill_seconds_per_token: float  # per padded prompt position (rows x the batch's longest prompt)
+    step_fixed_seconds: float  # per decode step of a full batch
+    step_seconds_per_context_token: float  # per row x context position (attention over the KV cache)
+    call_overhead_seconds: float  # per call beyond its forwards (padding, the last step's tail, finishing)
+    write_seconds_per_output: float  # decoding the text and appending the record
+    warm_up_seconds: float = 0.0  # the first forward's extra cost, paid once per process
+    startup_seconds: float = 0.0  # interpreter, imports, model load, reading and tokenizing the prompts
+    finish_seconds_per_output: float = 0.0  # merging, verifying and summarizing after the last batch
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationSimulation:
+    seconds: float  # the whole job's wall time, start-up included
+    batch_seconds: list[float]  # each batch, in run order (longest prompts first)
+    prefill_seconds: float
+    decode_seconds: float
+    overhead_seconds: float  # start-up, warm-up, per-call overhead, writing and finishing
+    decode_steps: float
+    prefill_tokens: int  # padded prompt positions
+
+
+def batch_plan(prompt_lengths: list[int], prompts_per_call: int) -> list[list[int]]:
+    """The job's batches: prompt lengths sorted longest first, cut every ``prompts_per_call``
+    (the engine's ``sort_longest_first`` and ``run_batches``)."""
+    ordered = sorted(prompt_lengths, reverse=True)
+    return [ordered[start:start + prompts_per_call] for start in range(0, len(ordered), prompts_per_call)]
+
+
+def batch_seconds(rows: int, longest_prompt: int, steps: float, timings: GenerationTimings) -> tuple[float, float, float]:
+    """(prefill, decode, overhead) seconds of one static call: one prefill over the padded prompts,
+    then ``steps - 1`` decode steps (the prefill yields the first token) at a growing context."""
+    prefill = timings.prefill_fixed_seconds + timings.prefill_seconds_per_token * rows * longest_prompt
+    decode_steps = max(steps - 1, 0.0)
+    context_sum = decode_steps * longest_prompt + decode_steps * (decode_steps + 1) / 2  # sum of contexts
+    decode = decode_steps * timings.step_fixed_seconds + timings.step_seconds_per_context_token * rows * context_sum
+    overhead = timings.call_overhead_seconds + timings.write_seconds_per_output * rows
+    return prefill, decode, overhead
+
+
+def simulate_generation(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int,
+                        timings: GenerationTimings, outputs: OutputLengths, processes: int = 1,
+                        include_startup: bool = True) -> GenerationSimulation:
+    """The job's wall time with these timings: every batch of the engine's plan, each decoding
+    until the expected longest of its rows' outputs. With several processes each takes every
+    ``processes``-th prompt of the sorted list (the job's split) and the wall time is the slowest."""
+    per_process = [sorted(prompt_lengths, reverse=True)[rank::processes] for rank in range(processes)]
+    slowest = None
+    for lengths in per_process:
+        prefill = decode = overhead = steps_total = 0.0
+        tokens = 0
+        seconds_each = []
+        for batch in batch_plan(lengths, prompts_per_call):
+            steps = expected_longest(outputs.nearest(batch[0]), len(batch), max_new_tokens)
+            parts = batch_seconds(len(batch), batch[0], steps, timings)
+            prefill, decode, overhead = prefill + parts[0], decode + parts[1], overhead + parts[2]
+            seconds_each.append(sum(parts))
+            steps_total += steps
+            tokens += len(batch) * batch[0]
+        fixed = timings.warm_up_seconds + timings.finish_seconds_per_output * len(prompt_lengths)
+        fixed += timings.startup_seconds if include_startup else 0.0
+        result = GenerationSimulation(prefill + decode + overhead + fixed, seconds_each, prefill, decode,
+                                      overhead + fixed, steps_total, tokens)
+        if slowest is None or result.seconds > slowest.seconds:
+            slowest = result
+    return slowest
+
+
+def generation_range(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int,
+                     timings: GenerationTimings, outputs: OutputLengths, processes: int = 1,
+                     fit_error: float = 0.0, seed: int = 0) -> tuple[float, float]:
+    """(low, high) wall seconds: the 10th and 90th percentile over resamples of the pilot's output
+    lengths (how long outputs run is the least known part), widened by the timing fit's
+    relative error on the pilot's own batches and never narrower than MINIMUM_SPREAD."""
+    rng = random.Random(seed)
+    draws = sorted(simulate_generation(prompt_lengths, prompts_per_call=prompts_per_call,
+                                       max_new_tokens=max_new_tokens, timings=timings,
+                                       outputs=outputs.resampled(rng), processes=processes).seconds
+                   for _ in range(BOOTSTRAP_DRAWS))
+    low, high = draws[len(draws) // 10], draws[(9 * len(draws)) // 10]
+    middle = simulate_generation(prompt_lengths, prompts_per_call=prompts_per_call, max_new_tokens=max_new_tokens,
+                                 timings=timings, outputs=outputs, processes=processes).seconds
+    spread = max(fit_error, MINIMUM_SPREAD)
+    return min(low, middle) * (1 - spread), max(high, middle) * (1 + spread)
+
+
+def forecast_beside_measured(forecast_file: Path, measured_seconds: float | None, what: str,
+                             after_pilot: bool = False) -> dict | None:
+    """What a run records in its summary: the forecast it started with (the file `workbook forecast`
+    wrote for it, if any) beside its measured wall time and the error; None without a forecast.
+    ``after_pilot``: the run resumed after the pilot's outputs, so it is compared with the time the
+    forecast left for it (``remaining_wall_seconds``), not the whole job's."""
+    if not forecast_file.is_file():
+        return None
+    made = json.loads(forecast_file.read_text())
+    predicted = made["remaining_wall_seconds"] if after_pilot else made["predicted_wall_seconds"]
+    scale = predicted / made["predicted_wall_seconds"] if made["predicted_wall_seconds"] else 1.0
+    return {"file": str(forecast_file), "compared_with": "remaining after the pilot" if after_pilot else "whole job",
+            "predicted_wall_seconds": predicted,
+            "predicted_wall_seconds_range": [bound * scale for bound in made["predicted_wall_seconds_range"]],
+            "pilot_share": made["pilot"].get("share_of_job_batches", made["pilot"].get("share_of_job_steps")),
+            "measured_wall_seconds": None if measured_seconds is None else round(measured_seconds, 3),
+            "measured": what,
+            "error": None if not measured_seconds else round((predicted - measured_seconds) / measured_seconds, 4)}
+
+
+def planned_batch_seconds(forecast_file: Path):
+    """A function giving a batch's seconds by the timings of the forecast in ``forecast_file`` (what
+    `workbook forecast` wrote beside the output), for the job's ETA; None without one."""
+    if not forecast_file.is_file():
+        return None
+    made = json.loads(forecast_file.read_text())
+    if made.get("mode") != "generate":
+        return None
+    timings = GenerationTimings(**made["timings"])
+    outputs = OutputLengths([(length, lengths) for length, lengths in made["pilot"]["output_lengths"]])
+
+    def planned(batch) -> float:
+        longest = max(len(p.token_ids) for p in batch)
+        steps = expected_longest(outputs.nearest(longest), len(batch), max(p.max_new_tokens for p in batch))
+        return sum(batch_seconds(len(batch), longest, steps, timings))
+    return planned
+
+
+def positions_cost(batch) -> float:
+    """A batch's planned cost without a pilot: the positions it computes (rows x (longest prompt +
+    its new-token limit)); relative units are enough, since ``remaining_seconds`` scales by pace."""
+    return len(batch) * (max(len(p.token_ids) for p in batch) + max(p.max_new_tokens for p in batch))
+
+
+def forecast_files(root: Path) -> list[Path]:
+    """Every forecast `workbook forecast` wrote under ``root`` (beside outputs, in training folders),
+    newest first."""
+    found = list(root.rglob(f"*{FORECAST_SUFFIX}")) + list(root.rglob("forecast.json"))
+    return sorted((path for path in found if path.is_file()), key=lambda path: path.stat().st_mtime, reverse=True)
+
+
+def forecast_points(root: Path) -> list[dict]:
+    """Forecast against measured for every run under ``root`` that recorded both (a generation
+    summary's or a training metrics file's ``forecast``): notebook 05's plot."""
+    points = []
+    for path in sorted(list(root.rglob("*.summary.json")) + list(root.rglob("training_metrics.json"))):
+        try:
+            recorded = json.loads(path.read_text()).get("forecast")
+        except (OSError, ValueError):
+            continue
+        if recorded and recorded.get("measured_wall_seconds"):
+            points.append({"run": str(path.relative_to(root)), "predicted_seconds": recorded["predicted_wall_seconds"],
+                           "measured_seconds": recorded["measured_wall_seconds"],
+                           "kind": "training" if path.name == "training_metrics.json" else "generation"})
+    return points
+
+
+def remaining_seconds(batch_seconds_planned: list[float], batches_done: int, elapsed_seconds: float) -> float:
+    """ETA of a running job: the planned seconds of the batches still to run, scaled by how the run
+    so far compares with its plan. Counting examples left is wrong early: the first batches hold
+    the longest prompts, so a per-example rate from them overstates what is left."""
+    planned_done = sum(batch_seconds_planned[:batches_done])
+    pace = elapsed_seconds / planned_done if planned_done > 0 and batches_done else 1.0
+    return pace * sum(batch_seconds_planned[batches_done:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Training: fixed costs plus steps at the planned micro-batch.
+
+
+@dataclass
+class TrainingTimings:
+    startup_seconds: float  # interpreter, imports, reading, tokenizing and packing the data
+    fixed_seconds: float  # model load, accuracy before/after, the first validation, one step's warm-up
+    step_seconds: float  # one optimizer step at the planned micro-batch, steady state
+    evaluation_seconds: float  # one validation pass
+    save_seconds: float  # the final model
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def simulate_training(total_steps: int, evaluations: int, timings: TrainingTimings) -> float:
+    """Wall seconds of a training run of ``total_steps`` with ``evaluations`` validation passes
+    besides the one before the first step (counted in fixed_seconds)."""
+    return (timings.startup_seconds + timings.fixed_seconds + total_steps * timings.step_seconds
+            + evaluations * timings.evaluation_seconds + timings.save_seconds)
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost and projection to the other profiles.
+
+
+def cost(wall_seconds: float, profile: dict) -> dict:
+    """GPU-hours and dollars of ``wall_seconds`` on a profile at its usd_per_gpu_hour."""
+    gpu_hours = wall_seconds / SECONDS_PER_HOUR * max(profile["gpu_count"], 0)
+    return {"gpu_hours": round(gpu_hours, 4), "usd": round(gpu_hours * profile["usd_per_gpu_hour"], 4),
+            "usd_per_gpu_hour": profile["usd_per_gpu_hour"]}
+
+
+@dataclass
+class Phases:
+    """A job's wall time by what bounds it: decode (memory bandwidth), compute (prefill, training
+    steps) and the rest (start-up, per-call overhead, writing), which no peak governs."""
+
+    decode_seconds: float
+    compute_seconds: float
+    other_seconds: float
+    decode_bytes: float = 0.0  # bytes read by the decode steps (weights + KV cache), for the efficiency
+    compute_flops: float = 0.0
+    parallel: bool = True  # the phases split over data-parallel GPUs
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Peaks:
+    """A machine's peaks: dense compute in FLOP/s at the job's dtype, memory bandwidth in bytes/s."""
+
+    flops: float
+    bytes_per_second: float
+    source: str
+
+
+def profile_peaks(profile: dict, dtype: str) -> Peaks | None:
+    """The spec-table peaks a profile states, or None when it states none (the cpu profile)."""
+    tflops = profile["peak_fp16_tflops"] if dtype == "fp16" else profile["peak_bf16_tflops"] or profile["peak_fp16_tflops"]
+    if tflops <= 0 or profile["memory_bandwidth_gbs"] <= 0:
+        return None
+    return Peaks(tflops * 1e12, profile["memory_bandwidth_gbs"] * 1e9, f"params/{profile['profile']}.yaml")
+
+
+def efficiencies(phases: Phases, peaks: Peaks) -> dict:
+    """Achieved share of each peak: decode bytes/s over bandwidth, FLOP/s over compute."""
+    return {"decode_bandwidth": phases.decode_bytes / phases.decode_seconds / peaks.bytes_per_second
+            if phases.decode_seconds > 0 and phases.decode_bytes else None,
+            "compute": phases.compute_flops / phases.compute_seconds / peaks.flops
+            if phases.compute_seconds > 0 and phases.compute_flops else None}
+
+
+def reference_efficiencies(profile_name: str, mode: str, root: Path = REFERENCE_DIR) -> dict | None:
+    """Efficiencies a committed reference measured on that GPU (``outputs/reference/<profile>/
+    forecast.json``, written by this forecast run there), or None when there is none."""
+    path = root / profile_name / "forecast.json"
+    if not path.is_file():
+        return None
+    recorded = json.loads(path.read_text()).get("efficiency", {}).get(mode)
+    return recorded if recorded and all(recorded.get(key) for key in ("decode_bandwidth", "compute")) else None
+
+
+def project(phases: Phases, here: Peaks, there: Peaks, gpus_there: int, processes_here: int,
+            efficiency_there: dict | None = None) -> float:
+    """Wall seconds on another machine: each phase scaled by the ratio of the peak that governs it
+    (decode by bandwidth, compute by FLOP/s), at this machine's efficiency, or at the other
+    machine's own measured efficiency when ``efficiency_there`` is given. Start-up and overheads
+    are kept as measured; data-parallel phases split over the other machine's GPUs."""
+    decode, compute = phases.decode_seconds, phases.compute_seconds
+    if efficiency_there:
+        decode = phases.decode_bytes / (there.bytes_per_second * efficiency_there["decode_bandwidth"]) if phases.decode_bytes else 0.0
+        compute = phases.compute_flops / (there.flops * efficiency_there["compute"]) if phases.compute_flops else 0.0
+    else:
+        decode *= here.bytes_per_second / there.bytes_per_second
+        compute *= here.flops / there.flops
+    split = max(gpus_there, 1) / max(processes_here, 1) if phases.parallel else 1.0
+    return phases.other_seconds + (decode + compute) / split
+
+
+def profile_rows(phases: Phases, this_profile: dict, here: Peaks, profiles: dict, wall_seconds: float,
+                 mode: str, processes_here: int = 1) -> list[dict]:
+    """One row per profile: wall seconds, GPU-hours and dollars, and the basis of the number."""
+    rows = []
+    for name, profile in sorted(profiles.items()):
+        if name == this_profile["profile"]:
+            seconds, basis = wall_seconds, "measured here (pilot)"
+        else:
+            there = profile_peaks(profile, this_profile["dtype"])
+            if there is None:
+                rows.append({"profile": name, "wall_seconds": None, "usd": None, "gpu_hours": None,
+                             "basis": "not projected: the profile states no peak compute or bandwidth"})
+                continue
+            reference = reference_efficiencies(name, mode)
+            seconds = project(phases, here, there, profile["gpu_count"], processes_here, reference)
+            basis = (f"projected from {name}'s committed reference (outputs/reference/{name}/forecast.json)"
+                     if reference else f"projected from here ({this_profile['profile']}: {here.source}) by "
+                     "bandwidth (decode) and compute (prefill, steps) ratios")
+        rows.append({"profile": name, "wall_seconds": round(seconds, 2), **cost(seconds, profile), "basis": basis})
+    return rows
+
+
+def fit_line(xs: list[float], ys: list[float], single: str = "slope") -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line, neither negative. A single distinct x cannot
+    tell the two apart: ``single`` says which one takes the mean ('slope': a line through 0)."""
+    if len(set(xs)) < 2:
+        x, y = statistics.fmean(xs), statistics.fmean(ys)
+        return (0.0, y / x if x else 0.0) if single == "slope" else (y, 0.0)
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
+             / sum((x - mean_x) ** 2 for x in xs))
+    slope = max(slope, 0.0)  # a negative per-token cost is noise; time never falls with more work
+    return max(mean_y - slope * mean_x, 0.0), slope
+
+
+def relative_error(predicted: list[float], measured: list[float]) -> float:
+    """Largest |predicted - measured| / measured over pairs (0 when there are none)."""
+    return max((abs(p - m) / m for p, m in zip(predicted, measured) if m > 0), default=0.0)
+
+
+def round_floats(value, digits: int = 4):
+    if isinstance(value, float):
+        return round(value, digits) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: round_floats(item, digits) for key, item in value.items()}
+    if isinstance(value, list):
+        return [round_floats(item, digits) for item in value]
+    return value
+
+
+@dataclass
+class Forecast:
+    """What ``workbook forecast`` prints (``to_dict``: its --json) and records beside the output."""
+
+    mode: str
+    profile: str
+    predicted_wall_seconds: float
+    predicted_wall_seconds_range: tuple[float, float]
+    remaining_wall_seconds: float  # what the job still takes after the pilot (its outputs count)
+    pilot: dict
+    timings: dict
+    job: dict
+    cost: dict
+    profiles: list[dict] = field(default_factory=list)
+    efficiency: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    clock: str = "wall"  # seconds of: 'wall' (what a user waits for) or 'cpu' (this process's CPU time)
+
+    def to_dict(self) -> dict:
+        return round_floats(asdict(self))

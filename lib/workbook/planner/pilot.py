@@ -1,0 +1,428 @@
+"""The pilot: a few of the job's own batches, run on this machine and timed, whose outputs the job
+keeps; ``forecast`` turns what they measured into the whole job's time and cost.
+
+Generation: the job's batches (length-sorted, at its batch size) are picked evenly across the
+length distribution, not the first lines of the file; each runs through the job's own code into
+the job's output file, so the job's resume skips them (nothing is generated twice). Forward hooks
+time every model call: the prefill against padded prompt tokens, each decode step against batch
+and context; the outputs give the lengths reached at end of sequence. Training: the first steps
+of the run at the planned micro-batch, in a scratch folder. The pilot's share of the job is
+bounded (``share`` of its batches or steps, and ``seconds``)::
+
+    result = forecast_generation(params, share=0.1)     # a forecast.Forecast
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from workbook import models, params as params_module, runtime
+from workbook.paths import OUTPUTS_DIR
+from workbook.planner import forecast
+from workbook.planner.forecast import GenerationTimings, OutputLengths, Phases, Peaks
+
+# The params keys `workbook forecast` reads: the generation job's and the training run's (it pilots
+# either), the profile's peaks and price, and plan_mode (the default --mode).
+PARAMS_USED = (
+    "profile", "model", "dtype", "interactive", "batch_size", "prompt_len", "max_new_tokens", "gpu_count",
+    "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path", "prompt_field", "output_path", "backend",
+    "do_sample", "temperature", "top_p", "seed", "max_examples", "on_bad_line", "on_long_prompt",
+    "use_chat_template", "log_every_batches", "data_parallel_processes", "verifier", "max_accepted_per_prompt",
+    "system_prompt", "samples_per_prompt", "peak_bf16_tflops", "peak_fp16_tflops", "memory_bandwidth_gbs",
+    "usd_per_gpu_hour", "plan_mode", "micro_batch_size", "grad_checkpointing", "lora_rank", "train_data_path",
+    "input_field", "output_field", "max_seq_length", "length_percentile", "padding", "validation_fraction",
+    "learning_rate", "lr_scaling", "base_batch", "gradient_accumulation_steps", "epochs", "max_steps",
+    "warmup_steps", "weight_decay", "optimizer", "tf32", "torch_compile", "attn_implementation",
+    "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps", "train_output_dir", "train_processes",
+)
+DEFAULT_SHARE = 0.1
+# What the forecast predicts: wall seconds (what a user waits and pays for), or this process's CPU
+# seconds (user + system), which a machine shared with other work does not stretch: with one thread
+# per process (OMP_NUM_THREADS=1) they equal the wall time of the same run on an idle machine.
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # the pilot runs at most this share of the job's batches (training: steps), at least one
+
+
+@dataclasses.dataclass
+class Call:
+    """One backend call of the pilot: its prompts' shape, its forwards and outputs."""
+
+    rows: int
+    longest_prompt: int
+    seconds: float
+    forwards: list[tuple[float, float, int]]  # (start, end, context positions) per model call
+    output_lengths: list[int]
+    written_seconds: float = 0.0  # the call plus writing its records (the engine's batch time)
+
+
+class ForwardTimer:
+    """Times every forward of ``model`` (hooks; synchronized on CUDA so the clock sees the work)."""
+
+    def __init__(self, model, device: torch.device, clock: Callable[[], float] = time.perf_counter):
+        self.device, self.clock, self.events, self._started = device, clock, [], None
+        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
+                         model.register_forward_hook(self._after)]
+
+    def _before(self, module, args, kwargs):
+        # Positions attended: the new tokens plus what the cache holds (generate drops an all-ones mask).
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
+        cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        context = (ids.shape[-1] if ids is not None else 0) + cached if mask is None else mask.shape[-1]
+        runtime.synchronize(self.device)
+        self._started = (self.clock(), context)
+
+    def _after(self, module, args, output):
+        runtime.synchronize(self.device)
+        self.events.append((self._started[0], self.clock(), self._started[1]))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def pick_batches(batches: list[list], share: float) -> list[int]:
+    """Indices of the pilot's batches: ``share`` of the full ones (at least one), spread evenly
+    over the length-sorted list so that long, middle and short prompts are all timed."""
+    full = [i for i, batch in enumerate(batches) if len(batch) == len(batches[0])] or [0]
+    count = max(1, min(len(full), math.floor(share * len(batches))))
+    return sorted({full[math.floor((i + 0.5) * len(full) / count)] for i in range(count)})
+
+
+def fit_generation(calls: list[Call], warm_up_seconds: float, startup_seconds: float) -> tuple[GenerationTimings, float]:
+    """Timings from the pilot's calls, and the largest relative error of the fitted model on them."""
+    prefill_x, prefill_y, step_x, step_y = [], [], [], []
+    for call in calls:
+        starts = [start for start, _, _ in call.forwards]
+        if len(starts) > 1:
+            prefill_x.append(call.rows * call.longest_prompt)
+            prefill_y.append(starts[1] - starts[0])
+        for (start, _, context), following in zip(call.forwards[1:], starts[2:]):
+            step_x.append(call.rows * context)
+            step_y.append(following - start)
+    # One distinct prefill size: its time is per token (what scales); one distinct context: a step's
+    # time is fixed (reading the weights, launching the kernels).
+    prefill_fixed, prefill_slope = forecast.fit_line(prefill_x, prefill_y, single="slope") if prefill_x else (0.0, 0.0)
+    step_fixed, step_slope = forecast.fit_line(step_x, step_y, single="intercept") if step_x else (0.0, 0.0)
+    timings = GenerationTimings(prefill_fixed, prefill_slope, step_fixed, step_slope, 0.0, 0.0,
+                                warm_up_seconds, startup_seconds)
+    modelled = [sum(forecast.batch_seconds(c.rows, c.longest_prompt, max(c.output_lengths, default=0), timings)[:2])
+                for c in calls]
+    timings.call_overhead_seconds = max(statistics.fmean(c.seconds - m for c, m in zip(calls, modelled)), 0.0)
+    timings.write_seconds_per_output = max(statistics.fmean((c.written_seconds - c.seconds) / c.rows for c in calls), 0.0)
+    predicted = [sum(forecast.batch_seconds(c.rows, c.longest_prompt, max(c.output_lengths, default=0), timings))
+                 for c in calls]
+    return timings, forecast.relative_error(predicted, [c.written_seconds for c in calls])
+
+
+def warm_up(model, device: torch.device, token_id: int, clock: Callable[[], float] = time.perf_counter) -> float:
+    """The first forward's extra cost over a steady one (allocator, kernels, thread pools): the
+    job pays it once, in its first batch."""
+    ids = torch.full((1, 8), token_id, dtype=torch.long, device=device)
+    seconds = []
+    with torch.no_grad():
+        for _ in range(3):
+            runtime.synchronize(device)
+            began = clock()
+            model(input_ids=ids)
+            runtime.synchronize(device)
+            seconds.append(clock() - began)
+    return max(seconds[0] - min(seconds[1:]), 0.0)
+
+
+def host_peaks(device: torch.device) -> Peaks:
+    """This machine's achievable peaks, measured (a profile without spec peaks: the cpu one): a
+    2048^3 fp32 matmul for compute and a 128 MiB copy (read + write) for bandwidth, best of 3."""
+    a = torch.randn(2048, 2048, device=device)
+    block = torch.empty(32 * 2 ** 20, device=device)  # 128 MiB of fp32
+    matmul, copy = [], []
+    for _ in range(3):
+        runtime.synchronize(device)
+        began = time.perf_counter()
+        a @ a
+        runtime.synchronize(device)
+        matmul.append(time.perf_counter() - began)
+        began = time.perf_counter()
+        block.clone()
+        runtime.synchronize(device)
+        copy.append(time.perf_counter() - began)
+    return Peaks(2 * 2048 ** 3 / min(matmul), 2 * block.numel() * 4 / min(copy),
+                 "measured here: fp32 2048^3 matmul and a 128 MiB copy, best of 3")
+
+
+def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float | None = None,
+                        log: Callable[[str], None] = print, model=None, tokenizer=None,
+                        clock: str = "wall") -> forecast.Forecast:
+    """Forecast a generation job from a pilot of its own batches on this machine. The pilot's
+    outputs go into the job's output (``params['output_path']``, which must be set): the job's
+    resume skips them. ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests)."""
+    from workbook.generation import job
+    from workbook.generation.engine import sort_longest_first
+    from workbook.generation.files import OutputFiles, lock_output, resolve_input_path
+    from workbook.generation.inputs import read_inputs
+
+    job.require_keys(params)
+    files = OutputFiles(resolve_input_path(params["output_path"]))
+    rank = job.Rank(0, 1, runtime.default_device())
+    with lock_output(files):
+        inputs = read_inputs(params, files, record_skipped=False)
+        share_ = job.prepare_share(params, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
+        model, backend, samples = share_.model, share_.backend, params["samples_per_prompt"]
+        context = models.context_length(model)
+        # The whole job as a fresh run: every candidate whose prompt leaves room to generate.
+        every = [len(share_.token_ids[i]) for i in range(len(share_.examples)) for _ in range(samples)
+                 if not context or len(share_.token_ids[i]) < context]
+        ordered, size = sort_longest_first(share_.prompts), backend.prompts_per_call
+        pending = [ordered[start:start + size] for start in range(0, len(ordered), size)]  # the engine's batches
+        chosen = pick_batches(pending, share) if pending else []
+        startup_seconds = _startup_seconds(clock)
+        warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id, CLOCKS[clock])
+        pilot_began = time.perf_counter()
+        calls = run_pilot(params, share_, files, rank, [pending[i] for i in chosen], seconds, log, CLOCKS[clock])
+        pilot_seconds = time.perf_counter() - pilot_began
+    if not calls:
+        raise job.GenerationError(f"nothing left to generate in {files.output}: the job is done, so there is "
+                                  "nothing to forecast (point output_path at a new file to forecast a fresh run)")
+    timings, fit_error = fit_generation(calls, warm_up_seconds, startup_seconds)
+    outputs = OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls])
+    processes = params["data_parallel_processes"]
+    simulate = dict(prompts_per_call=backend.prompts_per_call, max_new_tokens=params["max_new_tokens"],
+                    timings=timings, outputs=outputs, processes=processes)
+    whole = forecast.simulate_generation(every, **simulate)
+    low, high = forecast.generation_range(every, fit_error=fit_error, **simulate)
+    piloted = {(p.index, p.sample) for i in chosen[:len(calls)] for p in pending[i]}
+    left = [len(p.token_ids) for p in share_.prompts if (p.index, p.sample) not in piloted]
+    remaining = forecast.simulate_generation(left, **simulate).seconds if left else 0.0
+    phases = generation_phases(model, params["dtype"], whole)
+    return _assemble("generate", params, whole.seconds, (low, high), remaining, phases, timings.to_dict(), rank.device, {
+        "batches": len(calls), "prompts": sum(c.rows for c in calls), "seconds": pilot_seconds,
+        "share_of_job_batches": len(calls) / max(len(forecast.batch_plan(every, backend.prompts_per_call)), 1),
+        "batch_indices": chosen[:len(calls)], "written_to": str(files.output),
+        "fit_error": fit_error, "output_lengths": outputs.by_prompt_length,
+    }, {"prompts": len(every), "batches": len(whole.batch_seconds), "batch_size": share_.batch_size,
+        "backend": backend.name, "model": params["model"], "prompt_tokens": {
+            "min": min(every), "median": statistics.median(every), "max": max(every)},
+        "max_new_tokens": params["max_new_tokens"], "processes": processes,
+        "batch_seconds_planned": whole.batch_seconds}, clock)
+
+
+def run_pilot(params, share_, files, rank, batches: list[list], seconds: float | None, log,
+              clock: Callable[[], float] = time.perf_counter) -> list[Call]:
+    """Generate ``batches`` through the job's own writer, timing each call; stops early once the
+    pilot has run ``seconds`` (after at least one batch)."""
+    from workbook.generation import job
+    timer = ForwardTimer(share_.model, rank.device, clock)
+    backend, calls, began = share_.backend, [], time.perf_counter()
+    original = backend.generate
+
+    def timed(prompts):
+        first, call_began = len(timer.events), clock()
+        output = original(prompts)
+        calls.append(Call(len(prompts), max(len(p.token_ids) for p in prompts), clock() - call_began,
+                          timer.events[first:], [len(c.token_ids) for c in output.completions]))
+        return output
+
+    backend.generate = timed
+    try:
+        for batch in batches:
+            if seconds is not None and calls and time.perf_counter() - began >= seconds:
+                log(f"pilot: stopped after {len(calls)} batches ({seconds:g} s budget)")
+                break
+            done, batch_began = len(calls), clock()
+            job.generate_share(params, dataclasses.replace(share_, prompts=batch, bad_lines=[], too_long=[]),
+                               files, rank, log=lambda line: None, show_progress=False)
+            if len(calls) != done + 1:  # a split (out of memory) is not the job's steady state
+                raise job.GenerationError("the pilot's batch was split (out of memory or an error): lower "
+                                          "batch_size so the forecast times the batches the job will run")
+            calls[-1].written_seconds = clock() - batch_began
+    finally:
+        backend.generate = original
+        timer.remove()
+    return calls
+
+
+def _startup_seconds(clock: str) -> float:
+    """What this process spent before the pilot (interpreter, imports, reading, model load): a fresh
+    run of the job spends the same before its first batch."""
+    return time.process_time() if clock == "cpu" else runtime.process_age_seconds() or 0.0
+
+
+def generation_phases(model, dtype: str, whole: forecast.GenerationSimulation) -> Phases:
+    """The simulated job by what bounds each part: decode steps read every weight once (the KV
+    cache, smaller at these batches, is left out), the prefill costs 2 FLOPs per weight per token."""
+    parameters = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return Phases(decode_seconds=whole.decode_seconds, compute_seconds=whole.prefill_seconds,
+                  other_seconds=whole.overhead_seconds, decode_bytes=whole.decode_steps * weight_bytes,
+                  compute_flops=2.0 * parameters * whole.prefill_tokens)
+
+
+def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings, device, pilot, job_facts,
+              clock: str = "wall") -> forecast.Forecast:
+    here = forecast.profile_peaks(params, params["dtype"]) or host_peaks(device)
+    profiles = params_module.load_all()
+    profiles[params["profile"]] = params  # this run's settings (--set) for its own row
+    rows = forecast.profile_rows(phases, params, here, profiles, wall, mode,
+                                 processes_here=job_facts.get("processes", 1))
+    notes = ["projections keep start-up and per-call overheads as measured here and scale only the decode "
+             "(bandwidth) and compute phases; a small model on a CPU is overhead-bound, so its projections "
+             "understate GPU overheads"] if not forecast.profile_peaks(params, params["dtype"]) else []
+    return forecast.Forecast(
+        mode=mode, profile=params["profile"], predicted_wall_seconds=wall, predicted_wall_seconds_range=wall_range,
+        remaining_wall_seconds=remaining, pilot=pilot, timings=timings, job=job_facts,
+        cost=forecast.cost(wall, params), profiles=rows,
+        efficiency={mode: forecast.efficiencies(phases, here), "peaks": dataclasses.asdict(here),
+                    "phases": phases.to_dict()}, notes=notes, clock=clock)
+
+
+def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | None = None,
+                      log: Callable[[str], None] = print, clock: str = "wall") -> forecast.Forecast:
+    """Forecast a training run from its first steps at the planned micro-batch (a scratch folder:
+    the pilot's steps are not reused by the run). The loop times its steps on the wall clock; with
+    ``clock='cpu'`` every time is converted by the pilot's CPU/wall ratio."""
+    from workbook.training import config as training_config
+    from workbook.training.loop import EVAL_POINTS
+    from workbook.training.prepare import prepare_data
+    from workbook.training.processes import launch
+    from workbook.training.run_plan import plan_run
+
+    with tempfile.TemporaryDirectory(prefix="forecast-") as scratch:
+        config = training_config.config_from_params(params, scratch)
+        prepared = prepare_data(config, log=log)
+        run = plan_run(config, prepared)
+        steps = min(run.total_steps, max(2, math.floor(share * run.total_steps)))
+        startup_seconds = _startup_seconds(clock)
+        pilot_config = dataclasses.replace(config, stop_after_steps=steps, output_dir=str(Path(scratch) / "pilot"),
+                                           save_every_steps=0)
+        began, cpu_began = time.perf_counter(), time.process_time()
+        result = launch(pilot_config, prepared)
+        pilot_seconds = time.perf_counter() - began
+        to_clock = (time.process_time() - cpu_began) / pilot_seconds if clock == "cpu" else 1.0
+    history = [{**r, "seconds": r["seconds"] * to_clock} for r in result["history"]]
+    step_seconds = statistics.median(r["seconds"] for r in history[1:]) if len(history) > 1 else history[0]["seconds"]
+    tokens_per_step = statistics.fmean(r["tokens"] for r in history)
+    validation_tokens = sum(example.length for example in prepared.validation)
+    # A validation pass is forward only: a third of a step's FLOPs (2N of 6N) per token.
+    evaluation_seconds = step_seconds * validation_tokens / max(tokens_per_step, 1) / 3
+    eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
+    evaluations = (run.total_steps // eval_every + (1 if run.total_steps % eval_every else 0)) if validation_tokens else 0
+    pilot_evaluations = (steps // eval_every) if validation_tokens else 0
+    fixed = result["time"]["wall_seconds"] * to_clock - steps * step_seconds - pilot_evaluations * evaluation_seconds
+    save_seconds = _save_seconds(result["parameters"], params["dtype"])
+    timings = forecast.TrainingTimings(startup_seconds, max(fixed, 0.0), step_seconds, evaluation_seconds, save_seconds)
+    wall = forecast.simulate_training(run.total_steps, evaluations, timings)
+    # The range: the steps' own spread (coefficient of variation) over the steps' share of the run.
+    variation = statistics.pstdev(r["seconds"] for r in history[1:]) / step_seconds if len(history) > 2 else 0.0
+    steps_part = run.total_steps * step_seconds
+    spread = max(variation * steps_part / wall, forecast.MINIMUM_SPREAD)
+    flops_per_step = statistics.fmean(r["flops"] for r in history)
+    phases = Phases(decode_seconds=0.0, compute_seconds=steps_part + evaluations * evaluation_seconds,
+                    other_seconds=wall - steps_part - evaluations * evaluation_seconds,
+                    compute_flops=flops_per_step * (run.total_steps + evaluations * validation_tokens / tokens_per_step / 3))
+    return _assemble("train", params, wall, (wall * (1 - spread), wall * (1 + spread)), wall, phases, timings.to_dict(), runtime.default_device(), {
+                         "steps": steps, "seconds": pilot_seconds, "share_of_job_steps": steps / run.total_steps,
+                         "step_seconds": [r["seconds"] for r in history], "reused_by_the_job": False},
+                     {"total_steps": run.total_steps, "micro_batch_size": run.micro_batch_size,
+                      "max_seq_length": prepared.max_seq_length, "padding": config.padding,
+                      "train_examples": len(prepared.train), "validation_examples": len(prepared.validation),
+                      "evaluations": evaluations, "tokens_per_step": tokens_per_step, "processes": config.processes},
+                     clock)
+
+
+def _save_seconds(parameters: int, dtype: str) -> float:
+    """Seconds to write the final model: its bytes at the rate a 64 MiB write to disk gets here."""
+    OUTPUTS_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=OUTPUTS_DIR, prefix=".forecast-write-") as handle:
+        block = b"\0" * (64 * 2 ** 20)
+        began = time.perf_counter()
+        handle.write(block)
+        handle.flush()
+        os.fsync(handle.fileno())
+        rate = len(block) / (time.perf_counter() - began)
+    return parameters * (4 if dtype == "fp32" else 2) / rate
+
+
+def forecast_lines(result: forecast.Forecast) -> list[str]:
+    """The forecast in words and a table, for the terminal."""
+    from workbook import notebook
+    low, high = result.predicted_wall_seconds_range
+    pilot = result.pilot
+    what = (f"{pilot['batches']} batch(es), {pilot['prompts']} prompts ({pilot['share_of_job_batches']:.1%} of the "
+            f"job's batches), written to {pilot['written_to']}" if result.mode == "generate" else
+            f"{pilot['steps']} steps ({pilot['share_of_job_steps']:.1%} of the run; not reused by it)")
+    lines = [f"pilot on this machine ({result.profile}): {what}, {pilot['seconds']:.1f} s",
+             f"forecast, the whole job as a fresh run here: {result.predicted_wall_seconds:.1f} s "
+             f"(range {low:.1f}-{high:.1f} s), {result.cost['gpu_hours']:.3f} GPU-hours, ${result.cost['usd']:.2f} "
+             f"at ${result.cost['usd_per_gpu_hour']:g}/GPU-hour (usd_per_gpu_hour: your rate)"]
+    if result.mode == "generate":
+        lines.append(f"still to run after the pilot (its outputs count): {result.remaining_wall_seconds:.1f} s")
+    rows = [{"profile": row["profile"], "wall": "-" if row["wall_seconds"] is None else units_seconds(row["wall_seconds"]),
+             "GPU-hours": row["gpu_hours"], "USD": row["usd"], "basis": row["basis"]} for row in result.profiles]
+    return lines + ["", notebook.markdown_table(rows)] + [f"note: {note}" for note in result.notes]
+
+
+def units_seconds(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.1f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json: bool, share: float,
+             seconds: float | None, clock: str = "wall") -> int:
+    """`workbook forecast`: pilot, forecast, print; the forecast is also written beside the job's
+    output (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``) so the
+    run records the forecast it started with."""
+    import contextlib
+    import json
+    import sys
+    from workbook import jsonl, runner
+    from workbook.generation.engine import GenerationError
+    from workbook.training.config import TrainError
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    params, _, _ = runner.resolve_params(params_arg, overrides, log=say)
+    mode = mode or params["plan_mode"]
+    if not 0 < share <= 1:
+        print(f"error: --pilot-share {share}: expected a share of the job in (0, 1], e.g. 0.1", file=sys.stderr)
+        return 2
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # the training loop prints its progress; --json owns stdout
+            result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock)
+    except (GenerationError, TrainError, jsonl.DataError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    record.parent.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print("\n".join(forecast_lines(result)) + f"\nforecast: {record}")
+    return 0
+
+
+def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock):
+    """The forecast, and the file it is recorded in for the run to read back."""
+    from workbook import notebook
+    from workbook.generation.files import OUTPUT_FILE_NAME
+    if mode == "generate":
+        if not params["output_path"]:
+            params = params_module.Params({**params, "output_path": str(notebook.new_run_dir(params["profile"])
+                                                                        / OUTPUT_FILE_NAME)})
+        result = forecast_generation(params, share=share, seconds=seconds, log=say, clock=clock)
+        record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
+        settings = " ".join(item for item in overrides if not item.startswith("output_path="))
+        say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: workbook generate "
+            f"--params {params_arg} --set {settings + ' ' if settings else ''}output_path={params['output_path']}")
+    else:
+        result = forecast_training(params, share=share, seconds=seconds, log=say, clock=clock)
+        record = (Path(params["train_output_dir"]) / "forecast.json" if params["train_output_dir"]
+                  else notebook.new_run_dir(params["profile"]) / "forecast.json")
+    return result, record

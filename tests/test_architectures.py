@@ -1,0 +1,154 @@
+"""The planner beyond Llama: each family a user brings, shrunken from a released model's config and built on
+CPU: parameters exact, the KV cache of a real generate() exact, one layer's saved activations within 2%;
+and the architectures it does not model refused with what is missing."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from workbook import presets
+from workbook.planner import kv_cache_bytes, model_shape, training_activation_bytes_per_layer
+from workbook.planner.exact_checks import ACTIVATION_CHECK_BATCH, ACTIVATION_CHECK_SEQ_LEN, _saved_activation_bytes
+
+# Each family's released config with its sizes shrunk (ratios and switches kept), so a CPU builds it in a blink.
+SMALL = {"hidden_size": 64, "vocab_size": 256, "max_position_embeddings": 256}
+SHRUNKEN = {
+    "DeepSeek-V2-Lite": {**SMALL, "intermediate_size": 160, "moe_intermediate_size": 32, "num_attention_heads": 4,
+                         "num_key_value_heads": 4, "n_routed_experts": 8, "kv_lora_rank": 32, "qk_rope_head_dim": 8,
+                         "qk_nope_head_dim": 16, "v_head_dim": 16, "bos_token_id": 1, "eos_token_id": 2},
+    "Mixtral-8x7B-v0.1": {**SMALL, "intermediate_size": 224, "num_attention_heads": 4, "num_key_value_heads": 1},
+    "Qwen1.5-MoE-A2.7B": {**SMALL, "intermediate_size": 176, "moe_intermediate_size": 48,
+                          "shared_expert_intermediate_size": 176, "num_experts": 15, "num_attention_heads": 4,
+                          "num_key_value_heads": 4, "bos_token_id": 1, "eos_token_id": 2},
+    "Qwen3-30B-A3B": {**SMALL, "intermediate_size": 192, "moe_intermediate_size": 24, "num_experts": 16,
+                      "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 16, "bos_token_id": 1,
+                      "eos_token_id": 2},
+    "Qwen3-8B": {**SMALL, "intermediate_size": 192, "num_attention_heads": 8, "num_key_value_heads": 2,
+                 "head_dim": 16, "bos_token_id": 1, "eos_token_id": 2},
+    "Qwen2.5-0.5B": {**SMALL, "intermediate_size": 348, "num_attention_heads": 7, "num_key_value_heads": 1,
+                     "hidden_size": 70, "bos_token_id": 1, "eos_token_id": 2},
+    "gemma-2-9b": {**SMALL, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+                   "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 8},
+    "gemma-3-1b-pt": {**SMALL, "intermediate_size": 384, "num_attention_heads": 4, "num_key_value_heads": 1,
+                      "head_dim": 32, "query_pre_attn_scalar": 32, "sliding_window": 8},
+    "Phi-3-mini-4k-instruct": {**SMALL, "intermediate_size": 176, "num_attention_heads": 4, "num_key_value_heads": 4,
+                               "sliding_window": 255, "original_max_position_embeddings": 256, "bos_token_id": 1,
+                               "eos_token_id": 2, "pad_token_id": 0},
+}
+
+
+def shrunken(name: str, layers: int = 2):
+    values = copy.deepcopy(presets.PRESETS[name])
+    values.update(SHRUNKEN[name], num_hidden_layers=layers)
+    if "first_k_dense_replace" in values:
+        values["first_k_dense_replace"] = 0  # every layer routed: one layer's activations are the MoE layer's
+    values.pop("_name_or_path")
+    return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def built(config) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def cache_storage_bytes(cache) -> int:
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+@pytest.mark.parametrize("name", SHRUNKEN)
+def test_parameters_are_exact(name):
+    config = shrunken(name)
+    assert model_shape(config).parameters == sum(p.numel() for p in built(config).parameters())
+
+
+@pytest.mark.parametrize("name", SHRUNKEN)
+def test_kv_cache_of_a_real_generate_is_exact(name):
+    config = shrunken(name, layers=3)  # Gemma: sliding and full layers, windows shorter than the sequence
+    model = built(config).eval()
+    batch, prompt_len, new_tokens = 2, 9, 6
+    with torch.no_grad():
+        output = model.generate(torch.randint(4, 100, (batch, prompt_len)),
+                                attention_mask=torch.ones(batch, prompt_len, dtype=torch.long),
+                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                                return_dict_in_generate=True, pad_token_id=0)
+    assert output.sequences.shape[1] == prompt_len + new_tokens
+    assert cache_storage_bytes(output.past_key_values) == kv_cache_bytes(
+        config, "fp32", batch_size=batch, tokens=prompt_len + new_tokens - 1)
+
+
+def test_deepseek_caches_the_compressed_latent_not_the_keys_and_values():
+    shape = model_shape("DeepSeek-V2-Lite")
+    # kv_lora_rank 512 + qk_rope_head_dim 64 per layer, not 16 heads x (192 key + 128 value) expanded
+    assert shape.architecture.kv_cache_values_per_token_per_layer == 512 + 64
+    assert kv_cache_bytes(shape, "bf16", batch_size=1, tokens=1) == 27 * 576 * 2
+
+
+ACTIVATION_CHECKED = ["Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "Qwen3-30B-A3B", "Qwen3-8B", "Qwen2.5-0.5B",
+                      "Phi-3-mini-4k-instruct"]
+
+
+@pytest.mark.parametrize("name", ACTIVATION_CHECKED)
+def test_one_layers_saved_activations_are_within_2_percent_of_the_plan(name):
+    # The method of planner/exact_checks.py: autograd's saved tensors of a 2-layer model minus a 1-layer one,
+    # pure fp32, the attention the model runs by default (sdpa for these).
+    measured = (_saved_activation_bytes(built(shrunken(name, layers=2)).train())
+                - _saved_activation_bytes(built(shrunken(name, layers=1)).train()))
+    planned = training_activation_bytes_per_layer(
+        shrunken(name), batch_size=ACTIVATION_CHECK_BATCH, seq_len=ACTIVATION_CHECK_SEQ_LEN, dtype="fp32",
+        mixed_precision=False, attn_implementation="sdpa")
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
+def test_mixed_dense_and_routed_layers_are_each_planned_at_their_size():
+    from workbook.planner.formulas import decoder_activation_bytes_per_token, layer_activation_bytes_per_token
+    from workbook.planner.formulas import training_precision
+    shape = model_shape("DeepSeek-V2-Lite")  # layer 0 dense (intermediate 10944), 26 routed layers
+    precision = training_precision("bf16", True, lora=False)
+    dense, routed = (layer_activation_bytes_per_token(shape, precision, "sdpa", 1024, routed=kind)
+                     for kind in (False, True))
+    assert dense != routed
+    assert decoder_activation_bytes_per_token(shape, precision, "sdpa", 1024) == dense + 26 * routed
+
+
+def test_quantized_mixture_of_experts_keeps_its_experts_in_bf16():
+    from workbook.planner import weights_bytes
+    shape = model_shape("Mixtral-8x7B-v0.1")
+    experts = shape.architecture.moe.expert_parameters
+    assert experts == 32 * 8 * 3 * 4096 * 14336
+    # Experts are 3-D tensors (no nn.Linear): bitsandbytes leaves them bf16, so int4 saves only on attention.
+    assert weights_bytes(shape, "int4") > experts * 2
+    assert weights_bytes(shape, "bf16") - weights_bytes(shape, "int4") < (shape.parameters - experts) * 2
+
+
+ACTIVATION_CHECKED += ["gemma-2-9b", "gemma-3-1b-pt"]  # eager (sdpa refused) with soft-capping; sliding sdpa
+
+
+def test_gemma_2_is_planned_with_the_eager_attention_it_runs():
+    from workbook.planner import plan_train
+    config = shrunken("gemma-2-9b")
+    assert built(config).config._attn_implementation == "eager"  # transformers' own choice
+    sdpa, eager = (training_activation_bytes_per_layer(config, batch_size=2, seq_len=64, attn_implementation=name)
+                   for name in ("sdpa", "eager"))
+    assert sdpa == eager
+    plan = plan_train(config, micro_batch_size=1, seq_len=64, gpu_memory_bytes=2**34)
+    assert any("planned with the eager attention it runs" in note for note in plan.notes)
+
+
+def test_final_logit_softcapping_adds_its_saved_tanh_per_logit():
+    from workbook.planner import plan_train
+    capped = shrunken("gemma-2-9b", layers=1)
+    plain = shrunken("gemma-2-9b", layers=1)
+    plain.final_logit_softcapping = None
+    measured = _saved_activation_bytes(built(capped).train()) - _saved_activation_bytes(built(plain).train())
+    logits = ACTIVATION_CHECK_BATCH * ACTIVATION_CHECK_SEQ_LEN * capped.vocab_size
+
+    def loss_path_bytes(config):
+        plan = plan_train(config, micro_batch_size=ACTIVATION_CHECK_BATCH, seq_len=ACTIVATION_CHECK_SEQ_LEN,
+                          gpu_memory_bytes=2**34, dtype="fp32")
+        return next(term.bytes for term in plan.terms if term.name == "logits_and_loss")
+
+    assert measured == logits * 4  # fp32: one tanh output per logit
+    assert loss_path_bytes(capped) - loss_path_bytes(plain) == measured
