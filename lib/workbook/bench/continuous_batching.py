@@ -3,8 +3,9 @@ beside one direct call of transformers' continuous batching. Writes ``continuous
 and ``continuous_batching.md``.
 
     python -m workbook.bench.continuous_batching --out outputs/reference/cpu     # CPU, tiny model, minutes
-    python -m workbook.bench.continuous_batching --model llama-3.1-8b --device cuda --dtype bf16 \\
-        --examples 1024 --batch-size 64 --max-new-tokens 2048 --out outputs/reference/h200
+    python -m workbook.bench.continuous_batching --model Llama-3.1-8B --device cuda --dtype bf16 \\
+        --examples 512 --max-new-tokens 1024 --memory-gib 40 --workloads uneven --repeats 1 \\
+        --time-budget-seconds 330 --out outputs/reference/h100     # GPU: random bf16 weights, ~6 min
 
 Workloads, on the same prompts (the shipped arithmetic prompts for the tiny model, else random
 token ids of ``--prompt-tokens`` lengths), every output's length fixed in advance so that weights do
@@ -26,8 +27,17 @@ tokens are computed. Arms, each after a warm-up, repeated and interleaved (media
   ``generate_batch`` call (full), or the manager fed every request at once (uneven: generate_batch
   has one max_new_tokens for all).
 
+``--memory-gib`` compares the arms at the same memory: each runs the largest batch its own plan fits
+in that budget (static: ``planner.plan_generate``, dense cache; continuous and direct:
+``planner.paged``), at most one per prompt; without it, every arm runs ``--batch-size``.
+
 Peak memory on CPU is the process's resident memory, sampled every 10 ms, above its level before
-the arm, beside the planner's terms beyond the weights (``planner.paged``; dense plan for static).
+the arm, beside the planner's terms beyond the weights; on a GPU the device's peak after a reset.
+The bandwidth roofline (``bandwidth_roofline``) is the time a purely memory-bound engine would take
+for the same tokens with the arm's batch always full, at the GPU spec table's bandwidth (or
+``--bandwidth-gbs``); each arm's fraction of it is that time over its measured median.
+``--time-budget-seconds`` stops the run in time: a repeat that would not fit is skipped, and at the
+deadline the run stops, writes what it measured (``stopped`` says where) and exits with 3.
 """
 
 from __future__ import annotations
@@ -35,7 +45,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import _thread
 import statistics
 import sys
 import tempfile
@@ -47,7 +59,8 @@ import psutil
 import torch
 from transformers import LogitsProcessor
 
-from workbook import generation, jsonl, models, notebook, runtime, tiny_model
+from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_model
+from workbook.bench.counting import decode_step_cost
 from workbook.bench.engine_overhead import sample_prompts, timed
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.generation.continuous import ContinuousBackend
@@ -57,6 +70,7 @@ from workbook.planner.paged import plan_generate_paged
 ARMS = ("static-sorted", "continuous", "direct")
 LOGNORMAL_SIGMA = 1.0
 NO_END_OF_SEQUENCE = (-1,)  # transformers' continuous batching: -1 disables end of sequence
+WARMUP_NEW_TOKENS = 8  # the warm-up compiles kernels and captures graphs; its length does not matter
 
 
 def drawn_lengths(count: int, max_new_tokens: int, seed: int = 0) -> list[int]:
@@ -160,18 +174,85 @@ def direct_arm(model, backend: ContinuousBackend, prompts, uneven: bool) -> dict
     return {"output_tokens": sum(outputs), "first_result_seconds": first, "failed": len(prompts) - len(outputs)}
 
 
-def run_workload(name, model, prompts, eos_ids, pad, batch_size, repeats, folder, log) -> dict:
+class TimeBudget:
+    """A wall-clock budget: ``fits`` says whether a step of some seconds still fits; at the
+    deadline, ``KeyboardInterrupt`` is raised in the main thread (``expired`` tells it from Ctrl-C)."""
+
+    def __init__(self, seconds: float | None):
+        self.deadline = time.monotonic() + seconds if seconds else None
+        self.expired, self.timer = False, None
+        if self.deadline is not None:
+            self.timer = threading.Timer(seconds, self._expire)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _expire(self):
+        self.expired = True
+        _thread.interrupt_main()
+
+    def fits(self, seconds: float) -> bool:
+        return self.deadline is None or time.monotonic() + seconds <= self.deadline
+
+    def check(self):
+        """Stop here if the deadline passed (its interrupt may have landed where it was swallowed, e.g. a __del__)."""
+        if self.expired:
+            raise KeyboardInterrupt
+
+    def cancel(self):
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+def bandwidth_roofline(config, dtype: str, prompts, slots: int, bandwidth_gbs: float | None) -> dict | None:
+    """Seconds a purely memory-bound engine needs for ``prompts`` (each to its ``max_new_tokens``)
+    with ``slots`` sequences always decoding: each step reads the weights once, each new token its
+    context's KV cache once (``counting.decode_step_cost``; prefill and partly empty last steps left
+    out, so it is a lower bound). None without a bandwidth (CPU: no peak in the profile)."""
+    if not bandwidth_gbs:
+        return None
+    unit = decode_step_cost(config, dtype, 1, 1)  # weights per step; KV bytes per context token
+    output_tokens = sum(p.max_new_tokens for p in prompts)
+    context_reads = sum(len(p.token_ids) * p.max_new_tokens + p.max_new_tokens * (p.max_new_tokens - 1) // 2
+                        for p in prompts)
+    steps = math.ceil(output_tokens / slots)
+    total = steps * unit.weights_bytes + context_reads * unit.kv_cache_bytes
+    return {"seconds": total / (bandwidth_gbs * 1e9), "bytes": total, "decode_steps": steps}
+
+
+def arm_batch_sizes(config, dtype: str, prompts, batch_size: int, memory_gib: float | None) -> dict[str, int]:
+    """Each arm's batch: ``batch_size``, or with ``memory_gib`` the largest its own plan fits in it."""
+    if not memory_gib:
+        return {arm: batch_size for arm in ARMS}
+    lengths = {"prompt_len": max(len(p.token_ids) for p in prompts), "new_tokens": max(p.max_new_tokens for p in prompts)}
+    budget = int(memory_gib * 2**30)
+    static = plan_generate(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype, **lengths).max_batch_size
+    paged = plan_generate_paged(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype, **lengths).max_batch_size
+    if not static or not paged:
+        raise SystemExit(f"error: --memory-gib {memory_gib} does not fit batch 1 of this model and these lengths "
+                         "(the planner says so); give more memory or shorter --max-new-tokens")
+    return {"static-sorted": min(static, len(prompts)), "continuous": min(paged, len(prompts)),
+            "direct": min(paged, len(prompts))}
+
+
+def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folder, log, budget: TimeBudget,
+                 bandwidth_gbs: float | None) -> dict:
     device = model.device
     new_tokens = max(p.max_new_tokens for p in prompts)
-    static = static_backend(model, generation.DecodingSettings(new_tokens, eos_ids, pad), batch_size)
-    continuous = ContinuousBackend(model, generation.DecodingSettings(new_tokens, NO_END_OF_SEQUENCE, pad), batch_size)
-    ordered = generation.sort_longest_first(prompts)
-    static.generate(ordered[:batch_size])  # warm-up
-    continuous.generate(ordered[:batch_size])
+    static = static_backend(model, generation.DecodingSettings(new_tokens, eos_ids, pad), batch_sizes["static-sorted"])
+    continuous = ContinuousBackend(model, generation.DecodingSettings(new_tokens, NO_END_OF_SEQUENCE, pad),
+                                   batch_sizes["continuous"])
+    warmup = [generation.Prompt(p.index, p.token_ids, min(p.max_new_tokens, WARMUP_NEW_TOKENS))
+              for p in generation.sort_longest_first(prompts)[:max(batch_sizes.values())]]
+    static.generate(warmup[:batch_sizes["static-sorted"]])
+    continuous.generate(warmup[:batch_sizes["continuous"]])
     seconds = {arm: [] for arm in ARMS}
     details, memory = {}, {arm: 0 for arm in ARMS}
     for repeat in range(repeats):
+        if repeat and not budget.fits(sum(max(values) for values in seconds.values())):
+            log(f"{name}: repeat {repeat + 1}/{repeats} skipped: it would not end within the time budget")
+            break
         for arm in ARMS:
+            budget.check()
             runtime.reset_peak_memory(device)
             with ResidentPeak() as peak:
                 if arm == "direct":
@@ -188,19 +269,21 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_size, repeats, folder
     lengths = [p.max_new_tokens for p in prompts]
     longest_prompt = max(len(p.token_ids) for p in prompts)
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
-    shape = model.config
-    paged = plan_generate_paged(shape, batch_size=batch_size, prompt_len=longest_prompt, new_tokens=new_tokens,
-                                gpu_memory_bytes=psutil.virtual_memory().total, dtype=dtype, overhead_bytes=0,
-                                fragmentation_fraction=0.0)
-    dense = plan_generate(shape, batch_size=batch_size, prompt_len=longest_prompt, new_tokens=new_tokens,
-                          gpu_memory_bytes=psutil.virtual_memory().total, dtype=dtype, overhead_bytes=0,
-                          fragmentation_fraction=0.0)
+    config = model.config
+    planned = {}
+    for arm, plan in (("static-sorted", plan_generate), ("continuous", plan_generate_paged)):
+        made = plan(config, batch_size=batch_sizes[arm], prompt_len=longest_prompt, new_tokens=new_tokens,
+                    gpu_memory_bytes=psutil.virtual_memory().total, dtype=dtype, overhead_bytes=0,
+                    fragmentation_fraction=0.0)
+        planned[arm] = made.total_bytes - (made.weights_bytes if device.type == "cpu" else 0)
+    roofline = {arm: bandwidth_roofline(config, dtype, prompts, batch_sizes[arm], bandwidth_gbs) for arm in ARMS}
     return {
         "workload": name,
         "examples": len(prompts),
         "output_tokens_min_median_max": [min(lengths), statistics.median(lengths), max(lengths)],
         "output_tokens": {arm: details[arm]["output_tokens"] for arm in ARMS},
-        "batch_size": batch_size,
+        "batch_size": batch_sizes,
+        "repeats_done": len(seconds["direct"]),
         "seconds": seconds,
         "median_seconds": {arm: round(value, 3) for arm, value in median.items()},
         "output_tokens_per_second": {arm: round(details[arm]["output_tokens"] / median[arm], 1) for arm in ARMS},
@@ -210,34 +293,63 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_size, repeats, folder
         "continuous_vs_direct": round(median["direct"] / median["continuous"], 3),
         "failed": {arm: details[arm]["failed"] for arm in ARMS},
         "peak_memory_bytes": memory,
-        "peak_memory_measured_as": "resident memory above its level before the arm, sampled every 10 ms (CPU)"
-        if device.type == "cpu" else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
-        "planned_bytes": {"continuous": paged.total_bytes - (paged.weights_bytes if device.type == "cpu" else 0),
-                          "static-sorted": dense.total_bytes - (dense.weights_bytes if device.type == "cpu" else 0)},
+        "planned_bytes": planned,
+        "bandwidth_roofline_seconds": {arm: r and float(f"{r['seconds']:.3g}") for arm, r in roofline.items()},
+        "bandwidth_roofline_fraction": {arm: r and float(f"{r['seconds'] / median[arm]:.3g}")
+                                        for arm, r in roofline.items()},
         "paged_layout": vars(continuous.layout) if continuous.layout else None,
     }
 
 
 def markdown(report: dict) -> str:
-    rows = ["| workload | arm | median s | output tok/s | first result s | padding waste | peak memory MiB | "
-            "planned MiB |", "|---|---|---|---|---|---|---|---|"]
+    rows = ["| workload | arm | batch | median s | output tok/s | first result s | padding waste | peak memory MiB | "
+            "planned MiB | bandwidth roofline fraction |", "|---|---|---|---|---|---|---|---|---|---|"]
     for result in report["results"]:
         for arm in ARMS:
             first = result["first_result_seconds"][arm]
             planned = result["planned_bytes"].get(arm)
             waste = result["padding_waste"] if arm == "static-sorted" else "none (no padded rows)"
-            rows.append(f"| {result['workload']} | {arm} | {result['median_seconds'][arm]} | "
-                        f"{result['output_tokens_per_second'][arm]} | "
+            fraction = result["bandwidth_roofline_fraction"][arm]
+            rows.append(f"| {result['workload']} | {arm} | {result['batch_size'][arm]} | "
+                        f"{result['median_seconds'][arm]} | {result['output_tokens_per_second'][arm]} | "
                         f"{'n/a (one call)' if first is None else round(first, 3)} | {waste} | "
                         f"{result['peak_memory_bytes'][arm] / 2**20:.0f} | "
-                        f"{'' if planned is None else round(planned / 2**20)} |")
+                        f"{'' if planned is None else round(planned / 2**20)} | "
+                        f"{'n/a (no bandwidth)' if fraction is None else fraction} |")
     ratios = [f"- {r['workload']}: continuous {r['continuous_vs_static']}x static-sorted, "
-              f"{r['continuous_vs_direct']}x direct (1.0 = as fast)" for r in report["results"]]
-    return "\n".join([f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads), "
-                      f"medians of {report['repeats']}; uneven lengths: {report['uneven_lengths']}", "",
-                      *rows, "", f"Peak memory: {report['results'][0]['peak_memory_measured_as']}; planned: the "
-                      "planner's peak (CPU: beyond the weights, no overheads; continuous: the paged plan, static: "
-                      "the dense one, direct: as continuous)", "", *ratios, "", f"Command: `{report['command']}`", ""])
+              f"{r['continuous_vs_direct']}x direct (1.0 = as fast; medians of {r['repeats_done']})"
+              for r in report["results"]]
+    load = report["load_average_1min_before_after"]
+    stopped = [f"Stopped early: {report['stopped']}", ""] if report.get("stopped") else []
+    return "\n".join([
+        f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads), up to "
+        f"{report['repeats']} repeats; uneven lengths: {report['uneven_lengths']}", "",
+        f"Hardware: {report['hardware']}; 1-minute load average {load[0]} before, {load[1]} after "
+        "(other processes share the machine)", "", *stopped, *rows, "",
+        f"Peak memory: {report['peak_memory_measured_as']}; planned: the planner's peak (CPU: beyond the weights, "
+        "no overheads; continuous: the paged plan, static: the dense one, direct: as continuous). Batch: "
+        f"{report['batch_sizes_from']}.", "",
+        f"Bandwidth roofline: {report['bandwidth_roofline']}", "",
+        "Direct: transformers alone with the backend's paged-cache sizing, nothing written: one generate_batch call "
+        "(full), the manager fed every request at once (uneven: generate_batch takes one max_new_tokens for all).", "",
+        *ratios, "", f"Command: `{report['command']}`", ""])
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = gpu.cpu_facts()
+    return f"{cpu['model']}, {cpu['usable_cores']} usable of {cpu['logical_cores']} logical cores"
+
+
+def default_bandwidth_gbs(device: torch.device) -> tuple[float | None, str]:
+    """The GPU spec table's bandwidth for this GPU (one place for GPU specs); none on CPU."""
+    if device.type != "cuda":
+        return None, "none on CPU (no peak to compare with; --bandwidth-gbs gives one)"
+    spec = gpu.spec_for_name(torch.cuda.get_device_name(device))
+    if spec is None:
+        return None, f"{torch.cuda.get_device_name(device)} is not in the GPU spec table; pass --bandwidth-gbs"
+    return spec.memory_bandwidth_gbs, f"{spec.memory_bandwidth_gbs:g} GB/s, the GPU spec table's ({spec.source})"
 
 
 def parse_arguments(argv):
@@ -247,48 +359,78 @@ def parse_arguments(argv):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--examples", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="every arm's batch (without --memory-gib)")
+    parser.add_argument("--memory-gib", type=float, help="each arm at the largest batch its plan fits in this memory")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 200), metavar=("MIN", "MAX"),
                         help="random prompts' lengths (models other than tiny)")
     parser.add_argument("--workloads", default="full,uneven")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the roofline (default: the GPU "
+                        "spec table's for this GPU; none on CPU)")
+    parser.add_argument("--time-budget-seconds", type=float, help="stop within this many seconds of the start, "
+                        "writing what was measured (default: no limit)")
     parser.add_argument("--out", help="results folder (default: a new outputs/<timestamp>-continuous-bench-<device>/)")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
+    budget = TimeBudget(args.time_budget_seconds)  # from the start: model building counts too
     out = Path(args.out) if args.out else notebook.new_run_dir(f"continuous-bench-{args.device.split(':')[0]}")
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = models.load_model(args.model, args.dtype, device)
-    model = loaded.model
-    tokenizer = models.load_tokenizer(args.model) if args.model == tiny_model.TINY_MODEL_NAME else None
-    eos_ids, pad = models.eos_token_ids(model, tokenizer), models.pad_token_id(model, tokenizer)
-    if tokenizer is not None:
-        base = sample_prompts(tokenizer, args.examples, args.max_new_tokens)
-    else:
-        base = mixed_prompts(model.config.vocab_size, args.examples, tuple(args.prompt_tokens), args.max_new_tokens)
-    lengths = {"full": [args.max_new_tokens] * len(base), "uneven": drawn_lengths(len(base), args.max_new_tokens)}
-    results = []
-    with tempfile.TemporaryDirectory(dir=out) as folder:
-        for name in args.workloads.split(","):
-            prompts = [generation.Prompt(p.index, p.token_ids, length) for p, length in zip(base, lengths[name])]
-            results.append(run_workload(name, model, prompts, eos_ids, pad, args.batch_size, args.repeats,
-                                        Path(folder), print))
-    uneven = lengths["uneven"]
+    results, load_before, stopped = [], os.getloadavg(), None
+    try:
+        loaded = models.load_model(args.model, args.dtype, device)
+        model = loaded.model
+        tokenizer = models.load_tokenizer(args.model) if args.model == tiny_model.TINY_MODEL_NAME else None
+        eos_ids, pad = models.eos_token_ids(model, tokenizer), models.pad_token_id(model, tokenizer)
+        if tokenizer is not None:
+            base = sample_prompts(tokenizer, args.examples, args.max_new_tokens)
+        else:
+            base = mixed_prompts(model.config.vocab_size, args.examples, tuple(args.prompt_tokens),
+                                 args.max_new_tokens)
+        batch_sizes = arm_batch_sizes(model.config, args.dtype, base, args.batch_size, args.memory_gib)
+        bandwidth, bandwidth_source = ((args.bandwidth_gbs, f"{args.bandwidth_gbs:g} GB/s (--bandwidth-gbs)")
+                                       if args.bandwidth_gbs else default_bandwidth_gbs(device))
+        lengths = {"full": [args.max_new_tokens] * len(base), "uneven": drawn_lengths(len(base), args.max_new_tokens)}
+        with tempfile.TemporaryDirectory(dir=out) as folder:
+            for name in args.workloads.split(","):
+                prompts = [generation.Prompt(p.index, p.token_ids, length) for p, length in zip(base, lengths[name])]
+                results.append(run_workload(name, model, prompts, eos_ids, pad, batch_sizes, args.repeats,
+                                            Path(folder), print, budget, bandwidth))
+    except KeyboardInterrupt:
+        if not budget.expired:
+            raise
+        stopped = (f"the time budget of {args.time_budget_seconds:g} s ran out after {len(results)} of "
+                   f"{len(args.workloads.split(','))} workloads; the results hold the finished ones")
+    finally:
+        budget.cancel()
+    uneven = drawn_lengths(args.examples, args.max_new_tokens)
     report = {
         "what": "static (length-sorted) vs continuous batching on full-length and uneven outputs, and the "
                 "continuous backend vs transformers' continuous batching called directly with the same cache",
-        "model": loaded.description, "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "model": args.model if stopped and not results else loaded.description, "device": str(device),
+        "dtype": args.dtype, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "repeats": args.repeats, "hardware": hardware(device),
+        # Other processes share this machine's cores: its load average says how busy it was.
+        "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "uneven_lengths": f"lognormal(median {max(1, args.max_new_tokens // 8)}, sigma {LOGNORMAL_SIGMA}) capped at "
                           f"{args.max_new_tokens}, seed 0: mean {statistics.fmean(uneven):.1f}, "
                           f"p50 {statistics.median(uneven)}, max {max(uneven)}",
+        "batch_sizes_from": (f"the largest each arm's plan fits in {args.memory_gib:g} GiB (at most one per prompt)"
+                             if args.memory_gib else f"--batch-size {args.batch_size} for every arm"),
+        "peak_memory_measured_as": "resident memory above its level before the arm, sampled every 10 ms (CPU)"
+        if device.type == "cpu" else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
+        "bandwidth_roofline": "n/a" if stopped and not results else (
+            f"{bandwidth_source}; the time a purely memory-bound engine needs for the same tokens with the arm's batch "
+            "always full (weights read once per step, each token's context once; prefill left out), over the arm's "
+            "median"),
+        "stopped": stopped,
         "command": "python -m workbook.bench.continuous_batching " + " ".join(sys.argv[1:] if argv is None else argv),
         "results": results,
     }
@@ -296,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(report)
     (out / "continuous_batching.md").write_text(text)
     print(text + f"wrote {out / 'continuous_batching.json'} and {out / 'continuous_batching.md'}")
-    return 0
+    return 3 if stopped else 0
 
 
 if __name__ == "__main__":
