@@ -223,7 +223,8 @@ def arm_batch_sizes(config, dtype: str, prompts, batch_size: int, memory_gib: fl
     """Each arm's batch: ``batch_size``, or with ``memory_gib`` the largest its own plan fits in it."""
     if not memory_gib:
         return {arm: batch_size for arm in ARMS}
-    lengths = {"prompt_len": max(len(p.token_ids) for p in prompts), "new_tokens": max(p.max_new_tokens for p in prompts)}
+    lengths = {"prompt_len": max(len(p.token_ids) for p in prompts),
+               "new_tokens": max(p.max_new_tokens for p in prompts)}
     budget = int(memory_gib * 2**30)
     static = plan_generate(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype, **lengths).max_batch_size
     paged = plan_generate_paged(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype, **lengths).max_batch_size

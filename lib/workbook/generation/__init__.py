@@ -47,9 +47,11 @@ static from the profile's measurement (``backends.resolve_backend``). With greed
 give the tokens one-at-a-time generation gives (tests/test_generate.py).
 
 Where each part lives: ``engine`` (batches, split-and-retry, statistics), ``backends`` (static,
-static-compiled, the choice for auto), ``continuous`` (the streaming continuous backend), ``records`` (examples in, output and failure records out), ``files``
+static-compiled, the choice for auto), ``continuous`` (the streaming continuous backend; refused
+under tensor parallelism), ``records`` (examples in, output and failure records out), ``files``
 (the output's files, merge and audit), ``job`` (params to outputs, one process's share),
-``processes`` (data parallel: ranks and the launch), ``cli`` (``workbook generate``).
+``tensor_parallel`` (T x D layouts), ``nodes`` (several nodes), ``processes`` (data parallel: ranks
+and the launch), ``cli`` (``workbook generate``).
 """
 
 from workbook.generation.cli import summary_lines, task_accuracy
