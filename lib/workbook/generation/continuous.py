@@ -12,6 +12,9 @@ from free memory. A failure in flight stops transformers' generation loop and fa
 in it: those requests are queued again, first, under half the in-flight limit (an out-of-memory
 keeps the lower limit for the rest of the run, another error only until they are done), and one
 that fails alone is recorded as failed, as the static path's split-and-retry does.
+
+It runs one whole copy of the model per process: tensor parallelism is refused before a model loads
+(``planner.profile.CONTINUOUS_NOT_SHARDED`` says why).
 """
 
 from __future__ import annotations
