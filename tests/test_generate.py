@@ -297,33 +297,53 @@ def test_sampling_is_recorded_and_repeats_with_the_same_seed(tmp_path, tiny):
                          tmp_path / "c.jsonl", **run)
 
 
-class ContinuousBatchingThatRunsOutOfMemory:
-    """generate_batch as transformers has it, answering each prompt with one token and end of sequence,
-    but with more than `limit` requests the later half of them fail with the thread's OOM text."""
+class OutOfMemoryInFlight:
+    """Replaces the model's forward: the forward passes numbered in ``failing`` (1-based) raise the
+    real CUDA out-of-memory error, as a step of the continuous-batching loop would mid-run."""
 
-    device = torch.device("cpu")
+    def __init__(self, forward, failing):
+        self.forward, self.failing, self.calls = forward, set(failing), 0
 
-    def __init__(self, limit):
-        self.limit, self.calls = limit, []
-
-    def generate_batch(self, inputs, generation_config=None, continuous_batching_config=None, progress_bar=False):
-        self.calls.append(len(inputs))
-        failing = range(len(inputs) // 2, len(inputs)) if len(inputs) > self.limit else ()
-        return {f"req_{i}": SimpleNamespace(
-            prompt_ids=ids, generated_tokens=[] if i in failing else [10 + len(ids), 2],
-            error="CUDA out of memory. Tried to allocate 8.00 GiB" if i in failing else None)
-            for i, ids in enumerate(inputs)}
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls in self.failing:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB. GPU 0 has a total capacity "
+                                         "of 79.11 GiB of which 1.25 GiB is free.")
+        return self.forward(*args, **kwargs)
 
 
-def test_continuous_backend_keeps_finished_requests_and_retries_failed_ones_in_smaller_calls():
-    settings = generation.DecodingSettings(4, (2,), 0)
-    prompts = [generation.Prompt(i, [5] * (i + 1), 4) for i in range(8)]
-    model = ContinuousBatchingThatRunsOutOfMemory(limit=2)
-    outcome = generation.generate_with_split(generation.make_backend("continuous", model, settings, 8), prompts,
-                                           log=lambda line: None)
-    assert model.calls == [8, 2, 2] and not outcome.failed and outcome.splits == 1
-    assert sorted((p.index, c.token_ids, c.finish_reason) for p, c in outcome.completed) == [
-        (i, [11 + i, 2], "eos") for i in range(8)]
+def test_an_out_of_memory_in_flight_lowers_the_continuous_limit_and_loses_nothing(tmp_path, tiny, monkeypatch):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
+    lines = []
+    run = dict(tokenizer=tiny[1], log=lines.append, show_progress=False)
+    expected = tmp_path / "expected.jsonl"
+    generation.run_job(job_params(prompts, expected, batch_size=8), expected, model=tiny[0], **run)
+    output = tmp_path / "out.jsonl"
+    monkeypatch.setattr(tiny[0], "forward", OutOfMemoryInFlight(tiny[0].forward, failing={3, 4}))
+    summary = generation.run_job(job_params(prompts, output, batch_size=8, backend="continuous"), output,
+                                 model=tiny[0], **run)
+    assert summary["in_output"] == 12 and summary["failed"] == 0 and summary["oom_or_error_splits"] == 2
+    assert any("out of memory with 8 requests in flight" in line and "at most 4 in flight" in line for line in lines)
+    assert outputs_by_id(output) == outputs_by_id(expected)
+    assert read_records(output) and not (tmp_path / "out.failures.jsonl").exists()
+
+
+def test_a_request_out_of_memory_alone_in_flight_is_recorded_and_the_rest_go_on(tmp_path, tiny, monkeypatch):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:6])
+    output = tmp_path / "out.jsonl"
+    run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
+    always = OutOfMemoryInFlight(tiny[0].forward, failing=range(1, 1000))
+    monkeypatch.setattr(tiny[0], "forward", always)
+    summary = generation.run_job(job_params(prompts, output, batch_size=4, backend="continuous"), output,
+                                 model=tiny[0], **run)
+    failures = read_records(tmp_path / "out.failures.jsonl")
+    assert summary["failed"] == 6 and summary["in_output"] == 0 and summary["unaccounted"] == 0
+    assert sorted(f["line"] for f in failures) == [1, 2, 3, 4, 5, 6]
+    assert all(f["stage"] == "generation" and "CUDA out of memory" in f["error"] for f in failures)
+    monkeypatch.undo()
+    rerun = generation.run_job(job_params(prompts, output, batch_size=4, backend="continuous"), output,
+                               model=tiny[0], **run)
+    assert rerun["in_output"] == 6 and not (tmp_path / "out.failures.jsonl").exists()
 
 
 def test_continuous_backend_says_clearly_when_transformers_lacks_it(tiny):
@@ -331,7 +351,7 @@ def test_continuous_backend_says_clearly_when_transformers_lacks_it(tiny):
         device = torch.device("cpu")
 
     with pytest.raises(generation.GenerationError, match=r"backend 'continuous' needs transformers' continuous "
-                                                       r"batching \(model.generate_batch\).*backend: static"):
+                                                       r"batching \(model.init_continuous_batching\).*backend: static"):
         generation.make_backend("continuous", WithoutContinuousBatching(), None, 4)
 
 
@@ -362,19 +382,23 @@ def complete_lines(path):
     return path.read_bytes().count(b"\n")
 
 
-def test_kill_9_at_random_moments_then_resume_leaves_every_id_exactly_once(tmp_path):
+@pytest.mark.parametrize("backend, batch_size", [("static", 2), ("continuous", 4)])
+def test_kill_9_at_random_moments_then_resume_leaves_every_id_exactly_once(tmp_path, backend, batch_size):
     rng = random.Random(20251121)
     # Enough examples that three kills (each after 2-12 new lines) always land mid-run, however fast
     # the tiny model answers.
     records = arithmetic.sample_records()[:150]
     prompts = write_prompts(tmp_path / "in.jsonl", records)
     output = tmp_path / "out.jsonl"
-    settings = (f"prompts_path={prompts}", f"output_path={output}", "batch_size=2")
+    settings = (f"prompts_path={prompts}", f"output_path={output}", f"batch_size={batch_size}", f"backend={backend}")
+    # One thread per process: torch's two threads spin against each other on a busy shared machine
+    # (3.5 s per example measured under load), which made the waits below run out.
+    one_thread = {"env": {**os.environ, "OMP_NUM_THREADS": "1"}}
     killed_mid_run = 0
     for attempt in range(3):
         before = complete_lines(output)
         target = before + rng.randint(2, 12)
-        process = run_cli(*settings)
+        process = run_cli(*settings, **one_thread)
         deadline = time.monotonic() + 120
         while complete_lines(output) < target and process.poll() is None and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -388,7 +412,7 @@ def test_kill_9_at_random_moments_then_resume_leaves_every_id_exactly_once(tmp_p
             with output.open("a") as handle:
                 handle.write(last[: len(last) // 2])
     assert killed_mid_run == 3 and 0 < complete_lines(output) < len(records)
-    finished = run_cli(*settings)
+    finished = run_cli(*settings, **one_thread)
     out, err = finished.communicate(timeout=300)
     assert finished.returncode == 0, err[-3000:]
     text = output.read_text()
@@ -417,3 +441,21 @@ def test_two_processes_share_the_job_and_merge_into_the_one_process_output(tmp_p
     assert summary["processes"] == 2 and summary["in_output"] == 24 and summary["unaccounted"] == 0
     assert [share["rank"] for share in summary["per_process"]] == [0, 1]
     assert all(share["generated"] == 12 for share in summary["per_process"])
+
+
+def test_backend_auto_follows_the_profiles_measurement_and_says_why(tmp_path):
+    values = params.load(PARAMS_DIR / "cpu.yaml")
+    values.update(backend="auto", profile="cpu")
+    name, why = generation.resolve_backend(values, tmp_path)
+    assert name == "static" and "nothing measured for the cpu profile" in why
+    report = tmp_path / "cpu" / "continuous_batching.json"
+    report.parent.mkdir()
+    for ratio, expected in [(1.8, "continuous"), (0.7, "static")]:
+        report.write_text(json.dumps({"device": "cpu", "model": "tiny", "results": [
+            {"workload": "full", "continuous_vs_static": 0.5}, {"workload": "uneven", "continuous_vs_static": ratio}]}))
+        name, why = generation.resolve_backend(values, tmp_path)
+        assert name == expected and f"{ratio}x" in why and "uneven" in why and str(report) in why
+    report.write_text("{}")
+    with pytest.raises(generation.GenerationError, match=r"continuous_batching.json, which is not a continuous"):
+        generation.resolve_backend(values, tmp_path)
+    assert generation.resolve_backend({**values, "backend": "continuous"}, tmp_path)[0] == "continuous"

@@ -90,7 +90,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
         "or a field name"),
     Key("output_path", str, "JSONL the outputs are appended to; '' writes generations.jsonl in the run folder; "
         "rerunning with the same path resumes"),
-    Key("backend", str, "generation backend", choices=("static", "static-compiled", "continuous")),
+    Key("backend", str, "generation backend; auto: continuous or static, as the profile's measurement says",
+        choices=("static", "static-compiled", "continuous", "auto")),
     Key("do_sample", bool, "sample with temperature/top_p (true) or decode greedily (false)"),
     Key("temperature", float, "sampling temperature, used when do_sample is true", minimum=0),
     Key("top_p", float, "nucleus sampling probability mass, used when do_sample is true", minimum=0, maximum=1),

@@ -163,7 +163,7 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
     try:
         predicted = profile.plan(params, mode="generate", model=setup.model_name, batch_size=batch,
                                  prompt_len=longest_prompt, max_new_tokens=setup.settings.max_new_tokens,
-                                 dtype=dtype).total_bytes
+                                 dtype=dtype, backend=point["backend"]).total_bytes  # continuous: paged plan
     except ValueError as error:
         predicted = None
         result["prediction_error"] = str(error)

@@ -39,15 +39,19 @@ What it does, and why each way:
 
 Backends (``backend`` in params): ``static`` is Hugging Face ``generate`` with a dynamic KV cache;
 ``static-compiled`` uses a static KV cache and ``torch.compile`` (on CUDA Hugging Face's default,
-CUDA graphs included; elsewhere dynamic shapes, which exists for testing); ``continuous`` is
-transformers' continuous batching (``generate_batch``: paged attention, a finished sequence's slot
-is refilled at once), with ``batch_size`` requests in flight. With greedy decoding all three give
-the tokens one-at-a-time generation gives (tests/test_generate.py).
+CUDA graphs included; elsewhere dynamic shapes, which exists for testing); ``continuous``
+(``continuous``) is transformers' continuous batching, one manager for the whole job (paged
+attention, a finished request's slot refilled at once, each output written as it finishes), with
+``batch_size`` requests in flight and a paged cache the planner sizes; ``auto`` picks continuous or
+static from the profile's measurement (``backends.resolve_backend``). With greedy decoding all
+give the tokens one-at-a-time generation gives (tests/test_generate.py).
 
 Where each part lives: ``engine`` (batches, split-and-retry, statistics), ``backends`` (static,
-static-compiled, continuous), ``records`` (examples in, output and failure records out), ``files``
+static-compiled, the choice for auto), ``continuous`` (the streaming continuous backend; refused
+under tensor parallelism), ``records`` (examples in, output and failure records out), ``files``
 (the output's files, merge and audit), ``job`` (params to outputs, one process's share),
-``processes`` (data parallel: ranks and the launch), ``cli`` (``workbook generate``).
+``tensor_parallel`` (T x D layouts), ``nodes`` (several nodes), ``processes`` (data parallel: ranks
+and the launch), ``cli`` (``workbook generate``).
 """
 
 from workbook.generation.cli import summary_lines, task_accuracy
@@ -55,7 +59,7 @@ from workbook.generation.engine import (
     BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, finish, generate_with_split,
     run_batches, sort_longest_first, summarize,
 )
-from workbook.generation.backends import BACKENDS, ContinuousBackend, StaticBackend, make_backend
+from workbook.generation.backends import BACKENDS, ContinuousBackend, StaticBackend, make_backend, resolve_backend
 from workbook.generation.files import OutputFiles, read_outputs, resolve_input_path, resolve_output_path
 from workbook.generation.job import PARAMS_USED, decoding_settings, load_model, run_job, tokenize_prompts
 from workbook.generation.processes import launch
@@ -63,6 +67,7 @@ from workbook.generation.processes import launch
 __all__ = [
     "BACKENDS", "BatchStats", "Completion", "ContinuousBackend", "DecodingSettings", "GenerationError", "Outcome",
     "OutputFiles", "PARAMS_USED", "Prompt", "StaticBackend", "decoding_settings", "finish", "generate_with_split",
-    "launch", "load_model", "make_backend", "read_outputs", "resolve_input_path", "resolve_output_path", "run_batches", "run_job",
+    "launch", "load_model", "make_backend", "read_outputs", "resolve_backend", "resolve_input_path",
+    "resolve_output_path", "run_batches", "run_job",
     "sort_longest_first", "summarize", "summary_lines", "task_accuracy", "tokenize_prompts",
 ]

@@ -27,6 +27,8 @@ def summary_lines(summary: dict) -> list[str]:
         f"output: {summary['output_path']} ({summary['in_output']} of {summary['candidates']} outputs: "
         f"{summary['examples']} examples x {summary['samples_per_prompt']} samples)",
     ]
+    if summary.get("backend_choice", "").startswith("backend auto"):
+        lines.append(summary["backend_choice"])
     longest = sorted(batch["longest_output_tokens"] for batch in summary["batch_list"])
     if longest:
         limit = summary["generation_params"]["max_new_tokens"]

@@ -125,6 +125,7 @@ class BatchStats:
     token_slots: int | None  # positions computed, padding included (None: continuous, no padding)
     splits: int  # times a failing call was split in two
     rank: int = 0
+    first_result_seconds: float | None = None  # since the engine started; None: this batch's end
 
 
 @dataclass
@@ -200,13 +201,18 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
     ``sort_by_length=False`` keeps input order (the benchmark's comparison). The ETA is the
     forecast's (``planner.forecast.remaining_seconds``) over ``planned_seconds`` of each batch
     (default: ``planner.forecast.positions_cost``), not examples left times seconds per example:
-    the first batches hold the longest prompts.
+    the first batches hold the longest prompts. A streaming backend (``continuous``: one manager
+    for every prompt) runs the whole list itself, writing each prompt as it finishes; its ETA
+    plans the same batches, each ``prompts_per_call`` finished prompts counting as one.
     """
     from workbook.planner.forecast import positions_cost, remaining_seconds
     ordered = sort_longest_first(prompts) if sort_by_length else list(prompts)
     size = backend.prompts_per_call
     batches = [ordered[start:start + size] for start in range(0, len(ordered), size)]
     planned = [(planned_seconds or positions_cost)(batch) for batch in batches]
+    if callable(getattr(backend, "stream", None)):
+        return backend.stream(ordered, write=write, sort_by_length=False, progress=progress, log=log,
+                              log_every_batches=log_every_batches, rank=rank, planned_batch_seconds=planned)
     stats: list[BatchStats] = []
     started = time.perf_counter()
     done = failed = output_tokens = 0
@@ -256,6 +262,9 @@ def summarize(batches: list[BatchStats], seconds: float) -> dict:
         "output_tokens": output_tokens,
         "prompt_tokens": sum(b.prompt_tokens for b in batches),
         "output_tokens_per_second": round(output_tokens / seconds, 1) if seconds else None,
+        # When the first output was written (a static batch writes all of its outputs at its end).
+        "first_result_seconds": min((b.finished_at_seconds if b.first_result_seconds is None else b.first_result_seconds
+                                     for b in batches), default=None),
         # Share of computed positions that were padding: prompts padded to the batch's longest,
         # and rows that had finished while the batch's longest output went on.
         "padding_waste": round(1 - useful / slots, 4) if slots else None,

@@ -22,7 +22,7 @@ import torch
 
 from workbook import jsonl, models, runtime
 from workbook.generation import nodes, records, tensor_parallel, verify
-from workbook.generation.backends import make_backend
+from workbook.generation.backends import make_backend, resolve_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
 )
@@ -178,6 +178,7 @@ class Share:
     tokenizer: Any
     settings: DecodingSettings
     prompts_path: Path
+    backend_choice: str = ""  # why this backend (backend: auto says what it measured)
 
 
 def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, model=None, tokenizer=None,
@@ -191,8 +192,9 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
         model, tokenizer = load_model(params["model"], params["dtype"], rank.device,
                                       tensor_parallel.sharding_arguments(layout))
     settings = decoding_settings(params, model, tokenizer)
-    batch_size = profile.resolve_batch_size(params, "generate")
-    backend = make_backend(params["backend"], model, settings, batch_size)
+    backend_name, backend_choice = resolve_backend(params)
+    batch_size = profile.resolve_batch_size({**params, "backend": backend_name}, "generate")  # continuous: paged plan
+    backend = make_backend(backend_name, model, settings, batch_size)
     token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], params["use_chat_template"],
                                  system_prompt_text(params))
     # A candidate is one sample of one example; batch_size counts candidates (sequences), so a batch
@@ -221,10 +223,13 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
             f"{files.output}; {len(pending)} to generate with {params['model']} ({backend.name}, batch {batch_size}, "
             f"{rank.count} process{'es' if rank.count > 1 else ''}{_layout_text(rank)}); {len(bad_lines)} bad input "
             "lines skipped")
+        if params["backend"] == "auto":
+            log(backend_choice)
     return Share(examples, bad_lines, token_ids,
                  prompts=[Prompt(i, token_ids[i], room[i], s) for i, s in mine if room[i] > 0],
                  too_long=[(i, s) for i, s in mine if room[i] <= 0], backend=backend, batch_size=batch_size,
-                 model=model, tokenizer=tokenizer, settings=settings, prompts_path=prompts_path)
+                 model=model, tokenizer=tokenizer, settings=settings, prompts_path=prompts_path,
+                 backend_choice=backend_choice)
 
 
 def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log: Callable[[str], None] = print,
@@ -246,8 +251,9 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
                            log=lambda line: None, log_every_batches=0, rank=rank.index)
     bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
     try:
-        with jsonl.LineAppender(files.output_part(rank.share)) as outputs, \
-                jsonl.LineAppender(files.failures_part(rank.share)) as failures:
+        fsync_every = getattr(share.backend, "fsync_every", None)  # continuous: one line per call, synced by count/time
+        with jsonl.LineAppender(files.output_part(rank.share), fsync_every) as outputs, \
+                jsonl.LineAppender(files.failures_part(rank.share), fsync_every) as failures:
             if rank.index == 0:
                 failures.write(bad_line_failure(bad) for bad in share.bad_lines)
             failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,
@@ -335,8 +341,8 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
                                   samples=params["samples_per_prompt"], log=log)
-        summary.update(backend=share.backend.name, batch_size=share.batch_size, processes=rank.count,
-                       tensor_parallel_size=rank.tensor_parallel_size,
+        summary.update(backend=share.backend.name, backend_choice=share.backend_choice, batch_size=share.batch_size,
+                       processes=rank.count, tensor_parallel_size=rank.tensor_parallel_size,
                        nodes=runtime.launched_nodes(), parts_sent_over_network_by_ranks=over_network,
                        model=params["model"], prompts_path=str(share.prompts_path),
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])

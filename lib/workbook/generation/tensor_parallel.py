@@ -43,6 +43,8 @@ def resolve_layout(params, processes: int, *, launched: bool) -> Layout:
                             mode="generate", batch_size=1).tensor_parallel_size
     if size == 1:  # plain data parallel: nothing to check that the job does not check already
         return Layout(1, processes)
+    if params.get("backend") == "continuous":
+        raise GenerationError(profile.CONTINUOUS_NOT_SHARDED.format(size=size))
     try:
         layout.check_tensor_parallel_size(size, layout_model_heads(params["model"]), model=params["model"])
         if size > 1 and not launched:

@@ -18,12 +18,21 @@ from typing import Callable, ClassVar
 from workbook import presets
 from workbook.params import AUTO, PLAN_MODES
 from workbook.planner.generation import plan_generate
-from workbook.planner.layout import check_tensor_parallel_size, choose_tensor_parallel_size
+from workbook.planner.layout import LayoutError, check_tensor_parallel_size, choose_tensor_parallel_size
 from workbook.planner.network import network_traffic, traffic_line
+from workbook.planner.paged import plan_generate_paged
 from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, Plan
 from workbook.planner.shape import model_shape
 from workbook.planner.training import plan_train
 from workbook.units import GiB, format_bytes
+
+# Why the continuous backend refuses T > 1: every rank of a tensor-parallel group must run the same
+# forward passes, and transformers' continuous-batching scheduler (a thread per process, fed as
+# results arrive) would batch differently on each rank, so the group's collectives would not match.
+CONTINUOUS_NOT_SHARDED = ("backend continuous runs one whole copy of the model per process and cannot run under "
+                          "tensor parallelism (tensor_parallel_size {size}): each rank's scheduler would batch "
+                          "differently and the group's collectives would not match. Use backend static (or auto) "
+                          "with tensor_parallel_size > 1, or tensor_parallel_size 1 with continuous.")
 
 CURVE_POINTS = 13  # batch sizes per memory-vs-batch curve
 LORA_CURVE_RANK = 16  # the "frugal" training setting the curves' x axis is sized by
@@ -64,14 +73,22 @@ def capacity_bytes(params) -> int:
 
 
 def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, new_tokens: int,
-                  dtype: str, tensor_parallel_size: int = 1) -> Plan:
+                  dtype: str, tensor_parallel_size: int = 1, backend: str = "static") -> Plan:
     """Generation plans T x D GPUs: groups of ``tensor_parallel_size`` GPUs each hold one sharded copy
     of the model, and the profile's other GPUs run more such groups (data parallel). T = 1 is plain
-    data parallel, every GPU holding the whole model; nothing else is planned, since nothing else runs."""
+    data parallel, every GPU holding the whole model; nothing else is planned, since nothing else runs.
+    The continuous backend is planned by its paged cache, at T = 1 only (it does not run sharded)."""
     gpus = max(budget.gpu_count, 1)
     if budget.gpu_count:  # the cpu profile runs its processes on this machine's cores, not on GPUs
         shape = model_shape(model)
         check_tensor_parallel_size(tensor_parallel_size, shape.num_key_value_heads, gpus, model=shape.name)
+    if backend == "continuous":
+        if tensor_parallel_size > 1:
+            raise LayoutError(CONTINUOUS_NOT_SHARDED.format(size=tensor_parallel_size))
+        return plan_generate_paged(model, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                                   dtype=dtype, gpu_memory_bytes=budget.capacity_bytes,
+                                   overhead_bytes=budget.overhead_bytes, safety_margin=budget.safety_margin,
+                                   data_parallel_size=gpus)
     return plan_generate(model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype, batch_size=batch_size,
                          gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                          safety_margin=budget.safety_margin, tensor_parallel_size=tensor_parallel_size,
@@ -121,7 +138,7 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
         def make_at(batch: int, size: int) -> Plan:
             return generate_plan(config, budget, batch_size=batch, prompt_len=settings["prompt_len"],
                                  new_tokens=settings["max_new_tokens"], dtype=settings["dtype"],
-                                 tensor_parallel_size=size)
+                                 tensor_parallel_size=size, backend=settings.get("backend", "static"))
         size, why = tensor_parallel_size(settings, config, budget, make_at)
 
         def make(batch: int) -> Plan:

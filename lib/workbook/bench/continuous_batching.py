@@ -1,0 +1,446 @@
+"""Benchmark (not a test): static batches vs continuous batching on full-length and uneven outputs,
+beside one direct call of transformers' continuous batching. Writes ``continuous_batching.json``
+and ``continuous_batching.md``.
+
+    python -m workbook.bench.continuous_batching --out outputs/reference/cpu     # CPU, tiny model, minutes
+    python -m workbook.bench.continuous_batching --model Llama-3.1-8B --device cuda --dtype bf16 \\
+        --examples 512 --max-new-tokens 1024 --memory-gib 40 --workloads uneven --repeats 1 \\
+        --time-budget-seconds 330 --out outputs/reference/h100     # GPU: random bf16 weights, ~6 min
+
+Workloads, on the same prompts (the shipped arithmetic prompts for the tiny model, else random
+token ids of ``--prompt-tokens`` lengths), every output's length fixed in advance so that weights do
+not matter (random weights on a GPU run the same):
+
+- ``full``: every output ``--max-new-tokens`` long (the sweep's forced full length);
+- ``uneven``: lengths drawn (seeded) from a lognormal with median ``max_new_tokens / 8`` and sigma
+  1, capped at ``max_new_tokens``: most outputs end early, a few run to the cap, as teacher outputs do.
+
+Static batches end a row by forcing end of sequence at its drawn length (a logits processor; end of
+sequence is banned before it); the row then idles as padding until its batch's longest row ends.
+transformers' continuous batching drops logits processors it does not support, so its requests end
+instead at their own ``max_new_tokens`` (the drawn length), end of sequence disabled: the same
+tokens are computed. Arms, each after a warm-up, repeated and interleaved (medians count):
+
+- ``static-sorted``: the job's static path, length-sorted batches, records written per batch;
+- ``continuous``: the job's continuous backend (one manager, each record written as it finishes);
+- ``direct``: transformers alone with the same paged-cache sizing, nothing written: one
+  ``generate_batch`` call (full), or the manager fed every request at once (uneven: generate_batch
+  has one max_new_tokens for all).
+
+``--memory-gib`` compares the arms at the same memory: each runs the largest batch its own plan fits
+in that budget (static: ``planner.plan_generate``, dense cache; continuous and direct:
+``planner.paged``), at most one per prompt; without it, every arm runs ``--batch-size``.
+
+Peak memory on CPU is the process's resident memory, sampled every 10 ms, above its level before
+the arm, beside the planner's terms beyond the weights; on a GPU the device's peak after a reset.
+The bandwidth roofline (``bandwidth_roofline``) is the time a purely memory-bound engine would take
+for the same tokens with the arm's batch always full, at the GPU spec table's bandwidth (or
+``--bandwidth-gbs``); each arm's fraction of it is that time over its measured median.
+``--time-budget-seconds`` stops the run in time: a repeat that would not fit is skipped, and at the
+deadline the run stops, writes what it measured (``stopped`` says where) and exits with 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import _thread
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from transformers import LogitsProcessor
+
+from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_model
+from workbook.bench.counting import decode_step_cost
+from workbook.bench.engine_overhead import sample_prompts, timed
+from workbook.bench.generation_sweep import mixed_prompts
+from workbook.generation.continuous import ContinuousBackend
+from workbook.planner import plan_generate
+from workbook.planner.paged import plan_generate_paged
+
+ARMS = ("static-sorted", "continuous", "direct")
+LOGNORMAL_SIGMA = 1.0
+NO_END_OF_SEQUENCE = (-1,)  # transformers' continuous batching: -1 disables end of sequence
+WARMUP_NEW_TOKENS = 8  # the warm-up compiles kernels and captures graphs; its length does not matter
+
+
+def drawn_lengths(count: int, max_new_tokens: int, seed: int = 0) -> list[int]:
+    """Output lengths of the uneven workload: lognormal, median max_new_tokens / 8, sigma 1, in [1, cap]."""
+    rng = random.Random(seed)
+    median = max(1.0, max_new_tokens / 8)
+    return [min(max_new_tokens, max(1, round(rng.lognormvariate(math.log(median), LOGNORMAL_SIGMA))))
+            for _ in range(count)]
+
+
+class EndAtLength(LogitsProcessor):
+    """Each row ends with end of sequence at its own length: banned before, forced at it."""
+
+    def __init__(self, prompt_width: int, lengths: list[int], eos_token_id: int):
+        self.prompt_width, self.eos = prompt_width, eos_token_id
+        self.lengths = torch.tensor(lengths)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = input_ids.shape[1] - self.prompt_width  # tokens generated so far
+        lengths = self.lengths.to(scores.device)
+        forced = lengths == step + 1
+        scores[lengths > step + 1, self.eos] = -math.inf
+        scores[forced] = -math.inf
+        scores[forced, self.eos] = 0.0
+        return scores
+
+
+def static_backend(model, settings, batch_size: int) -> generation.StaticBackend:
+    backend = generation.StaticBackend(model, settings, batch_size)
+    backend.logits_processors = lambda prompts: [EndAtLength(
+        max(len(p.token_ids) for p in prompts), [p.max_new_tokens for p in prompts], settings.eos_token_ids[0])]
+    return backend
+
+
+class ResidentPeak:
+    """Peak resident memory of this process above its level at the start, sampled every 10 ms."""
+
+    def __enter__(self):
+        self.process, self.stop = psutil.Process(), threading.Event()
+        self.start_bytes = self.peak_bytes = self.process.memory_info().rss
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def _sample(self):
+        while not self.stop.wait(0.01):
+            self.peak_bytes = max(self.peak_bytes, self.process.memory_info().rss)
+
+    def __exit__(self, *exc_info):
+        self.stop.set()
+        self.thread.join()
+        self.increase_bytes = self.peak_bytes - self.start_bytes
+
+
+def engine_arm(backend, prompts, folder: Path, device) -> dict:
+    """The job's path: run_batches with records appended as the job appends them."""
+    path = folder / f"arm-{time.perf_counter_ns()}.jsonl"
+    first: list[float] = []
+    with jsonl.LineAppender(path, getattr(backend, "fsync_every", None)) as appender:
+        began = time.perf_counter()
+
+        def write(outcome: generation.Outcome) -> None:
+            if not first and outcome.completed:
+                first.append(time.perf_counter() - began)
+            appender.write({"index": prompt.index, "output_tokens": len(completion.token_ids)}
+                           for prompt, completion in outcome.completed)
+
+        batches = generation.run_batches(backend, prompts, write=write, log=lambda line: None)
+        runtime.synchronize(device)
+    path.unlink()
+    summary = generation.summarize(batches, time.perf_counter() - began)
+    return {"output_tokens": summary["output_tokens"], "padding_waste": summary["padding_waste"],
+            "first_result_seconds": first[0] if first else None, "failed": summary["failed"]}
+
+
+def direct_arm(model, backend: ContinuousBackend, prompts, uneven: bool) -> dict:
+    """transformers alone, sized as the backend sizes it; nothing written."""
+    limit, new_tokens = backend.batch_size, max(p.max_new_tokens for p in prompts)
+    longest = max(len(p.token_ids) for p in prompts)
+    began = time.perf_counter()
+    if not uneven:
+        results = model.generate_batch([p.token_ids for p in prompts], progress_bar=False,
+                                       **backend.manager_arguments(limit, longest, new_tokens, hints=False))
+        outputs = [len(result.generated_tokens) for result in results.values()]
+        return {"output_tokens": sum(outputs), "first_result_seconds": None, "failed": len(prompts) - len(outputs)}
+    manager = model.init_continuous_batching(**backend.manager_arguments(limit, longest, new_tokens))
+    manager.start()
+    first, outputs = None, []
+    try:
+        for prompt in prompts:
+            manager.add_request(prompt.token_ids, request_id=str(prompt.index), max_new_tokens=prompt.max_new_tokens)
+        while len(outputs) < len(prompts):
+            result = manager.get_result(timeout=1)
+            if result is None and not manager.is_running():
+                break
+            if result is not None and result.is_finished():
+                first = first if first is not None else time.perf_counter() - began
+                outputs.append(len(result.generated_tokens))
+    finally:
+        manager.stop(block=True)
+    return {"output_tokens": sum(outputs), "first_result_seconds": first, "failed": len(prompts) - len(outputs)}
+
+
+class TimeBudget:
+    """A wall-clock budget: ``fits`` says whether a step of some seconds still fits; at the
+    deadline, ``KeyboardInterrupt`` is raised in the main thread (``expired`` tells it from Ctrl-C)."""
+
+    def __init__(self, seconds: float | None):
+        self.deadline = time.monotonic() + seconds if seconds else None
+        self.expired, self.timer = False, None
+        if self.deadline is not None:
+            self.timer = threading.Timer(seconds, self._expire)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _expire(self):
+        self.expired = True
+        _thread.interrupt_main()
+
+    def fits(self, seconds: float) -> bool:
+        return self.deadline is None or time.monotonic() + seconds <= self.deadline
+
+    def check(self):
+        """Stop here if the deadline passed (its interrupt may have landed where it was swallowed, e.g. a __del__)."""
+        if self.expired:
+            raise KeyboardInterrupt
+
+    def cancel(self):
+        if self.timer is not None:
+            self.timer.cancel()
+
+
+def bandwidth_roofline(config, dtype: str, prompts, slots: int, bandwidth_gbs: float | None) -> dict | None:
+    """Seconds a purely memory-bound engine needs for ``prompts`` (each to its ``max_new_tokens``)
+    with ``slots`` sequences always decoding: each step reads the weights once, each new token its
+    context's KV cache once (``counting.decode_step_cost``; prefill and partly empty last steps left
+    out, so it is a lower bound). None without a bandwidth (CPU: no peak in the profile)."""
+    if not bandwidth_gbs:
+        return None
+    unit = decode_step_cost(config, dtype, 1, 1)  # weights per step; KV bytes per context token
+    output_tokens = sum(p.max_new_tokens for p in prompts)
+    context_reads = sum(len(p.token_ids) * p.max_new_tokens + p.max_new_tokens * (p.max_new_tokens - 1) // 2
+                        for p in prompts)
+    steps = math.ceil(output_tokens / slots)
+    total = steps * unit.weights_bytes + context_reads * unit.kv_cache_bytes
+    return {"seconds": total / (bandwidth_gbs * 1e9), "bytes": total, "decode_steps": steps}
+
+
+def arm_batch_sizes(config, dtype: str, prompts, batch_size: int, memory_gib: float | None) -> dict[str, int]:
+    """Each arm's batch: ``batch_size``, or with ``memory_gib`` the largest its own plan fits in it."""
+    if not memory_gib:
+        return {arm: batch_size for arm in ARMS}
+    lengths = {"prompt_len": max(len(p.token_ids) for p in prompts),
+               "new_tokens": max(p.max_new_tokens for p in prompts)}
+    budget = int(memory_gib * 2**30)
+    static = plan_generate(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype, **lengths).max_batch_size
+    paged = plan_generate_paged(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype, **lengths).max_batch_size
+    if not static or not paged:
+        raise SystemExit(f"error: --memory-gib {memory_gib} does not fit batch 1 of this model and these lengths "
+                         "(the planner says so); give more memory or shorter --max-new-tokens")
+    return {"static-sorted": min(static, len(prompts)), "continuous": min(paged, len(prompts)),
+            "direct": min(paged, len(prompts))}
+
+
+def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folder, log, budget: TimeBudget,
+                 bandwidth_gbs: float | None) -> dict:
+    device = model.device
+    new_tokens = max(p.max_new_tokens for p in prompts)
+    static = static_backend(model, generation.DecodingSettings(new_tokens, eos_ids, pad), batch_sizes["static-sorted"])
+    continuous = ContinuousBackend(model, generation.DecodingSettings(new_tokens, NO_END_OF_SEQUENCE, pad),
+                                   batch_sizes["continuous"])
+    warmup = [generation.Prompt(p.index, p.token_ids, min(p.max_new_tokens, WARMUP_NEW_TOKENS))
+              for p in generation.sort_longest_first(prompts)[:max(batch_sizes.values())]]
+    static.generate(warmup[:batch_sizes["static-sorted"]])
+    continuous.generate(warmup[:batch_sizes["continuous"]])
+    seconds = {arm: [] for arm in ARMS}
+    details, memory = {}, {arm: 0 for arm in ARMS}
+    for repeat in range(repeats):
+        if repeat and not budget.fits(sum(max(values) for values in seconds.values())):
+            log(f"{name}: repeat {repeat + 1}/{repeats} skipped: it would not end within the time budget")
+            break
+        for arm in ARMS:
+            budget.check()
+            runtime.reset_peak_memory(device)
+            with ResidentPeak() as peak:
+                if arm == "direct":
+                    elapsed, result = timed(device, lambda: direct_arm(model, continuous, prompts, name == "uneven"))
+                else:
+                    elapsed, result = timed(device, lambda: engine_arm(
+                        static if arm == "static-sorted" else continuous, prompts, folder, device))
+            seconds[arm].append(elapsed)
+            details[arm] = result
+            on_device = runtime.peak_memory(device)  # a GPU: its whole peak, weights included
+            memory[arm] = max(memory[arm], on_device.total_bytes if on_device else peak.increase_bytes)
+            log(f"{name}: {arm} run {repeat + 1}/{repeats}: {elapsed:.2f} s, {result['output_tokens']} output tokens")
+    median = {arm: statistics.median(values) for arm, values in seconds.items()}
+    lengths = [p.max_new_tokens for p in prompts]
+    longest_prompt = max(len(p.token_ids) for p in prompts)
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
+    config = model.config
+    planned = {}
+    for arm, plan in (("static-sorted", plan_generate), ("continuous", plan_generate_paged)):
+        made = plan(config, batch_size=batch_sizes[arm], prompt_len=longest_prompt, new_tokens=new_tokens,
+                    gpu_memory_bytes=psutil.virtual_memory().total, dtype=dtype, overhead_bytes=0,
+                    fragmentation_fraction=0.0)
+        planned[arm] = made.total_bytes - (made.weights_bytes if device.type == "cpu" else 0)
+    roofline = {arm: bandwidth_roofline(config, dtype, prompts, batch_sizes[arm], bandwidth_gbs) for arm in ARMS}
+    return {
+        "workload": name,
+        "examples": len(prompts),
+        "output_tokens_min_median_max": [min(lengths), statistics.median(lengths), max(lengths)],
+        "output_tokens": {arm: details[arm]["output_tokens"] for arm in ARMS},
+        "batch_size": batch_sizes,
+        "repeats_done": len(seconds["direct"]),
+        "seconds": seconds,
+        "median_seconds": {arm: round(value, 3) for arm, value in median.items()},
+        "output_tokens_per_second": {arm: round(details[arm]["output_tokens"] / median[arm], 1) for arm in ARMS},
+        "padding_waste": details["static-sorted"]["padding_waste"],
+        "first_result_seconds": {arm: details[arm]["first_result_seconds"] for arm in ARMS},
+        "continuous_vs_static": round(median["static-sorted"] / median["continuous"], 3),
+        "continuous_vs_direct": round(median["direct"] / median["continuous"], 3),
+        "failed": {arm: details[arm]["failed"] for arm in ARMS},
+        "peak_memory_bytes": memory,
+        "planned_bytes": planned,
+        "bandwidth_roofline_seconds": {arm: r and float(f"{r['seconds']:.3g}") for arm, r in roofline.items()},
+        "bandwidth_roofline_fraction": {arm: r and float(f"{r['seconds'] / median[arm]:.3g}")
+                                        for arm, r in roofline.items()},
+        "paged_layout": vars(continuous.layout) if continuous.layout else None,
+    }
+
+
+def markdown(report: dict) -> str:
+    rows = ["| workload | arm | batch | median s | output tok/s | first result s | padding waste | peak memory MiB | "
+            "planned MiB | bandwidth roofline fraction |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for result in report["results"]:
+        for arm in ARMS:
+            first = result["first_result_seconds"][arm]
+            planned = result["planned_bytes"].get(arm)
+            waste = result["padding_waste"] if arm == "static-sorted" else "none (no padded rows)"
+            fraction = result["bandwidth_roofline_fraction"][arm]
+            rows.append(f"| {result['workload']} | {arm} | {result['batch_size'][arm]} | "
+                        f"{result['median_seconds'][arm]} | {result['output_tokens_per_second'][arm]} | "
+                        f"{'n/a (one call)' if first is None else round(first, 3)} | {waste} | "
+                        f"{result['peak_memory_bytes'][arm] / 2**20:.0f} | "
+                        f"{'' if planned is None else round(planned / 2**20)} | "
+                        f"{'n/a (no bandwidth)' if fraction is None else fraction} |")
+    ratios = [f"- {r['workload']}: continuous {r['continuous_vs_static']}x static-sorted, "
+              f"{r['continuous_vs_direct']}x direct (1.0 = as fast; medians of {r['repeats_done']})"
+              for r in report["results"]]
+    load = report["load_average_1min_before_after"]
+    stopped = [f"Stopped early: {report['stopped']}", ""] if report.get("stopped") else []
+    return "\n".join([
+        f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads), up to "
+        f"{report['repeats']} repeats; uneven lengths: {report['uneven_lengths']}", "",
+        f"Hardware: {report['hardware']}; 1-minute load average {load[0]} before, {load[1]} after "
+        "(other processes share the machine)", "", *stopped, *rows, "",
+        f"Peak memory: {report['peak_memory_measured_as']}; planned: the planner's peak (CPU: beyond the weights, "
+        "no overheads; continuous: the paged plan, static: the dense one, direct: as continuous). Batch: "
+        f"{report['batch_sizes_from']}.", "",
+        f"Bandwidth roofline: {report['bandwidth_roofline']}", "",
+        "Direct: transformers alone with the backend's paged-cache sizing, nothing written: one generate_batch call "
+        "(full), the manager fed every request at once (uneven: generate_batch takes one max_new_tokens for all).", "",
+        *ratios, "", f"Command: `{report['command']}`", ""])
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = gpu.cpu_facts()
+    return f"{cpu['model']}, {cpu['usable_cores']} usable of {cpu['logical_cores']} logical cores"
+
+
+def default_bandwidth_gbs(device: torch.device) -> tuple[float | None, str]:
+    """The GPU spec table's bandwidth for this GPU (one place for GPU specs); none on CPU."""
+    if device.type != "cuda":
+        return None, "none on CPU (no peak to compare with; --bandwidth-gbs gives one)"
+    spec = gpu.spec_for_name(torch.cuda.get_device_name(device))
+    if spec is None:
+        return None, f"{torch.cuda.get_device_name(device)} is not in the GPU spec table; pass --bandwidth-gbs"
+    return spec.memory_bandwidth_gbs, f"{spec.memory_bandwidth_gbs:g} GB/s, the GPU spec table's ({spec.source})"
+
+
+def parse_arguments(argv):
+    parser = argparse.ArgumentParser(prog="python -m workbook.bench.continuous_batching",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="tiny", help="'tiny', a local model dir, or a preset (random weights)")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--examples", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=32, help="every arm's batch (without --memory-gib)")
+    parser.add_argument("--memory-gib", type=float, help="each arm at the largest batch its plan fits in this memory")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=(16, 200), metavar=("MIN", "MAX"),
+                        help="random prompts' lengths (models other than tiny)")
+    parser.add_argument("--workloads", default="full,uneven")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the roofline (default: the GPU "
+                        "spec table's for this GPU; none on CPU)")
+    parser.add_argument("--time-budget-seconds", type=float, help="stop within this many seconds of the start, "
+                        "writing what was measured (default: no limit)")
+    parser.add_argument("--out", help="results folder (default: a new outputs/<timestamp>-continuous-bench-<device>/)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_arguments(argv)
+    budget = TimeBudget(args.time_budget_seconds)  # from the start: model building counts too
+    out = Path(args.out) if args.out else notebook.new_run_dir(f"continuous-bench-{args.device.split(':')[0]}")
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    results, load_before, stopped = [], os.getloadavg(), None
+    try:
+        loaded = models.load_model(args.model, args.dtype, device)
+        model = loaded.model
+        tokenizer = models.load_tokenizer(args.model) if args.model == tiny_model.TINY_MODEL_NAME else None
+        eos_ids, pad = models.eos_token_ids(model, tokenizer), models.pad_token_id(model, tokenizer)
+        if tokenizer is not None:
+            base = sample_prompts(tokenizer, args.examples, args.max_new_tokens)
+        else:
+            base = mixed_prompts(model.config.vocab_size, args.examples, tuple(args.prompt_tokens),
+                                 args.max_new_tokens)
+        batch_sizes = arm_batch_sizes(model.config, args.dtype, base, args.batch_size, args.memory_gib)
+        bandwidth, bandwidth_source = ((args.bandwidth_gbs, f"{args.bandwidth_gbs:g} GB/s (--bandwidth-gbs)")
+                                       if args.bandwidth_gbs else default_bandwidth_gbs(device))
+        lengths = {"full": [args.max_new_tokens] * len(base), "uneven": drawn_lengths(len(base), args.max_new_tokens)}
+        with tempfile.TemporaryDirectory(dir=out) as folder:
+            for name in args.workloads.split(","):
+                prompts = [generation.Prompt(p.index, p.token_ids, length) for p, length in zip(base, lengths[name])]
+                results.append(run_workload(name, model, prompts, eos_ids, pad, batch_sizes, args.repeats,
+                                            Path(folder), print, budget, bandwidth))
+    except KeyboardInterrupt:
+        if not budget.expired:
+            raise
+        stopped = (f"the time budget of {args.time_budget_seconds:g} s ran out after {len(results)} of "
+                   f"{len(args.workloads.split(','))} workloads; the results hold the finished ones")
+    finally:
+        budget.cancel()
+    uneven = drawn_lengths(args.examples, args.max_new_tokens)
+    report = {
+        "what": "static (length-sorted) vs continuous batching on full-length and uneven outputs, and the "
+                "continuous backend vs transformers' continuous batching called directly with the same cache",
+        "model": args.model if stopped and not results else loaded.description, "device": str(device),
+        "dtype": args.dtype, "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "repeats": args.repeats, "hardware": hardware(device),
+        # Other processes share this machine's cores: its load average says how busy it was.
+        "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
+        "uneven_lengths": f"lognormal(median {max(1, args.max_new_tokens // 8)}, sigma {LOGNORMAL_SIGMA}) capped at "
+                          f"{args.max_new_tokens}, seed 0: mean {statistics.fmean(uneven):.1f}, "
+                          f"p50 {statistics.median(uneven)}, max {max(uneven)}",
+        "batch_sizes_from": (f"the largest each arm's plan fits in {args.memory_gib:g} GiB (at most one per prompt)"
+                             if args.memory_gib else f"--batch-size {args.batch_size} for every arm"),
+        "peak_memory_measured_as": "resident memory above its level before the arm, sampled every 10 ms (CPU)"
+        if device.type == "cpu" else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
+        "bandwidth_roofline": "n/a" if stopped and not results else (
+            f"{bandwidth_source}; the time a purely memory-bound engine needs for the same tokens with the arm's batch "
+            "always full (weights read once per step, each token's context once; prefill left out), over the arm's "
+            "median"),
+        "stopped": stopped,
+        "command": "python -m workbook.bench.continuous_batching " + " ".join(sys.argv[1:] if argv is None else argv),
+        "results": results,
+    }
+    (out / "continuous_batching.json").write_text(json.dumps(report, indent=2) + "\n")
+    text = markdown(report)
+    (out / "continuous_batching.md").write_text(text)
+    print(text + f"wrote {out / 'continuous_batching.json'} and {out / 'continuous_batching.md'}")
+    return 3 if stopped else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

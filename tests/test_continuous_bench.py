@@ -1,0 +1,33 @@
+"""The continuous-batching benchmark's CPU path, at a tiny size: the same tokens in every arm, the
+figures the GPU run is for (tokens/s, peak memory, roofline fraction), and its time budget."""
+
+import json
+
+from workbook.bench import continuous_batching
+
+TINY_RUN = ["--examples", "6", "--max-new-tokens", "4", "--threads", "1", "--bandwidth-gbs", "10"]
+
+
+def test_every_arm_computes_the_same_tokens_and_the_report_has_the_gpu_figures(tmp_path, tiny_model_path):
+    assert continuous_batching.main([*TINY_RUN, "--repeats", "1", "--memory-gib", "2", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "continuous_batching.json").read_text())
+    lengths = {"full": [4] * 6, "uneven": continuous_batching.drawn_lengths(6, 4)}
+    assert [result["workload"] for result in report["results"]] == ["full", "uneven"] and report["stopped"] is None
+    for result in report["results"]:
+        # A fair comparison: every arm generates exactly the drawn lengths, nothing fails.
+        assert set(result["output_tokens"].values()) == {sum(lengths[result["workload"]])}
+        assert set(result["failed"].values()) == {0}
+        assert all(1 <= size <= 6 for size in result["batch_size"].values())  # planned in 2 GiB, one per prompt
+        for arm in continuous_batching.ARMS:
+            assert result["output_tokens_per_second"][arm] > 0 and result["peak_memory_bytes"][arm] >= 0
+            assert result["bandwidth_roofline_fraction"][arm] > 0
+    text = (tmp_path / "continuous_batching.md").read_text()
+    assert "Hardware: " in text and "load average" in text and "--memory-gib 2" in text
+
+
+def test_the_time_budget_stops_the_run_and_keeps_what_it_measured(tmp_path, tiny_model_path):
+    # One second: the deadline passes while the model loads or the first arm runs (the run takes several).
+    code = continuous_batching.main([*TINY_RUN, "--repeats", "3", "--time-budget-seconds", "1", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "continuous_batching.json").read_text())
+    assert code == 3 and "time budget of 1 s ran out" in report["stopped"]
+    assert "Stopped early" in (tmp_path / "continuous_batching.md").read_text()

@@ -1,0 +1,52 @@
+"""The continuous backend's memory: a paged cache sized by the planner, planned by the planner."""
+
+import math
+
+import pytest
+
+from workbook import generation, models, params
+from workbook.paths import PARAMS_DIR
+from workbook.planner import profile
+from workbook.planner.paged import paged_layout, plan_generate_paged
+
+
+def test_the_paged_cache_holds_every_request_in_flight_at_its_full_length():
+    layout = paged_layout(requests=32, prompt_tokens=40, new_tokens=2048, page_size=256)
+    assert layout.blocks_per_request == math.ceil(2088 / 256) == 9 and layout.num_blocks == 32 * 9
+    assert layout.max_batch_tokens == 32 * 40  # all prompts prefilled in one step
+    assert paged_layout(4096, 512, 16).max_batch_tokens == 4096  # a step holds every request's next token
+
+
+def test_batch_size_auto_for_continuous_is_the_largest_in_flight_limit_the_paged_plan_fits():
+    values = params.load(PARAMS_DIR / "h100.yaml")
+    values.update(model="llama-3.1-8b", prompt_len=512, max_new_tokens=2048, batch_size="auto")
+    limit = profile.resolve_batch_size({**values, "backend": "continuous"}, "generate")
+    assert limit > 1
+
+    def paged(batch):
+        return profile.plan(values, mode="generate", batch_size=batch, backend="continuous")
+
+    assert paged(limit).fits and not paged(limit + 1).fits
+    terms = {term.name: term.bytes for term in paged(limit).terms}
+    layout = paged_layout(limit, 512, 2048)
+    kv_per_token = 2 * 32 * 8 * 128 * 2  # Llama-3.1-8B: 2 x layers x kv heads x head_dim x bf16
+    assert terms["kv_cache"] == (layout.num_blocks + 2) * 256 * kv_per_token
+    assert profile.plan(values, mode="generate", batch_size=limit).settings.get("backend") is None  # static: dense
+
+
+def test_the_backend_passes_the_planned_cache_to_transformers_and_it_allocates_that(tiny_model_path):
+    model = generation.load_model(str(tiny_model_path), "fp32", "cpu")[0]
+    settings = generation.DecodingSettings(16, models.eos_token_ids(model, None), 0)
+    backend = generation.make_backend("continuous", model, settings, 4)
+    manager = backend._start(4, 20, 16)
+    try:
+        config = manager.continuous_batching_config
+        assert (config.num_blocks, config.max_requests_per_batch) == (backend.layout.num_blocks, 4)
+        allocated = manager.batch_processor.cache.cache_tensor.numel()  # bytes (uint8)
+    finally:
+        backend._stop(manager)
+    plan = plan_generate_paged(model.config, batch_size=4, prompt_len=20, new_tokens=16, dtype="fp32",
+                               gpu_memory_bytes=2**34)
+    planned = next(term.bytes for term in plan.terms if term.name == "kv_cache")
+    assert planned == pytest.approx(allocated, rel=0.01)
+    assert model.config._attn_implementation == "sdpa"  # given back after the manager
