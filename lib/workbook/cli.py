@@ -60,9 +60,10 @@ def _cmd_plan(args) -> int:
     overrides = {key: value for key, value in {
         "model": args.model, "dtype": dtype, "prompt_len": args.prompt_len,
         "max_new_tokens": args.new_tokens, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
+        "lora_targets": args.lora_targets,
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
         "optimizer": args.optimizer, "sharding": args.sharding, "tensor_parallel_size": args.tensor_parallel_size,
-        "num_nodes": args.num_nodes,
+        "num_nodes": args.num_nodes, "attn_implementation": args.attn_implementation,
     }.items() if value is not None}
     flags = {"max_new_tokens": "--new-tokens"}  # the params key's flag, where the two names differ
     for key, value in overrides.items():
@@ -215,6 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   f"formats; {', '.join(PLAN_DTYPE_ALIASES)} are accepted too)")
     plan_parser.add_argument("--grad-checkpointing", action="store_true", help="plan with activation recomputation")
     plan_parser.add_argument("--lora-rank", type=int, help="LoRA rank (train); 0 = full fine-tune")
+    plan_parser.add_argument("--lora-targets", help="train: comma-separated module names LoRA adapts "
+                                                    "(e.g. q_proj,v_proj); default: every linear projection")
+    plan_parser.add_argument("--attn-implementation", choices=("sdpa", "flash_attention_2", "eager"),
+                             help="default: the profile's attn_implementation")
     plan_parser.add_argument("--optimizer", choices=("adamw", "adamw-8bit"), help="train: optimizer states")
     plan_parser.add_argument("--sharding", choices=("none", "fsdp"),
                              help="train: 'fsdp' shards weights, gradients and optimizer over the profile's GPUs")

@@ -80,6 +80,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("seq_len", int, "training sequence length in tokens", minimum=1),
     Key("grad_checkpointing", bool, "recompute activations in backward: less memory, ~30% more compute"),
     Key("lora_rank", int, "LoRA rank; 0 trains every weight", minimum=0),
+    Key("lora_targets", str, "comma-separated module names LoRA adapts, e.g. 'q_proj,v_proj'; '' = every linear "
+        "projection of the architecture (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)"),
     Key("safety_margin", float, "fraction of GPU memory the planner keeps free", minimum=0, maximum=0.5),
     Key("cuda_overhead_gib", float, "CUDA context + library workspaces per GPU, GiB (measured or prior)",
         minimum=0),

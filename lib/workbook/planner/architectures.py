@@ -93,12 +93,26 @@ def describe(config: PretrainedConfig, meta_model: torch.nn.Module, layers: torc
     )
 
 
-def attention_implementation_run(shape, requested: str) -> str:
+def attention_implementation_run(sdpa_supported: bool, requested: str) -> str:
     """The attention the model really runs: transformers loads a model that refuses sdpa (Gemma-2:
-    its soft-capping) with eager when none is named, and refuses sdpa when it is named."""
-    if requested == "sdpa" and not shape.architecture.sdpa_supported:
+    its soft-capping) with eager when none is named, and refuses sdpa when it is named; the planner,
+    the trainer and the finder all ask for this one (``models.load_model`` passes it)."""
+    if requested == "sdpa" and not sdpa_supported:
         return "eager"
     return requested
+
+
+def training_notes(architecture: Architecture) -> list[str]:
+    """What a training plan of this architecture estimates rather than counts."""
+    notes = []
+    if architecture.latent_attention:
+        notes.append("compressed-latent attention (MLA): its saved activations are estimated with the standard "
+                     "attention formula, not measured tensor by tensor; the experts and the KV cache are exact")
+    if architecture.moe is not None:
+        notes.append(f"mixture of experts: {architecture.moe.experts_per_token} of {architecture.moe.num_experts} "
+                     "experts per token; grouped_mm experts run in the weights' dtype (fp32 master weights "
+                     "under autocast)")
+    return notes
 
 
 def _kv_cache(text: PretrainedConfig) -> dict:

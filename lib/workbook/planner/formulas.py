@@ -207,7 +207,7 @@ def attention_saved_bytes_per_token(
 ) -> int:
     """The attention half of a layer, with the norm before it (and after it: Gemma)."""
     architecture = shape.architecture
-    attn_implementation = attention_implementation_run(shape, attn_implementation)  # Gemma-2: eager, not sdpa
+    attn_implementation = attention_implementation_run(architecture.sdpa_supported, attn_implementation)  # Gemma-2: eager, not sdpa
     p = precision.compute_bytes
     norms = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 3)
     norms += _post_norm_bytes_per_token(shape)

@@ -9,7 +9,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from workbook.planner.architectures import attention_implementation_run
+from workbook.planner.architectures import attention_implementation_run, training_notes
 from workbook.planner.formulas import (
     Precision, decoder_activation_bytes_per_token, layer_activation_bytes_per_token, lora_parameter_count, norm_saved_bytes_per_token,
     training_precision, weights_bytes, weights_explanation,
@@ -20,8 +20,8 @@ from workbook.planner.plans import (
 )
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES, OPTIMIZERS,
-    QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_targets,
-    model_shape, positive_bytes, require_non_negative, require_positive, target_names,
+    QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_target_choice, lora_targets,
+    model_shape, positive_bytes, require_non_negative, require_positive,
 )
 
 # 8-bit Adam (bitsandbytes) keeps one fp32 absmax per block of 256 values of each of its two states.
@@ -107,10 +107,14 @@ def plan_train(
             f"seq_len {seq_len} exceeds the model's max_position_embeddings "
             f"({shape.max_position_embeddings})"
         )
-    if attention_implementation_run(shape, attn_implementation) != attn_implementation:
+    notes += training_notes(shape.architecture)
+    if attention_implementation_run(shape.architecture.sdpa_supported, attn_implementation) != attn_implementation:
         notes.append(f"{shape.name} refuses {attn_implementation} (transformers: _supports_sdpa = False); "
                      "planned with the eager attention it runs")
     if lora:
+        notes.append(f"LoRA targets: {', '.join(lora_target_choice(shape, lora_target_modules).names)}")
+        notes += [f"lora target {name!r} matches no Linear layer of {shape.name}"
+                  for name in lora_target_choice(shape, lora_target_modules).unmatched]
         notes.append("LoRA activations add each adapter's saved input to the full fine-tune "
                      "formula: an upper bound, not measured against PEFT")
     return make_plan(
@@ -121,7 +125,7 @@ def plan_train(
             "optimizer": optimizer,
             "grad_checkpointing": grad_checkpointing,
             "lora_rank": lora_rank,
-            "lora_target_modules": list(target_names(lora_target_modules)) if lora else [],
+            "lora_target_modules": list(lora_target_choice(shape, lora_target_modules).names) if lora else [],
             "sharding": sharding,
             "attn_implementation": attn_implementation,
             "overhead_bytes": overhead_bytes,

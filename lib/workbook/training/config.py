@@ -17,7 +17,7 @@ from workbook.planner.profile import Budget
 # Keys of a params profile this module reads; notebook 03 declares each of them.
 PARAMS_USED = (
     "profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour",
-    "model", "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "safety_margin", "cuda_overhead_gib",
+    "model", "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "lora_targets", "safety_margin", "cuda_overhead_gib",
     "train_data_path", "on_bad_line", "input_field", "output_field", "use_chat_template", "max_seq_length",
     "length_percentile", "padding", "validation_fraction", "learning_rate", "lr_scaling", "base_batch",
     "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32",
@@ -68,6 +68,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     optimizer: str = "adamw"
     lora_rank: int = 0
+    lora_targets: str = ""  # '' = every linear projection (planner.shape.choose_lora_targets)
     dtype: str = "fp32"
     tf32: bool = False
     grad_checkpointing: bool = False
@@ -109,7 +110,7 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
         gradient_accumulation_steps=params["gradient_accumulation_steps"], learning_rate=params["learning_rate"],
         lr_scaling=params["lr_scaling"], base_batch=params["base_batch"], epochs=params["epochs"],
         max_steps=params["max_steps"], warmup_steps=params["warmup_steps"], weight_decay=params["weight_decay"],
-        optimizer=params["optimizer"], lora_rank=params["lora_rank"], dtype=params["dtype"], tf32=params["tf32"],
+        optimizer=params["optimizer"], lora_rank=params["lora_rank"], lora_targets=params["lora_targets"], dtype=params["dtype"], tf32=params["tf32"],
         grad_checkpointing=params["grad_checkpointing"], torch_compile=params["torch_compile"],
         attn_implementation=params["attn_implementation"], dataloader_workers=params["dataloader_workers"],
         pin_memory=params["pin_memory"], prefetch_factor=params["prefetch_factor"],

@@ -26,7 +26,6 @@ import torch
 from workbook import models, runtime
 from workbook.training import batches, checkpoints, evaluation, report
 from workbook.training.config import ADAM_BETAS, MAX_GRAD_NORM, MIXED_PRECISION, RESULT_FILE, TrainConfig, TrainError
-from workbook.planner import DEFAULT_LORA_TARGET_MODULES
 from workbook.training.prepare import PreparedData, prepare_data
 from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run
 
@@ -210,12 +209,16 @@ def _load_model(config: TrainConfig, device: torch.device):
         models.enable_gradient_checkpointing(model)
     if lora:
         try:
-            model = models.with_lora(model, config.lora_rank)
+            targets = models.lora_targets(model, config.lora_targets)
+            model = models.with_lora(model, config.lora_rank, config.lora_targets)
         except ImportError:
             raise TrainError("lora_rank > 0 needs peft (pinned in requirements.txt: pip install peft==0.21.2); "
                              "or set lora_rank: 0 for a full fine-tune") from None
         description += (f", LoRA rank {config.lora_rank} (alpha {2 * config.lora_rank}) on "
-                        f"{', '.join(DEFAULT_LORA_TARGET_MODULES)}")
+                        f"{', '.join(targets.names)}")
+        if targets.unmatched:
+            description += f" (WARNING: lora_targets {', '.join(targets.unmatched)} match no Linear layer)"
+
     return model, description, lora
 
 
