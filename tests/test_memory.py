@@ -243,6 +243,67 @@ def test_plan_activations_match_saved_tensors(stored, autocast, checkpointing):
         assert measured[3] == planned[3] + log_softmax_output + rotary_tables + loss_scalar
 
 
+def loss_saved_tensor_bytes(config, stored, autocast, batch, seq_len, loss_chunk_tokens):
+    """(activations, autocast weight copies) autograd saves in one forward through the trainer's
+    loss (``batches.loss_sum``), autocast around the model's forward only, as accelerate runs it."""
+    from workbook.training.batches import loss_sum
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(TORCH_DTYPES[stored]).train()
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)(model.forward)
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameter_shapes = {tuple(p.shape) for p in model.parameters()}
+    activations, weight_copies = {}, {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            shape = tuple(tensor.shape)
+            is_copy = tensor.dtype == torch.bfloat16 and autocast and (
+                shape in parameter_shapes or shape[::-1] in parameter_shapes)
+            (weight_copies if is_copy else activations)[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    batch_tensors = {"input_ids": ids, "position_ids": torch.arange(seq_len).repeat(batch, 1), "targets": ids}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss_sum(model, batch_tensors, torch.device("cpu"), loss_chunk_tokens)
+    return sum(activations.values()), sum(weight_copies.values())
+
+
+@pytest.mark.parametrize("stored, autocast", PRECISIONS)
+def test_the_chunked_loss_saves_no_logits_and_the_plan_holds_one_chunk(stored, autocast):
+    config, batch, seq_len, chunk = small_llama(2), 3, 50, 32
+    full = loss_saved_tensor_bytes(config, stored, autocast, batch, seq_len, loss_chunk_tokens=0)
+    chunked = loss_saved_tensor_bytes(config, stored, autocast, batch, seq_len, loss_chunk_tokens=chunk)
+    log_softmax_output = batch * seq_len * config.vocab_size * 4  # what the full loss saves, fp32
+    reduction_scalar = 4  # the full loss's sum reduction saves a float32 scalar
+    assert chunked == (full[0] - log_softmax_output - reduction_scalar, full[1])  # the same weight copies, no logits
+    plan_dtype = "bf16" if autocast else stored
+    common = dict(micro_batch_size=batch, seq_len=seq_len, dtype=plan_dtype, mixed_precision=autocast,
+                  gpu_memory_bytes=GiB)
+    full_plan = plan_train(config, **common)
+    chunked_plan = plan_train(config, loss_chunk_tokens=chunk, **common)
+    assert activations_term(chunked_plan) == activations_term(full_plan)
+    per_position = term_bytes(full_plan, "logits_and_loss") // (batch * seq_len)
+    assert term_bytes(chunked_plan, "logits_and_loss") == chunk * per_position
+    # What the plan leaves out of the chunked forward: the rotary cos/sin (fp32 if stored so) of
+    # every position, less the labels the plan counts apart (here the input ids themselves).
+    rotary = 2 * batch * seq_len * 32 * (4 if stored == "fp32" else 2)
+    assert chunked[0] == activations_term(chunked_plan) + rotary - batch * seq_len * 8
+
+
+def test_the_chunked_loss_plan_is_far_smaller_for_a_large_vocabulary():
+    common = dict(micro_batch_size=8, seq_len=2048, gpu_memory_bytes=A100_80GB_BYTES)
+    full = plan_train(load_config("Llama-3.1-8B"), **common)
+    chunked = plan_train(load_config("Llama-3.1-8B"), loss_chunk_tokens=1024, **common)
+    assert term_bytes(full, "logits_and_loss") == 8 * 2048 * 128256 * 14  # 29.4 GB: the issue's figure
+    assert term_bytes(chunked, "logits_and_loss") == 1024 * 128256 * 14
+    one_b = load_config("Llama-3.2-1B")
+    assert plan_train(one_b, loss_chunk_tokens=1024, **common).max_batch_size > \
+        plan_train(one_b, **common).max_batch_size
+
+
 def test_autocast_weight_copies_equal_the_linear_weights_in_bf16():
     config = small_llama(2)
     _, weight_copies = saved_tensor_bytes(config, "fp32", True, batch=3, seq_len=50)

@@ -116,6 +116,32 @@ def test_packing_reaches_every_attention_kernel_as_separate_sequences(tiny_model
     assert one_row == pytest.approx(two_rows, rel=1e-5)
 
 
+@pytest.mark.parametrize("chunk_tokens", [7, 64, 1000])  # not dividing the 128 positions, one row, all of them
+def test_the_chunked_loss_equals_the_full_loss_in_value_and_gradients(tiny_model_path, tokenizer, chunk_tokens):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).train()
+    records = [{"input": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(6)]
+    examples, _ = sft_examples.tokenize_pairs(records, tokenizer, use_chat_template=False)
+    batch = sft_batches.Collator("packing", 64, PAD_ID)([examples[:3], examples[3:]])  # prompt and padding: ignored
+    losses, gradients = {}, {}
+    for chunk in (0, chunk_tokens):
+        model.zero_grad()
+        loss = sft_batches.loss_sum(model, batch, torch.device("cpu"), loss_chunk_tokens=chunk)
+        loss.backward()
+        losses[chunk] = loss.item()
+        gradients[chunk] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert losses[chunk_tokens] == pytest.approx(losses[0], rel=1e-6)
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[chunk_tokens][name], gradient, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_run_with_the_chunked_loss_trains_as_the_full_loss_does(tmp_path):
+    path = arithmetic_pairs(tmp_path)
+    full = training.train(make_config(tmp_path / "full", path))
+    chunked = training.train(make_config(tmp_path / "chunked", path, loss_chunk_tokens=16))
+    assert [r["loss"] for r in chunked["history"]] == pytest.approx([r["loss"] for r in full["history"]], rel=1e-5)
+    assert chunked["settings"]["loss"] == "chunked cross-entropy, 16 positions per chunk (pure PyTorch)"
+
+
 def test_auto_max_seq_length_covers_the_data_and_truncation_is_reported(tmp_path, tokenizer):
     assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200]) == 256
     assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200], percentile=50) == 64

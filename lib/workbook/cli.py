@@ -48,7 +48,7 @@ def _cmd_plan(args) -> int:
         "model": args.model, "dtype": args.dtype, "prompt_len": args.prompt_len,
         "max_new_tokens": args.new_tokens, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
-        "optimizer": args.optimizer, "sharding": args.sharding,
+        "optimizer": args.optimizer, "sharding": args.sharding, "loss_chunk_tokens": args.loss_chunk_tokens,
     }.items() if value is not None}
     for key, value in overrides.items():
         # int8/int4 are weight formats the planner knows but no profile runs in.
@@ -190,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--optimizer", choices=("adamw", "adamw-8bit"), help="train: optimizer states")
     plan_parser.add_argument("--sharding", choices=("none", "fsdp"),
                              help="train: 'fsdp' shards weights, gradients and optimizer over the profile's GPUs")
+    plan_parser.add_argument("--loss-chunk-tokens", type=int,
+                             help="train: the loss over chunks of N positions (0: all logits at once)")
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)

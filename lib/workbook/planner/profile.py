@@ -75,12 +75,13 @@ def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, ne
 
 
 def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
-               lora_rank: int, optimizer: str = "adamw", sharding: str = "none") -> Plan:
+               lora_rank: int, optimizer: str = "adamw", sharding: str = "none", loss_chunk_tokens: int = 0) -> Plan:
     """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs, with mixed
     precision (fp32 master weights under autocast) whenever the dtype is 16-bit: what the trainer runs."""
     return plan_train(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
                       mixed_precision=dtype != "fp32", grad_checkpointing=grad_checkpointing, lora_rank=lora_rank,
-                      optimizer=optimizer, sharding=sharding, gpu_count=max(budget.gpu_count, 1),
+                      optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
+                      gpu_count=max(budget.gpu_count, 1),
                       gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                       safety_margin=budget.safety_margin)
 
@@ -110,7 +111,8 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
             return train_plan(config, budget, micro_batch_size=batch, seq_len=settings["seq_len"],
                               dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
                               lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
-                              sharding=settings.get("sharding", "none"))
+                              sharding=settings.get("sharding", "none"),
+                              loss_chunk_tokens=settings.get("loss_chunk_tokens", 0))
         wanted = batch_size or settings["micro_batch_size"]
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")

@@ -42,6 +42,7 @@ def plan_train(
     sharding: str = "none",
     gpu_count: int = 1,
     attn_implementation: str = "sdpa",
+    loss_chunk_tokens: int = 0,
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
     fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -62,12 +63,14 @@ def plan_train(
     and optimizer states. ``sharding="fsdp"`` (FSDP / ZeRO-3) divides weights, gradients and
     optimizer states by ``gpu_count`` and adds the all-gathered layers; activations are never
     sharded. Without sharding every GPU holds a full replica (DDP) plus its gradient buckets.
+    ``loss_chunk_tokens`` > 0: the loss runs over chunks of that many positions, so only one
+    chunk's logits (and their gradient) exist at a time (``training.chunked_loss``).
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
     require_positive(micro_batch_size=micro_batch_size, seq_len=seq_len, gpu_count=gpu_count)
     gpu_memory_bytes = positive_bytes("gpu_memory_bytes", gpu_memory_bytes)
-    require_non_negative(lora_rank=lora_rank)
+    require_non_negative(lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens)
     check_choice("optimizer", optimizer, OPTIMIZERS)
     check_choice("sharding", sharding, SHARDINGS)
     check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS)
@@ -96,7 +99,7 @@ def plan_train(
                 shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
                 lora_rank, lora_target_modules, mixed_precision,
             ),
-            _training_logits_term(shape, precision, batch, seq_len),
+            _training_logits_term(shape, precision, batch, seq_len, loss_chunk_tokens),
         ]
         return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
 
@@ -120,6 +123,7 @@ def plan_train(
             "lora_target_modules": list(target_names(lora_target_modules)) if lora else [],
             "sharding": sharding,
             "attn_implementation": attn_implementation,
+            "loss_chunk_tokens": loss_chunk_tokens,
             "overhead_bytes": overhead_bytes,
             "fragmentation_fraction": fragmentation_fraction,
         },
@@ -257,16 +261,21 @@ def _training_activations_term(
 
 
 def _training_logits_term(
-    shape: ModelShape, precision: Precision, batch: int, seq_len: int
+    shape: ModelShape, precision: Precision, batch: int, seq_len: int, loss_chunk_tokens: int = 0
 ) -> Term:
     # transformers' ForCausalLMLoss upcasts the logits to fp32 and runs cross_entropy; backward of
     # its log_softmax holds the saved fp32 output, the incoming fp32 gradient and the outgoing
-    # one at once, while the model output keeps the logits in the compute dtype.
+    # one at once, while the model output keeps the logits in the compute dtype. The chunked loss
+    # holds the same per position, for one chunk only (its backward: logits, fp32 softmax, gradient).
     p = precision.compute_bytes
-    logits = batch * seq_len * shape.vocab_size
+    tokens = batch * seq_len
+    if loss_chunk_tokens > 0:
+        tokens = min(tokens, loss_chunk_tokens)
+        which = f"one chunk of {tokens} positions (loss_chunk_tokens {loss_chunk_tokens})"
+    else:
+        which = f"{batch} x {seq_len} tokens"
     return Term(
-        "logits_and_loss", logits * (p + 3 * FP32_BYTES),
-        f"{batch} x {seq_len} tokens x {shape.vocab_size:,} vocab x ({p} B logits + 3 x 4 B: "
+        "logits_and_loss", tokens * shape.vocab_size * (p + 3 * FP32_BYTES),
+        f"{which} x {shape.vocab_size:,} vocab x ({p} B logits + 3 x 4 B: "
         "fp32 log-softmax output and its gradient in and out)",
     )
-

@@ -51,6 +51,10 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         device = accelerator.device
         tf32_applied = _set_tf32(config.tf32, device)
         fsdp = accelerator.distributed_type == DistributedType.FSDP
+        if fsdp and config.loss_chunk_tokens:
+            # The chunked loss reads the output head's weight outside the model's forward, where
+            # FSDP has resharded it.
+            raise TrainError("loss_chunk_tokens > 0 does not run under FSDP yet; set loss_chunk_tokens: 0")
         tokenizer = models.load_tokenizer(config.model)
         prepared = prepared or prepare_data(config, tokenizer, log=lambda line: _print(accelerator, line))
         run = plan_run(config, prepared, accelerator.num_processes)
@@ -86,7 +90,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
             if accuracy_enabled:
                 accuracy_before = evaluation.accuracy(accelerator, unwrap(accelerator, model), tokenizer, prepared, config)
             if validation_batches is not None:
-                eval_history.append({"step": 0, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator)})
+                eval_history.append({"step": 0, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator, config.loss_chunk_tokens)})
 
         eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
         stop_at = run.total_steps if config.stop_after_steps is None else min(run.total_steps, config.stop_after_steps)
@@ -111,7 +115,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                 for index, batch in enumerate(micro_batches):
                     last = index == len(micro_batches) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                        batch_loss = evaluation.loss_sum(model, batch, device)
+                        batch_loss = evaluation.loss_sum(model, batch, device, config.loss_chunk_tokens)
                         # The mean over every loss token of the effective batch: DDP averages gradients
                         # over processes, hence x world.
                         accelerator.backward(batch_loss * world / global_targets.to(batch_loss.dtype))
@@ -139,7 +143,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                 progress.update(1)
                 progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second'] or 0:,.0f}")
                 if validation_batches is not None and (step % eval_every == 0 or step == run.total_steps):
-                    eval_history.append({"step": step, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator)})
+                    eval_history.append({"step": step, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator, config.loss_chunk_tokens)})
                     step_started = time.perf_counter()  # evaluation is not training time
                 if config.save_every_steps and step % config.save_every_steps == 0:
                     checkpoints.save(accelerator, output_dir, step, fingerprint, history, eval_history, accuracy_before)

@@ -23,6 +23,7 @@ import torch
 from workbook import gpu, runtime
 from workbook.training.checkpoints import latest_checkpoint
 from workbook.training.config import MAX_GRAD_NORM, MIXED_PRECISION, TIMING_WARMUP_STEPS
+from workbook.training.chunked_loss import loss_description
 from workbook.training.run_plan import MIN_LR_FRACTION, memory_plan
 
 
@@ -84,6 +85,7 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
             "tf32": {"requested": config.tf32, "applied": tf32_applied},
             "grad_checkpointing": config.grad_checkpointing, "torch_compile": config.torch_compile,
             "attn_implementation": config.attn_implementation, "padding": config.padding,
+            "loss": loss_description(config.loss_chunk_tokens, "cuda" if on_gpu else "cpu"),
             "dataloader_workers": config.dataloader_workers,
             "pin_memory": {"requested": config.pin_memory, "applied": config.pin_memory and on_gpu},
             "prefetch_factor": config.prefetch_factor if config.dataloader_workers else None,
