@@ -168,18 +168,59 @@ def layer_activation_bytes_per_token(
     p = precision.compute_bytes
     attention_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=3)
     mlp_norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=2)
+    attention = attention_saved_bytes_per_token(shape, p, attn_implementation, seq_len)
+    mlp = 4 * p * shape.intermediate_size
+    return attention_norm + attention + mlp_norm + mlp
+
+
+def attention_saved_bytes_per_token(shape: ModelShape, p: int, attn_implementation: str, seq_len: int) -> int:
+    """What the attention itself saves (rotated q, k, v, output and logsumexp; eager: probabilities)."""
     if attn_implementation == "eager":
         # Softmax runs in fp32 and is cast back to p; in pure fp32 the cast is the same tensor.
         probabilities_bytes = FP32_BYTES + (p if p != FP32_BYTES else 0)
-        attention = (
-            p * 4 * shape.query_width
-            + shape.num_attention_heads * seq_len * probabilities_bytes
-        )
+        return p * 4 * shape.query_width + shape.num_attention_heads * seq_len * probabilities_bytes
+    return p * (2 * shape.query_width + 2 * shape.key_value_width) + FP32_BYTES * shape.num_attention_heads
+
+
+# What a LoRA adapter's input is, by the targeted Linear's name: the output of a norm (saved by no
+# one else when the norm is frozen), the attention output (saved by the attention already) or the
+# SwiGLU product (saved by no one else when down_proj's base is frozen).
+ADAPTER_INPUTS = {"q_proj": "attention_norm", "k_proj": "attention_norm", "v_proj": "attention_norm",
+                  "qkv_proj": "attention_norm", "o_proj": "attention_output", "gate_proj": "mlp_norm",
+                  "up_proj": "mlp_norm", "gate_up_proj": "mlp_norm", "down_proj": "mlp_product"}
+
+
+def lora_layers_activation_bytes_per_token(
+    shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int, rank: int,
+    target_modules, autocast: bool,
+) -> int:
+    """Bytes all decoder layers save for backward per token under LoRA (PEFT, frozen base).
+
+    Measured tensor by tensor on CPU (tests/test_memory.py): frozen norms save only their fp32
+    input and rsqrt (no normalized copy); frozen Linears save no input; the attention is unchanged;
+    the MLP saves gate, silu(gate) and up. Each adapter's A saves its input and B saves A's output
+    (rank values). PEFT casts the input to the adapter's fp32 and, under autocast, autocast casts it
+    back: a copy per adapter (fp32 without autocast, the compute dtype with it). Only on an fp32 base
+    without autocast is no copy made, and adapters reading the same tensor share it.
+    """
+    h, p = shape.hidden_size, precision.compute_bytes
+    per_layer = (2 * (FP32_BYTES * h + FP32_BYTES) + attention_saved_bytes_per_token(shape, p, attn_implementation, seq_len)
+                 + 3 * p * shape.intermediate_size)
+    targets = lora_targets(shape, target_modules)
+    copied = autocast or precision.residual_bytes != FP32_BYTES
+    adapter_bytes = p if autocast else FP32_BYTES
+    if copied:
+        inputs = sum(layer.in_features * adapter_bytes for layer in targets)
     else:
-        attention = p * (2 * shape.query_width + 2 * shape.key_value_width)
-        attention += FP32_BYTES * shape.num_attention_heads  # logsumexp kept for backward
-    mlp = 4 * p * shape.intermediate_size
-    return attention_norm + attention + mlp_norm + mlp
+        shared = {"attention_norm": FP32_BYTES * h, "mlp_norm": FP32_BYTES * h, "attention_output": 0,
+                  "mlp_product": FP32_BYTES * shape.intermediate_size}
+        distinct = {}
+        for layer in targets:
+            kind = ADAPTER_INPUTS.get(layer.name.rsplit(".", 1)[-1])
+            key = (layer.name.rsplit(".", 2)[0] if kind else layer.name, kind)  # one tensor per layer and kind
+            distinct[key] = shared[kind] if kind else FP32_BYTES * layer.in_features
+        inputs = sum(distinct.values())
+    return shape.num_layers * per_layer + inputs + len(targets) * rank * adapter_bytes
 
 
 def norm_saved_bytes_per_token(

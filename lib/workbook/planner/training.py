@@ -10,7 +10,8 @@ from typing import Callable
 from transformers import PretrainedConfig
 
 from workbook.planner.formulas import (
-    Precision, layer_activation_bytes_per_token, lora_parameter_count, norm_saved_bytes_per_token,
+    Precision, layer_activation_bytes_per_token, lora_layers_activation_bytes_per_token, lora_parameter_count,
+    norm_saved_bytes_per_token,
     training_precision, weights_bytes, weights_explanation,
 )
 from workbook.planner.plans import (
@@ -109,9 +110,6 @@ def plan_train(
             f"seq_len {seq_len} exceeds the model's max_position_embeddings "
             f"({shape.max_position_embeddings})"
         )
-    if lora:
-        notes.append("LoRA activations add each adapter's saved input to the full fine-tune "
-                     "formula: an upper bound, not measured against PEFT")
     return make_plan(
         mode="train", shape=shape, dtype=dtype, batch_size=micro_batch_size,
         lengths={"seq_len": seq_len},
@@ -227,37 +225,40 @@ def _training_activations_term(
     lora_rank, lora_target_modules, mixed_precision,
 ) -> Term:
     tokens = batch * seq_len
-    per_layer = tokens * layer_activation_bytes_per_token(
-        shape, precision, attn_implementation, seq_len
-    )
-    # Outside the layers: the final norm and the lm_head's input, plus token ids and labels.
-    outside = tokens * (
-        norm_saved_bytes_per_token(shape, precision, consuming_linears=1) + 2 * INT64_BYTES
-    )
-    lora_extra = 0
+    h = shape.hidden_size
     if lora_rank > 0:
-        # Each adapter's A saves its input and B saves A's output (rank values), in bf16 under
-        # autocast, else in the adapter's fp32 (PEFT casts the input to the adapter dtype).
-        adapter_bytes = precision.compute_bytes if mixed_precision else FP32_BYTES
-        per_model = sum(
-            (layer.in_features + lora_rank) * adapter_bytes
-            for layer in lora_targets(shape, lora_target_modules)
-        )
-        lora_extra = tokens * per_model // shape.num_layers  # targets are spread over the layers
+        all_layers = tokens * lora_layers_activation_bytes_per_token(
+            shape, precision, attn_implementation, seq_len, lora_rank, lora_target_modules, mixed_precision)
+        one_layer = all_layers // shape.num_layers
+        # Frozen embedding and lm_head save no ids and no input; the frozen final norm saves its
+        # fp32 input and rsqrt, as the first layer's norm would if its input needed a gradient.
+        final_norm = FP32_BYTES * h + FP32_BYTES
+        outside = tokens * (INT64_BYTES + (final_norm if grad_checkpointing else 0))
+    else:
+        one_layer = tokens * layer_activation_bytes_per_token(shape, precision, attn_implementation, seq_len)
+        all_layers = shape.num_layers * one_layer
+        # Outside the layers: the final norm and the lm_head's input, plus token ids and labels.
+        outside = tokens * (norm_saved_bytes_per_token(shape, precision, consuming_linears=1) + 2 * INT64_BYTES)
+    # The rotary cos and sin of every position (the trainer passes position ids per row), in the
+    # residual dtype, shared by all layers.
+    rotary = tokens * 2 * shape.head_dim * precision.residual_bytes
     if grad_checkpointing:
         # Each layer keeps only its input; backward recomputes one layer at a time (Chen et al.
         # 2016, "Training Deep Nets with Sublinear Memory Cost"; transformers checkpoints each
-        # decoder layer).
-        boundaries = shape.num_layers * tokens * shape.hidden_size * precision.residual_bytes
-        total = boundaries + per_layer + lora_extra + outside
+        # decoder layer). On an fp32 residual stream the recomputed layer's first norm saves that
+        # same input (its cast to fp32 is a no-op): counted once.
+        boundaries = shape.num_layers * tokens * h * precision.residual_bytes
+        shared_input = tokens * h * FP32_BYTES if precision.residual_bytes == FP32_BYTES else 0
+        total = boundaries + one_layer - shared_input + outside + rotary
         how = (f"checkpointed: {shape.num_layers} layer inputs ({tokens:,} tokens x "
-               f"{shape.hidden_size} x {precision.residual_bytes} B) + one layer recomputed "
-               f"({per_layer:,} B)")
+               f"{h} x {precision.residual_bytes} B) + one layer recomputed "
+               f"({one_layer - shared_input:,} B)")
     else:
-        total = shape.num_layers * (per_layer + lora_extra) + outside
-        how = (f"{shape.num_layers} layers x {per_layer + lora_extra:,} B saved for backward "
+        total = all_layers + outside + rotary
+        how = (f"{shape.num_layers} layers x {one_layer:,} B saved for backward "
                f"({tokens:,} tokens, {attn_implementation})")
-    return Term("activations", total, how + " + final norm and token ids")
+    lora = f", LoRA rank {lora_rank} (frozen norms, adapter inputs and rank-wide outputs)" if lora_rank > 0 else ""
+    return Term("activations", total, how + lora + " + final norm, token ids and rotary cos/sin")
 
 
 def _training_logits_term(
