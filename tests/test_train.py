@@ -320,6 +320,27 @@ def arithmetic_pairs(tmp_path, count=24):
     return write_jsonl(tmp_path / "pairs.jsonl", records)
 
 
+def test_tensorboard_gets_the_loss_learning_rate_grad_norm_and_throughput_of_every_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    result = training.train(make_config(tmp_path, arithmetic_pairs(tmp_path), max_steps=3, report_to="tensorboard"))
+    events = EventAccumulator(str(tmp_path / "out" / "tracking" / "training")).Reload()
+    for name, key in [("train/loss", "loss"), ("train/learning_rate", "learning_rate"),
+                      ("train/grad_norm", "grad_norm"), ("train/tokens_per_second", "tokens_per_second")]:
+        scalars = events.Scalars(name)
+        assert [s.step for s in scalars] == [1, 2, 3], name
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in result["history"]], rel=1e-5), name
+    assert "train/mfu" not in events.Tags()["scalars"]  # CPU: no peak to measure against, nothing invented
+
+
+def test_report_to_wandb_without_wandb_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
+    with pytest.raises(training.TrainError, match="report_to: wandb needs the package wandb"):
+        training.train(make_config(tmp_path, report_to="wandb"))
+    assert not (tmp_path / "out").exists()
+
+
 def test_resume_continues_from_the_saved_step_with_the_same_optimizer_state(tmp_path):
     path = arithmetic_pairs(tmp_path)
     settings = dict(max_steps=4, save_every_steps=2, micro_batch_size=2)

@@ -149,6 +149,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("train_output_dir", str, "checkpoints and the final model; '' = <run folder>/training; an existing "
         "folder with checkpoints resumes"),
     Key("train_processes", int, "training processes, one per GPU (data parallel)", minimum=1),
+    Key("report_to", str, "per-step training metrics (loss, learning rate, grad norm, tokens/s, MFU, memory) to "
+        "TensorBoard (<train_output_dir>/tracking) or Weights & Biases (offline; needs wandb)",
+        choices=("none", "tensorboard", "wandb")),
     Key("loss_chunk_tokens", int, "0: the loss over all logits at once; N: over chunks of N positions, one chunk's "
         "logits alive at a time (same loss and gradients, less memory)", minimum=0),
     # Benchmarks (notebook 04/05, `workbook bench`); dtype, prompt_len, seq_len and the peaks above.

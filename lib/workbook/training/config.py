@@ -22,7 +22,7 @@ PARAMS_USED = (
     "length_percentile", "padding", "validation_fraction", "learning_rate", "lr_scaling", "base_batch",
     "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32",
     "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps",
-    "train_output_dir", "train_processes", "loss_chunk_tokens",
+    "train_output_dir", "train_processes", "loss_chunk_tokens", "report_to",
     "output_path",  # where notebook 02 wrote its outputs: the default training data
     "verifier",  # set: notebook 02 verified its outputs, and the accepted ones are the default training data
 )
@@ -76,6 +76,7 @@ class TrainConfig:
     prefetch_factor: int = 2
     save_every_steps: int = 0
     loss_chunk_tokens: int = 0  # 0: full logits; N: the loss over chunks of N positions (chunked_loss)
+    report_to: str = "none"  # none | tensorboard | wandb: per-step metrics through accelerate's trackers (tracking)
     processes: int = 1
     profile: str = "cpu"
     peak_bf16_tflops: float = 0.0
@@ -112,7 +113,7 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
         attn_implementation=params["attn_implementation"], dataloader_workers=params["dataloader_workers"],
         pin_memory=params["pin_memory"], prefetch_factor=params["prefetch_factor"],
         save_every_steps=params["save_every_steps"], processes=params["train_processes"],
-        loss_chunk_tokens=params["loss_chunk_tokens"],
+        loss_chunk_tokens=params["loss_chunk_tokens"], report_to=params["report_to"],
         profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
         budget=Budget.from_params(params),

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from workbook import models, runtime
-from workbook.training import batches, checkpoints, evaluation, report
+from workbook.training import batches, checkpoints, evaluation, report, tracking
 from workbook.training.config import ADAM_BETAS, MAX_GRAD_NORM, MIXED_PRECISION, RESULT_FILE, TrainConfig, TrainError
 from workbook.planner import DEFAULT_LORA_TARGET_MODULES
 from workbook.training.prepare import PreparedData, prepare_data
@@ -46,7 +46,8 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
 
     started = time.perf_counter()
     accelerator = Accelerator(mixed_precision=MIXED_PRECISION[config.dtype], cpu=not torch.cuda.is_available(),
-                              dynamo_backend="inductor" if config.torch_compile else None)
+                              dynamo_backend="inductor" if config.torch_compile else None,
+                              **tracking.accelerator_kwargs(config.report_to, config.output_dir))
     try:
         device = accelerator.device
         tf32_applied = _set_tf32(config.tf32, device)
@@ -61,6 +62,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         output_dir = Path(config.output_dir)
         if accelerator.is_main_process:
             output_dir.mkdir(parents=True, exist_ok=True)
+        tracking.start(accelerator, config)
         torch.manual_seed(config.seed)  # identical LoRA initialisation in every process
         model, model_description, lora = _load_model(config, device)
         total_parameters = sum(p.numel() for p in model.parameters())
@@ -140,6 +142,8 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                           "tokens_per_second": tokens / seconds if seconds > 0 else None,
                           "flops": per_token_flops * tokens + per_square_flops * squares}
                 history.append(record)
+                if config.report_to != "none":
+                    accelerator.log(tracking.step_metrics(record, report.dense_peak_tflops(config), world, device), step=step)
                 progress.update(1)
                 progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second'] or 0:,.0f}")
                 if validation_batches is not None and (step % eval_every == 0 or step == run.total_steps):
