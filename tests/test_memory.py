@@ -568,3 +568,16 @@ def test_lora_with_checkpointing_plans_fewer_activations_than_a_full_fine_tune_w
     full = plan_train(load_config(model), **common)
     lora = plan_train(load_config(model), lora_rank=16, **common)
     assert activations_term(lora) < activations_term(full) and lora.total_bytes < full.total_bytes
+
+
+def test_the_profile_plans_pure_bf16_as_the_trainer_runs_it():
+    from workbook import params
+    from workbook.planner import profile
+    settings = {**params.load_all()["h100"], "model": "llama-3.2-1b", "dtype": "bf16"}
+    pure = profile.plan(settings, mode="train", batch_size=1, seq_len=512, precision="bf16")
+    assert pure.settings["mixed_precision"] is False
+    assert term_bytes(pure, "optimizer_states") == 4 * 1_235_814_400  # two bf16 moments
+    mixed = profile.plan(settings, mode="train", batch_size=1, seq_len=512)
+    assert pure.max_batch_size > mixed.max_batch_size
+    with pytest.raises(ValueError, match="precision bf16 .* needs dtype bf16"):
+        profile.plan({**settings, "dtype": "fp32"}, mode="train", precision="bf16")

@@ -341,6 +341,21 @@ def test_report_to_wandb_without_wandb_is_refused_before_any_model_loads(tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+def test_pure_bf16_training_keeps_bf16_weights_and_adamw_states(tmp_path):
+    path = arithmetic_pairs(tmp_path)
+    result = training.train(make_config(tmp_path, path, dtype="bf16", precision="bf16", max_steps=2, save_every_steps=2))
+    assert result["status"] == "finished" and result["settings"]["mixed_precision"] == "no"
+    assert {t.dtype for t in load_file(tmp_path / "out" / "final" / "model.safetensors").values()} == {torch.bfloat16}
+    optimizer = torch.load(checkpoints.latest_checkpoint(tmp_path / "out") / "optimizer.bin", weights_only=True)
+    moments = [state[name] for state in optimizer["state"].values() for name in ("exp_avg", "exp_avg_sq")]
+    assert moments and {m.dtype for m in moments} == {torch.bfloat16}  # 2 + 2 B per parameter, as planned
+
+
+def test_pure_bf16_on_an_fp32_model_is_refused_with_what_to_set(tmp_path):
+    with pytest.raises(training.TrainError, match="precision: bf16 .* needs dtype: bf16"):
+        training.train(make_config(tmp_path, precision="bf16"))
+
+
 def test_resume_continues_from_the_saved_step_with_the_same_optimizer_state(tmp_path):
     path = arithmetic_pairs(tmp_path)
     settings = dict(max_steps=4, save_every_steps=2, micro_batch_size=2)

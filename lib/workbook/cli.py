@@ -49,6 +49,7 @@ def _cmd_plan(args) -> int:
         "max_new_tokens": args.new_tokens, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
         "optimizer": args.optimizer, "sharding": args.sharding, "loss_chunk_tokens": args.loss_chunk_tokens,
+        "precision": args.precision,
     }.items() if value is not None}
     for key, value in overrides.items():
         # int8/int4 are weight formats the planner knows but no profile runs in.
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                              help="train: 'fsdp' shards weights, gradients and optimizer over the profile's GPUs")
     plan_parser.add_argument("--loss-chunk-tokens", type=int,
                              help="train: the loss over chunks of N positions (0: all logits at once)")
+    plan_parser.add_argument("--precision", choices=("mixed", "bf16"),
+                             help="train: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16 weights and "
+                                  "AdamW states; needs --dtype bf16)")
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)

@@ -149,6 +149,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("train_output_dir", str, "checkpoints and the final model; '' = <run folder>/training; an existing "
         "folder with checkpoints resumes"),
     Key("train_processes", int, "training processes, one per GPU (data parallel)", minimum=1),
+    Key("precision", str, "16-bit training: 'mixed' (autocast over fp32 master weights, 16 B/param of states) or "
+        "'bf16' (pure bf16 weights, gradients and AdamW states, 8 B/param; small updates can round away)",
+        choices=("mixed", "bf16")),
     Key("report_to", str, "per-step training metrics (loss, learning rate, grad norm, tokens/s, MFU, memory) to "
         "TensorBoard (<train_output_dir>/tracking) or Weights & Biases (offline; needs wandb)",
         choices=("none", "tensorboard", "wandb")),

@@ -75,11 +75,18 @@ def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, ne
 
 
 def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
-               lora_rank: int, optimizer: str = "adamw", sharding: str = "none", loss_chunk_tokens: int = 0) -> Plan:
+               lora_rank: int, optimizer: str = "adamw", sharding: str = "none", loss_chunk_tokens: int = 0,
+               precision: str = "mixed") -> Plan:
     """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs, with mixed
-    precision (fp32 master weights under autocast) whenever the dtype is 16-bit: what the trainer runs."""
+    precision (fp32 master weights under autocast) whenever the dtype is 16-bit and ``precision`` is
+    'mixed', pure bf16 weights and states when it is 'bf16': what the trainer runs."""
+    if precision not in ("mixed", "bf16"):
+        raise ValueError(f"precision {precision!r}: expected mixed or bf16")
+    if precision == "bf16" and dtype != "bf16":
+        raise ValueError(f"precision bf16 trains bf16 weights and needs dtype bf16 (not {dtype}): "
+                         "add --dtype bf16, or use precision mixed")
     return plan_train(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-                      mixed_precision=dtype != "fp32", grad_checkpointing=grad_checkpointing, lora_rank=lora_rank,
+                      mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing, lora_rank=lora_rank,
                       optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
                       gpu_count=max(budget.gpu_count, 1),
                       gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
@@ -112,7 +119,8 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
                               dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
                               lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
                               sharding=settings.get("sharding", "none"),
-                              loss_chunk_tokens=settings.get("loss_chunk_tokens", 0))
+                              loss_chunk_tokens=settings.get("loss_chunk_tokens", 0),
+                              precision=settings.get("precision", "mixed"))
         wanted = batch_size or settings["micro_batch_size"]
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")

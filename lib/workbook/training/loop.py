@@ -25,7 +25,9 @@ import torch
 
 from workbook import models, runtime
 from workbook.training import batches, checkpoints, evaluation, report, tracking
-from workbook.training.config import ADAM_BETAS, MAX_GRAD_NORM, MIXED_PRECISION, RESULT_FILE, TrainConfig, TrainError
+from workbook.training.config import (
+    ADAM_BETAS, MAX_GRAD_NORM, RESULT_FILE, TrainConfig, TrainError, accelerate_mixed_precision,
+)
 from workbook.planner import DEFAULT_LORA_TARGET_MODULES
 from workbook.training.prepare import PreparedData, prepare_data
 from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run
@@ -45,7 +47,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
     from accelerate.utils import DistributedType
 
     started = time.perf_counter()
-    accelerator = Accelerator(mixed_precision=MIXED_PRECISION[config.dtype], cpu=not torch.cuda.is_available(),
+    accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(config), cpu=not torch.cuda.is_available(),
                               dynamo_backend="inductor" if config.torch_compile else None,
                               **tracking.accelerator_kwargs(config.report_to, config.output_dir))
     try:
@@ -210,7 +212,8 @@ def _load_model(config: TrainConfig, device: torch.device):
     "mixed precision"); LoRA freezes the base in ``dtype`` and trains fp32 adapters (PEFT's default).
     """
     lora = config.lora_rank > 0
-    loaded = models.load_model(config.model, config.dtype if lora else "fp32", device,
+    pure = lora or config.precision == "bf16"  # else fp32 master weights under autocast
+    loaded = models.load_model(config.model, config.dtype if pure else "fp32", device,
                                attn_implementation=config.attn_implementation)
     model, description = loaded.model, loaded.description
     model.config.use_cache = False  # training: a cache would also disable packed-sequence masks

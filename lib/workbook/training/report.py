@@ -22,7 +22,7 @@ import torch
 
 from workbook import gpu, runtime
 from workbook.training.checkpoints import latest_checkpoint
-from workbook.training.config import MAX_GRAD_NORM, MIXED_PRECISION, TIMING_WARMUP_STEPS
+from workbook.training.config import MAX_GRAD_NORM, TIMING_WARMUP_STEPS, accelerate_mixed_precision
 from workbook.training.chunked_loss import loss_description
 from workbook.training.run_plan import MIN_LR_FRACTION, memory_plan
 
@@ -86,7 +86,8 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
         "data": prepared.summary(),
         "plan": run.to_dict(),
         "settings": {
-            "dtype": config.dtype, "mixed_precision": MIXED_PRECISION[config.dtype],
+            "dtype": config.dtype, "mixed_precision": accelerate_mixed_precision(config),
+            "precision": config.precision,
             "tf32": {"requested": config.tf32, "applied": tf32_applied},
             "grad_checkpointing": config.grad_checkpointing, "torch_compile": config.torch_compile,
             "attn_implementation": config.attn_implementation, "padding": config.padding,
