@@ -177,3 +177,17 @@ def test_head_of_the_json_gets_its_line():
 def test_plan_refuses_a_safety_margin_of_nan(capsys):
     assert cli.main(["plan", "--profile", "h200", "--mode", "generate", "--safety-margin", "nan"]) == 2
     assert "error: --safety-margin: 'safety_margin' is nan; expected a finite number" in capsys.readouterr().err
+
+
+def test_plan_takes_the_memory_switches_and_lists_what_would_make_a_training_setting_fit(capsys):
+    common = ["plan", "--profile", "h100", "--model", "llama-3.2-1b", "--mode", "train", "--seq-len", "2048",
+              "--dtype", "bf16", "--batch-size", "12"]
+    assert cli.main(common) == 1
+    out = capsys.readouterr().out
+    assert "changes that would make it fit" in out and "loss_chunk_tokens 1024       fits" in out
+    assert cli.main(common + ["--loss-chunk-tokens", "1024", "--precision", "bf16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["settings"]["loss_chunk_tokens"] == 1024 and not plan["settings"]["mixed_precision"]
+    assert plan["ways_to_fit"] == []
+    assert cli.main(["plan", "--profile", "cpu", "--mode", "train", "--precision", "bf16"]) == 2
+    assert capsys.readouterr().err.startswith("error: precision bf16 trains bf16 weights and needs dtype bf16")

@@ -581,3 +581,22 @@ def test_the_profile_plans_pure_bf16_as_the_trainer_runs_it():
     assert pure.max_batch_size > mixed.max_batch_size
     with pytest.raises(ValueError, match="precision bf16 .* needs dtype bf16"):
         profile.plan({**settings, "dtype": "fp32"}, mode="train", precision="bf16")
+
+
+def test_a_training_setting_that_does_not_fit_lists_planned_changes_cheapest_first():
+    from workbook import params
+    from workbook.planner import fit, profile
+    settings = {**params.load_all()["h100"], "model": "llama-3.2-1b", "dtype": "bf16", "seq_len": 2048}
+    assert not profile.plan(settings, mode="train", batch_size=16).fits
+    options = fit.ways_to_fit(settings, batch_size=16)
+    assert [option["change"] for option in options] == [
+        "precision bf16", "optimizer adamw-8bit", "loss_chunk_tokens 1024", "micro_batch_size 6",
+        "grad_checkpointing true", "lora_rank 16", "FSDP over 2 GPUs"]
+    chunked = profile.plan(settings, mode="train", batch_size=16, loss_chunk_tokens=1024)
+    assert options[2]["peak_bytes"] == chunked.total_bytes and options[2]["max_batch_size"] == chunked.max_batch_size
+    assert options[3]["fits"] and options[3]["peak_bytes"] == profile.plan(settings, mode="train", batch_size=6).total_bytes
+    lines = fit.ways_to_fit_lines(options)
+    assert lines[0].startswith("changes that would make it fit") and "loss_chunk_tokens 1024" in lines[3]
+    # A change already in effect is not offered again.
+    checkpointed = fit.ways_to_fit(settings, batch_size=16, grad_checkpointing=True, loss_chunk_tokens=512)
+    assert not {"grad_checkpointing true", "loss_chunk_tokens 1024"} & {o["change"] for o in checkpointed}

@@ -93,3 +93,18 @@ def test_a_preset_given_in_another_case_is_listed_once(tuner):
     assert tuner.model.value == "Llama-3.1-8B"
     names = [name.lower() for name in tuner.model.options]
     assert len(names) == len(set(names))
+
+
+def test_the_training_memory_switches_replan_and_an_overfull_setting_lists_what_would_fit(tuner):
+    tuner.mode.value = "train"
+    tuner.model.value = "Llama-3.2-1B"
+    tuner.seq_len.value = 2048
+    tuner.batch_size.value = 32
+    assert "DOES NOT FIT" in tuner.verdict.value and "changes that would make it fit" in tuner.advice.value
+    full_logits = tuner.plan.total_bytes
+    tuner.loss_chunk_tokens.value = 1024
+    assert tuner.plan.settings["loss_chunk_tokens"] == 1024 and tuner.plan.total_bytes < full_logits
+    tuner.precision.value = "bf16"  # the h200 profile's dtype is bf16
+    assert tuner.plan.settings["mixed_precision"] is False
+    tuner.mode.value = "generate"
+    assert tuner.loss_chunk_tokens.disabled and tuner.precision.disabled

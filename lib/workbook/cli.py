@@ -60,11 +60,17 @@ def _cmd_plan(args) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    options = []
+    if result.mode == "train" and not result.fits:
+        from workbook.planner import fit
+        options = fit.ways_to_fit(profile, batch_size=args.batch_size, **overrides)
     if args.json:
-        print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice()},
-                         indent=2, default=str))
+        print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice(),
+                          "ways_to_fit": options}, indent=2, default=str))
     else:
         print(planner_profile.plan_text(result, profile["profile"]))
+        if options:
+            print("\n".join(fit.ways_to_fit_lines(options)))
     if result.max_batch_size == 0:
         print(f"error: {result.advice()}", file=sys.stderr)
         return 3
