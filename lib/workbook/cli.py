@@ -64,6 +64,7 @@ def _cmd_plan(args) -> int:
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
         "optimizer": args.optimizer, "sharding": args.sharding, "tensor_parallel_size": args.tensor_parallel_size,
         "num_nodes": args.num_nodes, "attn_implementation": args.attn_implementation,
+        "loss_chunk_tokens": args.loss_chunk_tokens, "precision": args.precision,
     }.items() if value is not None}
     flags = {"max_new_tokens": "--new-tokens"}  # the params key's flag, where the two names differ
     for key, value in overrides.items():
@@ -78,11 +79,17 @@ def _cmd_plan(args) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    options = []
+    if result.mode == "train" and not result.fits:
+        from workbook.planner import fit
+        options = fit.ways_to_fit(profile, batch_size=args.batch_size, **overrides)
     if args.json:
-        print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice()},
-                         indent=2, default=str))
+        print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice(),
+                          "ways_to_fit": options}, indent=2, default=str))
     else:
         print(planner_profile.plan_text(result, profile["profile"]))
+        if options:
+            print("\n".join(fit.ways_to_fit_lines(options)))
     if result.max_batch_size == 0:
         print(f"error: {result.advice()}", file=sys.stderr)
         return 3
@@ -227,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
                              help="generate: shard the model over N GPUs (tensor parallel) and run gpu_count / N copies "
                                   "(data parallel); 'auto' picks the smallest N that fits a useful batch "
                                   "(default: the profile's tensor_parallel_size)")
+    plan_parser.add_argument("--loss-chunk-tokens", type=int,
+                             help="train: the loss over chunks of N positions (0: all logits at once)")
+    plan_parser.add_argument("--precision", choices=("mixed", "bf16"),
+                             help="train: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16 weights and "
+                                  "AdamW states; needs --dtype bf16)")
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
     plan_parser.add_argument("--num-nodes", type=int, help="machines of the profile's GPUs (default: the profile's "
                              "num_nodes); the plan says what crosses the network between them")

@@ -156,6 +156,14 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("train_output_dir", str, "checkpoints and the final model; '' = <run folder>/training; an existing "
         "folder with checkpoints resumes"),
     Key("train_processes", int, "training processes, one per GPU (data parallel)", minimum=1),
+    Key("precision", str, "16-bit training: 'mixed' (autocast over fp32 master weights, 16 B/param of states) or "
+        "'bf16' (pure bf16 weights, gradients and AdamW states, 8 B/param; small updates can round away)",
+        choices=("mixed", "bf16")),
+    Key("report_to", str, "per-step training metrics (loss, learning rate, grad norm, tokens/s, MFU, memory) to "
+        "TensorBoard (<train_output_dir>/tracking) or Weights & Biases (offline; needs wandb)",
+        choices=("none", "tensorboard", "wandb")),
+    Key("loss_chunk_tokens", int, "0: the loss over all logits at once; N: over chunks of N positions, one chunk's "
+        "logits alive at a time (same loss and gradients, less memory)", minimum=0),
     # Benchmarks (notebook 04/05, `workbook bench`); dtype, prompt_len, seq_len and the peaks above.
     Key("bench_generate_model", str, "model of the generation sweep: 'tiny', a local dir, or a preset (random "
         "weights built on the device)"),

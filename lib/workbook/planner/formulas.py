@@ -207,10 +207,20 @@ def attention_saved_bytes_per_token(
 ) -> int:
     """The attention half of a layer, with the norm before it (and after it: Gemma)."""
     architecture = shape.architecture
-    attn_implementation = attention_implementation_run(architecture.sdpa_supported, attn_implementation)  # Gemma-2: eager, not sdpa
-    p = precision.compute_bytes
     norms = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 3)
     norms += _post_norm_bytes_per_token(shape)
+    p = precision.compute_bytes
+    return (norms + attention_core_bytes_per_token(shape, p, attn_implementation, seq_len, windowed=windowed)
+            + _attention_variant_bytes_per_token(shape, p))
+
+
+def attention_core_bytes_per_token(
+    shape: ModelShape, p: int, attn_implementation: str, seq_len: int, *, windowed: bool = False
+) -> int:
+    """What the attention itself saves, whether its projections train or not: rotated q, k, v, the output and
+    the logsumexp (eager: the probabilities; a window: its mask and keys/values repeated to every head)."""
+    architecture = shape.architecture
+    attn_implementation = attention_implementation_run(architecture.sdpa_supported, attn_implementation)  # Gemma-2
     if attn_implementation == "eager":
         # Softmax runs in fp32 and is cast back to p; in pure fp32 the cast is the same tensor.
         probabilities_bytes = FP32_BYTES + (p if p != FP32_BYTES else 0)
@@ -231,7 +241,7 @@ def attention_saved_bytes_per_token(
         attention = p * (2 * shape.query_width + 2 * key_value_width)
         attention += FP32_BYTES * shape.num_attention_heads  # logsumexp kept for backward
         attention += p * seq_len if windowed else 0
-    return norms + attention + _attention_variant_bytes_per_token(shape, p)
+    return attention
 
 
 def mlp_saved_bytes_per_token(shape: ModelShape, precision: Precision, *, routed: bool = False) -> int:

@@ -91,14 +91,22 @@ def tensor_parallel_size(settings, config, budget: Budget, make: Callable[[int, 
 
 def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
                lora_rank: int, optimizer: str = "adamw", sharding: str = "none", num_nodes: int = 1,
-               lora_targets: str = "", attn_implementation: str = "sdpa") -> Plan:
+               lora_targets: str = "", attn_implementation: str = "sdpa", loss_chunk_tokens: int = 0,
+               precision: str = "mixed") -> Plan:
     """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs on each of
     ``num_nodes`` nodes, with mixed precision (fp32 master weights under autocast) whenever the dtype
-    is 16-bit: what the trainer runs."""
+    is 16-bit and ``precision`` is 'mixed', pure bf16 weights and states when it is 'bf16': what the
+    trainer runs."""
+    if precision not in ("mixed", "bf16"):
+        raise ValueError(f"precision {precision!r}: expected mixed or bf16")
+    if precision == "bf16" and dtype != "bf16":
+        raise ValueError(f"precision bf16 trains bf16 weights and needs dtype bf16 (not {dtype}): "
+                         "add --dtype bf16, or use precision mixed")
     return plan_train(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-                      mixed_precision=dtype != "fp32", grad_checkpointing=grad_checkpointing, lora_rank=lora_rank,
-                      lora_target_modules=lora_targets, attn_implementation=attn_implementation,
-                      optimizer=optimizer, sharding=sharding, gpu_count=max(budget.gpu_count, 1) * num_nodes,
+                      mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing,
+                      lora_rank=lora_rank, lora_target_modules=lora_targets, attn_implementation=attn_implementation,
+                      optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
+                      gpu_count=max(budget.gpu_count, 1) * num_nodes,
                       gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                       safety_margin=budget.safety_margin)
 
@@ -140,7 +148,9 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
                               lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
                               sharding=settings.get("sharding", "none"), num_nodes=num_nodes,
                               lora_targets=settings.get("lora_targets", ""),
-                              attn_implementation=settings.get("attn_implementation", "sdpa"))
+                              attn_implementation=settings.get("attn_implementation", "sdpa"),
+                              loss_chunk_tokens=settings.get("loss_chunk_tokens", 0),
+                              precision=settings.get("precision", "mixed"))
         wanted = settings["micro_batch_size"] if batch_size is None else batch_size
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")

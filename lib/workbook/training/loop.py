@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 
 from workbook import models, runtime
-from workbook.training import batches, checkpoints, evaluation, report
-from workbook.training.config import ADAM_BETAS, MAX_GRAD_NORM, MIXED_PRECISION, RESULT_FILE, TrainConfig, TrainError
+from workbook.training import batches, checkpoints, evaluation, report, tracking
+from workbook.training.config import (
+    ADAM_BETAS, MAX_GRAD_NORM, RESULT_FILE, TrainConfig, TrainError, accelerate_mixed_precision,
+)
 from workbook.training.prepare import PreparedData, prepare_data
 from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run
 
@@ -44,18 +46,24 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
     from accelerate.utils import DistributedType
 
     started = time.perf_counter()
-    accelerator = Accelerator(mixed_precision=MIXED_PRECISION[config.dtype], cpu=not torch.cuda.is_available(),
-                              dynamo_backend="inductor" if config.torch_compile else None)
+    accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(config), cpu=not torch.cuda.is_available(),
+                              dynamo_backend="inductor" if config.torch_compile else None,
+                              **tracking.accelerator_kwargs(config.report_to, config.output_dir))
     try:
         device = accelerator.device
         tf32_applied = _set_tf32(config.tf32, device)
         fsdp = accelerator.distributed_type == DistributedType.FSDP
+        if fsdp and config.loss_chunk_tokens:
+            # The chunked loss reads the output head's weight outside the model's forward, where
+            # FSDP has resharded it.
+            raise TrainError("loss_chunk_tokens > 0 does not run under FSDP yet; set loss_chunk_tokens: 0")
         tokenizer = models.load_tokenizer(config.model)
         prepared = prepared or prepare_data(config, tokenizer, log=lambda line: _print(accelerator, line))
         run = plan_run(config, prepared, accelerator.num_processes)
         output_dir = Path(config.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)  # by every process: a node may have its own disk
         checkpoints.choose_where_to_save(accelerator, output_dir, fsdp=fsdp, saves_checkpoints=config.save_every_steps > 0)
+        tracking.start(accelerator, config)
         torch.manual_seed(config.seed)  # identical LoRA initialisation in every process
         model, model_description, lora = _load_model(config, device)
         total_parameters = sum(p.numel() for p in model.parameters())
@@ -85,7 +93,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
             if accuracy_enabled:
                 accuracy_before = evaluation.accuracy(accelerator, unwrap(accelerator, model), tokenizer, prepared, config)
             if validation_batches is not None:
-                eval_history.append({"step": 0, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator)})
+                eval_history.append({"step": 0, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator, config.loss_chunk_tokens)})
 
         eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
         stop_at = run.total_steps if config.stop_after_steps is None else min(run.total_steps, config.stop_after_steps)
@@ -110,7 +118,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                 for index, batch in enumerate(micro_batches):
                     last = index == len(micro_batches) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                        batch_loss = evaluation.loss_sum(model, batch, device)
+                        batch_loss = evaluation.loss_sum(model, batch, device, config.loss_chunk_tokens)
                         # The mean over every loss token of the effective batch: DDP averages gradients
                         # over processes, hence x world.
                         accelerator.backward(batch_loss * world / global_targets.to(batch_loss.dtype))
@@ -135,10 +143,12 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                           "tokens_per_second": tokens / seconds if seconds > 0 else None,
                           "flops": per_token_flops * tokens + per_square_flops * squares}
                 history.append(record)
+                if config.report_to != "none":
+                    accelerator.log(tracking.step_metrics(record, report.dense_peak_tflops(config), world, device), step=step)
                 progress.update(1)
                 progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second'] or 0:,.0f}")
                 if validation_batches is not None and (step % eval_every == 0 or step == run.total_steps):
-                    eval_history.append({"step": step, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator)})
+                    eval_history.append({"step": step, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator, config.loss_chunk_tokens)})
                     step_started = time.perf_counter()  # evaluation is not training time
                 if config.save_every_steps and step % config.save_every_steps == 0:
                     checkpoints.save(accelerator, output_dir, step, fingerprint, history, eval_history, accuracy_before)
@@ -201,7 +211,8 @@ def _load_model(config: TrainConfig, device: torch.device):
     "mixed precision"); LoRA freezes the base in ``dtype`` and trains fp32 adapters (PEFT's default).
     """
     lora = config.lora_rank > 0
-    loaded = models.load_model(config.model, config.dtype if lora else "fp32", device,
+    pure = lora or config.precision == "bf16"  # else fp32 master weights under autocast
+    loaded = models.load_model(config.model, config.dtype if pure else "fp32", device,
                                attn_implementation=config.attn_implementation)
     model, description = loaded.model, loaded.description
     model.config.use_cache = False  # training: a cache would also disable packed-sequence masks
