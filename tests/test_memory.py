@@ -1,5 +1,6 @@
 """The memory planner against real tensors: weights, KV caches and saved activations, on CPU."""
 
+import contextlib
 import json
 
 import pytest
@@ -592,7 +593,7 @@ def test_a_training_setting_that_does_not_fit_lists_planned_changes_cheapest_fir
     options = fit.ways_to_fit(settings, batch_size=16)
     assert [option["change"] for option in options] == [
         "precision bf16", "optimizer adamw-8bit", "loss_chunk_tokens 1024", "micro_batch_size 6",
-        "grad_checkpointing true", "lora_rank 16", "FSDP over 2 GPUs"]
+        "grad_checkpointing true", "offload_activations true", "lora_rank 16", "FSDP over 2 GPUs"]
     chunked = profile.plan(settings, mode="train", batch_size=16, loss_chunk_tokens=1024)
     assert options[2]["peak_bytes"] == chunked.total_bytes and options[2]["max_batch_size"] == chunked.max_batch_size
     assert options[3]["fits"] and options[3]["peak_bytes"] == profile.plan(settings, mode="train", batch_size=6).total_bytes
@@ -601,3 +602,39 @@ def test_a_training_setting_that_does_not_fit_lists_planned_changes_cheapest_fir
     # A change already in effect is not offered again.
     checkpointed = fit.ways_to_fit(settings, batch_size=16, grad_checkpointing=True, loss_chunk_tokens=512)
     assert not {"grad_checkpointing true", "loss_chunk_tokens 1024"} & {o["change"] for o in checkpointed}
+
+
+@pytest.mark.parametrize("lora_rank, stored, autocast", [(0, "fp32", False), (0, "bf16", False), (0, "fp32", True),
+                                                         (8, "fp32", False), (8, "bf16", False)])
+def test_offloaded_activations_are_the_planned_bytes_and_change_no_gradient(lora_rank, stored, autocast):
+    from workbook import models
+    from workbook.training.batches import loss_sum
+    from workbook.training.offload import OffloadActivations
+
+    config, batch, seq_len = small_llama(3), 3, 50
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(TORCH_DTYPES[stored]).train()
+    if lora_rank:
+        model = models.with_lora(model, lora_rank)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)(model.forward)  # as accelerate
+    ids, labels = torch.randint(0, 128, (batch, seq_len)), torch.randint(0, 128, (batch, seq_len))
+    tensors = {"input_ids": ids, "position_ids": torch.arange(seq_len).repeat(batch, 1), "targets": labels}
+    gradients, host_bytes = [], 0
+    for offload in (False, True):
+        model.zero_grad()
+        hooks = OffloadActivations(model, offload_device_type="cpu")  # the copies a GPU run makes, here on CPU
+        with hooks if offload else contextlib.nullcontext():
+            loss = loss_sum(model, tensors, torch.device("cpu"))
+        loss.backward()
+        gradients.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        host_bytes = hooks.host_bytes
+    for plain, offloaded in zip(*gradients):
+        torch.testing.assert_close(offloaded, plain, atol=0, rtol=0)
+    plan = plan_train(config, micro_batch_size=batch, seq_len=seq_len, dtype="bf16" if autocast or stored == "bf16"
+                      else "fp32", mixed_precision=autocast, lora_rank=lora_rank, offload_activations=True,
+                      gpu_memory_bytes=GiB)
+    loss_scalar = 4
+    assert host_bytes == plan.settings["offloaded_activation_bytes"] + loss_scalar
+    assert activations_term(plan) < activations_term(plan_train(
+        config, micro_batch_size=batch, seq_len=seq_len, dtype=plan.dtype, mixed_precision=autocast,
+        lora_rank=lora_rank, gpu_memory_bytes=GiB))

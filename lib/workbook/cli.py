@@ -65,6 +65,7 @@ def _cmd_plan(args) -> int:
         "optimizer": args.optimizer, "sharding": args.sharding, "tensor_parallel_size": args.tensor_parallel_size,
         "num_nodes": args.num_nodes, "attn_implementation": args.attn_implementation,
         "loss_chunk_tokens": args.loss_chunk_tokens, "precision": args.precision,
+        "offload_activations": args.offload_activations or None,
     }.items() if value is not None}
     flags = {"max_new_tokens": "--new-tokens"}  # the params key's flag, where the two names differ
     for key, value in overrides.items():
@@ -239,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan_parser.add_argument("--precision", choices=("mixed", "bf16"),
                              help="train: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16 weights and "
                                   "AdamW states; needs --dtype bf16)")
+    plan_parser.add_argument("--offload-activations", action="store_true",
+                             help="train: saved activations in host memory (about one layer's on the GPU)")
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
     plan_parser.add_argument("--num-nodes", type=int, help="machines of the profile's GPUs (default: the profile's "
                              "num_nodes); the plan says what crosses the network between them")

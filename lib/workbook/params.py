@@ -159,6 +159,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("precision", str, "16-bit training: 'mixed' (autocast over fp32 master weights, 16 B/param of states) or "
         "'bf16' (pure bf16 weights, gradients and AdamW states, 8 B/param; small updates can round away)",
         choices=("mixed", "bf16")),
+    Key("offload_activations", bool, "move what autograd saves to host memory in forward and back in backward: "
+        "GPU activations of about one layer, PCIe copies every step (GPU only)"),
     Key("report_to", str, "per-step training metrics (loss, learning rate, grad norm, tokens/s, MFU, memory) to "
         "TensorBoard (<train_output_dir>/tracking) or Weights & Biases (offline; needs wandb)",
         choices=("none", "tensorboard", "wandb")),

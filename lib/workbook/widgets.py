@@ -125,6 +125,9 @@ class PlannerTuner:
         self.precision = _labelled(widgets.Dropdown(options=["mixed", "bf16"], value=params["precision"]),
                                    "precision", "mixed: autocast over fp32 master weights; bf16: pure bf16 "
                                    "weights and AdamW states (needs weights dtype bf16)")
+        self.offload_activations = _labelled(widgets.Checkbox(value=params["offload_activations"], indent=True),
+                                             "offload activations", "saved activations in host memory: about one "
+                                             "layer's on the GPU, PCIe copies every step")
         self.verdict = widgets.HTML()
         self.max_batch = widgets.HTML()
         self.advice = widgets.HTML()
@@ -144,7 +147,7 @@ class PlannerTuner:
     def _controls(self):
         return (self.model, self.profile, self.dtype, self.mode, self.batch_size, self.tensor_parallel,
                 self.prompt_len, self.new_tokens, self.seq_len, self.grad_checkpointing, self.lora_rank,
-                self.loss_chunk_tokens, self.precision)
+                self.loss_chunk_tokens, self.precision, self.offload_activations)
 
     def _layout(self):
         groups = [
@@ -152,7 +155,7 @@ class PlannerTuner:
             _group("Workload", [self.mode, self.batch_size]),
             _group("Generation", [self.tensor_parallel, self.prompt_len, self.new_tokens], "(mode generate)"),
             _group("Training", [self.seq_len, self.grad_checkpointing, self.lora_rank, self.loss_chunk_tokens,
-                                self.precision], "(mode train)"),
+                                self.precision, self.offload_activations], "(mode train)"),
         ]
         controls = widgets.HBox(groups, layout=widgets.Layout(flex_flow="row wrap"))
         result = widgets.HBox([self.verdict, self.max_batch],
@@ -166,7 +169,8 @@ class PlannerTuner:
                 "prompt_len": self.prompt_len.value, "max_new_tokens": self.new_tokens.value,
                 "seq_len": self.seq_len.value, "grad_checkpointing": self.grad_checkpointing.value,
                 "lora_rank": self.lora_rank.value, "tensor_parallel_size": self.tensor_parallel.value,
-                "loss_chunk_tokens": self.loss_chunk_tokens.value, "precision": self.precision.value}
+                "loss_chunk_tokens": self.loss_chunk_tokens.value, "precision": self.precision.value,
+                "offload_activations": self.offload_activations.value}
 
     def _on_change(self, change) -> None:
         if self._quiet:
@@ -203,7 +207,8 @@ class PlannerTuner:
             self.error.layout.display = None
         for control in (self.tensor_parallel, self.prompt_len, self.new_tokens):
             control.disabled = self.mode.value != "generate"
-        for control in (self.seq_len, self.grad_checkpointing, self.lora_rank, self.loss_chunk_tokens, self.precision):
+        for control in (self.seq_len, self.grad_checkpointing, self.lora_rank, self.loss_chunk_tokens, self.precision,
+                        self.offload_activations):
             control.disabled = self.mode.value != "train"
 
     def _show_verdict(self) -> None:

@@ -48,6 +48,9 @@ def ways_to_fit(params, *, batch_size: int | None = None, **overrides) -> list[d
     if not settings["grad_checkpointing"]:
         candidates.append(("grad_checkpointing true", {"grad_checkpointing": True},
                            "+~33% FLOPs (each layer's forward runs again in backward)"))
+    if not settings.get("offload_activations", False):
+        candidates.append(("offload_activations true", {"offload_activations": True},
+                           "every step waits on PCIe copies of the activations (not overlapped here)"))
     if not settings["lora_rank"]:
         candidates.append((f"lora_rank {LORA_RANK}", {"lora_rank": LORA_RANK},
                            "fewer FLOPs, but trains adapters instead of every weight"))

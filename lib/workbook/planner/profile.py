@@ -92,7 +92,7 @@ def tensor_parallel_size(settings, config, budget: Budget, make: Callable[[int, 
 def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
                lora_rank: int, optimizer: str = "adamw", sharding: str = "none", num_nodes: int = 1,
                lora_targets: str = "", attn_implementation: str = "sdpa", loss_chunk_tokens: int = 0,
-               precision: str = "mixed") -> Plan:
+               precision: str = "mixed", offload_activations: bool = False) -> Plan:
     """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs on each of
     ``num_nodes`` nodes, with mixed precision (fp32 master weights under autocast) whenever the dtype
     is 16-bit and ``precision`` is 'mixed', pure bf16 weights and states when it is 'bf16': what the
@@ -106,6 +106,7 @@ def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dt
                       mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing,
                       lora_rank=lora_rank, lora_target_modules=lora_targets, attn_implementation=attn_implementation,
                       optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
+                      offload_activations=offload_activations,
                       gpu_count=max(budget.gpu_count, 1) * num_nodes,
                       gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                       safety_margin=budget.safety_margin)
@@ -150,7 +151,8 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
                               lora_targets=settings.get("lora_targets", ""),
                               attn_implementation=settings.get("attn_implementation", "sdpa"),
                               loss_chunk_tokens=settings.get("loss_chunk_tokens", 0),
-                              precision=settings.get("precision", "mixed"))
+                              precision=settings.get("precision", "mixed"),
+                              offload_activations=settings.get("offload_activations", False))
         wanted = settings["micro_batch_size"] if batch_size is None else batch_size
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")

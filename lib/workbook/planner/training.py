@@ -47,6 +47,7 @@ def plan_train(
     gpu_count: int = 1,
     attn_implementation: str = "sdpa",
     loss_chunk_tokens: int = 0,
+    offload_activations: bool = False,
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
     fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -69,6 +70,8 @@ def plan_train(
     sharded. Without sharding every GPU holds a full replica (DDP) plus its gradient buckets.
     ``loss_chunk_tokens`` > 0: the loss runs over chunks of that many positions, so only one
     chunk's logits (and their gradient) exist at a time (``training.chunked_loss``).
+    ``offload_activations``: what autograd saves moves to host memory in forward
+    (``training.offload``); the GPU holds what backward unpacks, at most one layer's saved tensors.
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
@@ -101,13 +104,25 @@ def plan_train(
         terms = state_terms + [
             _training_activations_term(
                 shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
-                lora_rank, lora_target_modules, mixed_precision,
+                lora_rank, lora_target_modules, mixed_precision, offload_activations,
             ),
             _training_logits_term(shape, precision, batch, seq_len, loss_chunk_tokens),
         ]
         return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
 
-    notes = []
+    notes, host = [], 0
+    if offload_activations:
+        saved = _training_activations_term(shape, precision, micro_batch_size, seq_len, grad_checkpointing,
+                                           attn_implementation, lora_rank, lora_target_modules, mixed_precision)
+        # Every saved tensor but the parameters: the activations, the loss's fp32 log-softmax output
+        # and autocast's weight copies (which the autocast cache also holds on the GPU until the
+        # forward ends: that term stays).
+        log_softmax = 0 if loss_chunk_tokens else micro_batch_size * seq_len * shape.vocab_size * FP32_BYTES
+        casts = sum(term.bytes for term in state_terms if term.name == "autocast_weight_copies")
+        host = saved.bytes + log_softmax + casts
+        notes.append(f"offload_activations: {host:,} bytes of saved activations in pinned host memory per "
+                     "micro-batch (not GPU memory; with checkpointing it includes the one recomputed layer, which stays on "
+                     "the GPU: an upper bound); each step copies them over PCIe twice")
     if shape.max_position_embeddings and seq_len > shape.max_position_embeddings:
         notes.append(
             f"seq_len {seq_len} exceeds the model's max_position_embeddings "
@@ -136,6 +151,8 @@ def plan_train(
             "sharding": sharding,
             "attn_implementation": attn_implementation,
             "loss_chunk_tokens": loss_chunk_tokens,
+            "offload_activations": offload_activations,
+            "offloaded_activation_bytes": host,
             "overhead_bytes": overhead_bytes,
             "fragmentation_fraction": fragmentation_fraction,
         },
@@ -236,7 +253,7 @@ def _fsdp_gather_term(shape: ModelShape, precision: Precision) -> Term:
 
 def _training_activations_term(
     shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
-    lora_rank, lora_target_modules, mixed_precision,
+    lora_rank, lora_target_modules, mixed_precision, offload: bool = False,
 ) -> Term:
     tokens = batch * seq_len
     h = shape.hidden_size
@@ -271,6 +288,11 @@ def _training_activations_term(
         how = (f"{shape.num_layers} layers x {all_layers // shape.num_layers:,} B saved for backward "
                f"({tokens:,} tokens, {attn_implementation})")
     lora = f", LoRA rank {lora_rank} (frozen norms, adapter inputs and rank-wide outputs)" if lora_rank > 0 else ""
+    if offload:
+        # training.offload: every saved tensor goes to the host in forward; backward unpacks one
+        # node's at a time, within one layer's (an upper bound); checkpointing recomputes one layer.
+        return Term("activations", one_layer, f"offloaded to host memory ({total:,} B there, see notes); on the "
+                                              f"GPU at most one layer's saved tensors in backward ({one_layer:,} B){lora}")
     return Term("activations", total, how + lora + " + final norm, token ids and rotary cos/sin")
 
 

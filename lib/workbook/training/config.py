@@ -23,7 +23,7 @@ PARAMS_USED = (
     "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32",
     "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps",
     "train_output_dir", "train_processes", "loss_chunk_tokens", "report_to", "precision",
-    "eval_prompts_path",
+    "eval_prompts_path", "offload_activations",
     "output_path",  # where notebook 02 wrote its outputs: the default training data
     "verifier",  # set: notebook 02 verified its outputs, and the accepted ones are the default training data
 )
@@ -81,6 +81,7 @@ class TrainConfig:
     save_every_steps: int = 0
     loss_chunk_tokens: int = 0  # 0: full logits; N: the loss over chunks of N positions (chunked_loss)
     precision: str = "mixed"  # 16-bit dtypes: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16 training)
+    offload_activations: bool = False  # saved activations to host memory in forward, back in backward (offload)
     report_to: str = "none"  # none | tensorboard | wandb: per-step metrics through accelerate's trackers (tracking)
     processes: int = 1
     profile: str = "cpu"
@@ -133,7 +134,7 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
         pin_memory=params["pin_memory"], prefetch_factor=params["prefetch_factor"],
         save_every_steps=params["save_every_steps"], processes=params["train_processes"],
         loss_chunk_tokens=params["loss_chunk_tokens"], report_to=params["report_to"],
-        precision=params["precision"],
+        precision=params["precision"], offload_activations=params["offload_activations"],
         profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
         budget=Budget.from_params(params),

@@ -28,6 +28,7 @@ from workbook.training import batches, checkpoints, evaluation, report, tracking
 from workbook.training.config import (
     ADAM_BETAS, MAX_GRAD_NORM, RESULT_FILE, TrainConfig, TrainError, accelerate_mixed_precision,
 )
+from workbook.training.offload import OffloadActivations
 from workbook.training.prepare import PreparedData, prepare_data
 from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run
 
@@ -99,6 +100,9 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         stop_at = run.total_steps if config.stop_after_steps is None else min(run.total_steps, config.stop_after_steps)
         progress = _progress_bar(accelerator, run.total_steps, start_step)
         world = accelerator.num_processes
+        # On CPU the activations are in host memory already: nothing to offload.
+        offloading = ((lambda: OffloadActivations(model)) if config.offload_activations and device.type == "cuda"
+                      else contextlib.nullcontext)
         step = start_step
         runtime.reset_peak_memory(device)
         model.train()
@@ -118,7 +122,8 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                 for index, batch in enumerate(micro_batches):
                     last = index == len(micro_batches) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                        batch_loss = evaluation.loss_sum(model, batch, device, config.loss_chunk_tokens)
+                        with offloading():
+                            batch_loss = evaluation.loss_sum(model, batch, device, config.loss_chunk_tokens)
                         # The mean over every loss token of the effective batch: DDP averages gradients
                         # over processes, hence x world.
                         accelerator.backward(batch_loss * world / global_targets.to(batch_loss.dtype))

@@ -88,6 +88,8 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
         "settings": {
             "dtype": config.dtype, "mixed_precision": accelerate_mixed_precision(config),
             "precision": config.precision,
+            "offload_activations": {"requested": config.offload_activations,
+                                    "applied": config.offload_activations and on_gpu},
             "tf32": {"requested": config.tf32, "applied": tf32_applied},
             "grad_checkpointing": config.grad_checkpointing, "torch_compile": config.torch_compile,
             "attn_implementation": config.attn_implementation, "padding": config.padding,

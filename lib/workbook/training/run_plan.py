@@ -127,7 +127,8 @@ def memory_plan(config: TrainConfig, micro_batch_size: int, seq_len: int, shardi
                       seq_len=seq_len, dtype=config.dtype, grad_checkpointing=config.grad_checkpointing,
                       lora_rank=config.lora_rank, optimizer=config.optimizer, sharding=sharding,
                       lora_targets=config.lora_targets, attn_implementation=config.attn_implementation,
-                      loss_chunk_tokens=config.loss_chunk_tokens, precision=config.precision)
+                      loss_chunk_tokens=config.loss_chunk_tokens, precision=config.precision,
+                      offload_activations=config.offload_activations)
 
 
 def model_flops_coefficients(model_config, lora: bool) -> tuple[int, int]:
