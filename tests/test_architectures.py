@@ -102,6 +102,22 @@ def test_one_layers_saved_activations_are_within_2_percent_of_the_plan(name):
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
 
 
+@pytest.mark.parametrize("name", ACTIVATION_CHECKED + ["gemma-2-9b", "gemma-3-1b-pt"])
+def test_one_lora_layers_saved_activations_are_within_2_percent_of_the_plan(name):
+    # As above, with PEFT's rank-4 adapters on every linear projection of a frozen fp32 base: frozen norms
+    # (Gemma's four, Qwen3's q/k norms), the attention core, frozen experts, each adapter's input and output.
+    pytest.importorskip("peft")
+    from workbook import models
+    from workbook.planner.formulas import training_precision
+    from workbook.planner.lora_activations import lora_layer_bytes_per_token
+    measured = (_saved_activation_bytes(models.with_lora(built(shrunken(name, layers=2)).train(), 4))
+                - _saved_activation_bytes(models.with_lora(built(shrunken(name, layers=1)).train(), 4)))
+    planned = ACTIVATION_CHECK_BATCH * ACTIVATION_CHECK_SEQ_LEN * lora_layer_bytes_per_token(
+        model_shape(shrunken(name)), training_precision("fp32", False, lora=True), "sdpa", ACTIVATION_CHECK_SEQ_LEN,
+        rank=4, target_modules="", autocast=False)
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
 def test_mixed_dense_and_routed_layers_are_each_planned_at_their_size():
     from workbook.planner.formulas import decoder_activation_bytes_per_token, layer_activation_bytes_per_token
     from workbook.planner.formulas import training_precision
@@ -237,3 +253,20 @@ def test_architectures_the_planner_does_not_model_are_refused_naming_what_is_mis
     config = AutoConfig.for_model(model_type, **values)
     with pytest.raises(ValueError, match=missing):
         model_shape(config)
+
+
+def test_the_chunked_loss_soft_caps_gemma_2s_logits_as_the_model_does():
+    from workbook.training.batches import loss_sum
+    model = built(shrunken("gemma-2-9b")).train()
+    torch.manual_seed(1)
+    ids = torch.randint(4, 200, (2, 24))
+    batch = {"input_ids": ids, "position_ids": torch.arange(24).repeat(2, 1), "targets": ids.roll(-1, 1)}
+    losses, gradients = {}, {}
+    for chunk in (0, 7):
+        model.zero_grad()
+        loss = loss_sum(model, batch, torch.device("cpu"), loss_chunk_tokens=chunk)
+        loss.backward()
+        losses[chunk], gradients[chunk] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert losses[7] == pytest.approx(losses[0], rel=1e-5)
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[7][name], gradient, atol=1e-5, rtol=1e-4, msg=name)

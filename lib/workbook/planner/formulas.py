@@ -275,7 +275,7 @@ def _attention_variant_bytes_per_token(shape: ModelShape, p: int) -> int:
     return extra
 
 
-def experts_saved_bytes_per_token(shape: ModelShape, precision: Precision) -> int:
+def experts_saved_bytes_per_token(shape: ModelShape, precision: Precision, *, frozen: bool = False) -> int:
     """A mixture-of-experts MLP, per token (transformers 5.x grouped_mm experts, its default).
 
     Each of the top-k routed experts saves its gathered input and its output (2 h) and gate|up, silu(gate) and
@@ -283,13 +283,15 @@ def experts_saved_bytes_per_token(shape: ModelShape, precision: Precision) -> in
     dtype (fp32 master weights under autocast). Add the int64 ids of the routing (top-k, the sort's gather,
     the un-permute), the router's fp32 softmax (Mixtral/Qwen; DeepSeek's grouped sigmoid router is close),
     the top-k weights, and the shared experts as a dense SwiGLU (Qwen2-MoE also gates them with a sigmoid).
+    ``frozen`` (LoRA): down projections save no input (the SwiGLU product) and the experts' output is not kept.
     """
     moe = shape.architecture.moe
     h, k, p = shape.hidden_size, moe.experts_per_token, precision.compute_bytes
-    routed = k * (2 * h + 4 * moe.expert_intermediate_size) * precision.residual_bytes
+    per_expert_values = h + 3 * moe.expert_intermediate_size if frozen else 2 * h + 4 * moe.expert_intermediate_size
+    routed = k * per_expert_values * precision.residual_bytes
     routing_ids = 4 * k * INT64_BYTES
     router = FP32_BYTES * (moe.num_experts + k) + (FP32_BYTES * (k + 1) if moe.normalizes_top_k else 0)
-    shared = 4 * p * moe.shared_intermediate_size
+    shared = (3 if frozen else 4) * p * moe.shared_intermediate_size
     if moe.shared_expert_gate:  # sigmoid(gate) x shared output saves both
         shared += p * (h + 1)
     return routed + routing_ids + router + shared

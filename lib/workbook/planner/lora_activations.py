@@ -10,12 +10,14 @@ tensor with autograd's saved-tensor hooks on CPU (tests/test_memory.py, tests/te
   fp32 and, under autocast, autocast casts it back: a copy per adapter (fp32 without autocast, the compute
   dtype with it). Only on an fp32 base without autocast is no copy made, and adapters reading the same
   tensor share it with the other savers of that tensor.
-Mixture-of-experts layers keep the full fine-tune's experts term (their grouped_mm experts are no
-nn.Linear: LoRA never adapts them), an upper bound; DeepSeek's latent attention is estimated as in
-``formulas``.
+Frozen mixture-of-experts layers (grouped_mm experts are no nn.Linear: LoRA never adapts them) keep
+their gathered input, gate|up and act(gate), not the product nor the output. DeepSeek's latent
+attention is estimated with the standard attention, as in ``formulas``.
 """
 
 from __future__ import annotations
+
+import re
 
 from workbook.planner.formulas import (
     Precision, _kinds, _masked, attention_core_bytes_per_token, experts_saved_bytes_per_token,
@@ -27,7 +29,8 @@ from workbook.planner.shape import FP32_BYTES, ModelShape, lora_targets
 # SwiGLU product (saved by no one else when down_proj's base is frozen).
 ADAPTER_INPUTS = {"q_proj": "attention_norm", "k_proj": "attention_norm", "v_proj": "attention_norm",
                   "qkv_proj": "attention_norm", "o_proj": "attention_output", "gate_proj": "mlp_norm",
-                  "up_proj": "mlp_norm", "gate_up_proj": "mlp_norm", "down_proj": "mlp_product"}
+                  "up_proj": "mlp_norm", "gate_up_proj": "mlp_norm", "down_proj": "mlp_product",
+                  "shared_expert_gate": "mlp_norm"}
 
 
 def lora_decoder_bytes_per_token(shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int,
@@ -75,7 +78,7 @@ def _frozen_attention_bytes_per_token(shape: ModelShape, precision: Precision, a
 def _frozen_mlp_bytes_per_token(shape: ModelShape, precision: Precision, *, routed: bool) -> int:
     norms = (shape.architecture.norms_per_layer // 2) * frozen_norm_bytes_per_token(shape.hidden_size)
     if routed:
-        return norms + experts_saved_bytes_per_token(shape, precision)
+        return norms + experts_saved_bytes_per_token(shape, precision, frozen=True)
     return norms + 3 * precision.compute_bytes * shape.intermediate_size  # gate, act(gate), up
 
 
@@ -89,12 +92,21 @@ def adapter_bytes_per_token(shape: ModelShape, precision: Precision, rank: int, 
     if copied:
         inputs = sum(layer.in_features * adapter_bytes for layer in targets)
     else:
-        shared = {"attention_norm": FP32_BYTES * h, "mlp_norm": FP32_BYTES * h, "attention_output": 0,
+        # The attention output is the one the attention saves, unless the family copies it head-major for
+        # o_proj (Phi-3, DeepSeek: rotary by concatenation): then the adapter alone keeps that copy.
+        attention_output = FP32_BYTES * shape.query_width if shape.architecture.rotary_by_concatenation else 0
+        shared = {"attention_norm": FP32_BYTES * h, "mlp_norm": FP32_BYTES * h, "attention_output": attention_output,
                   "mlp_product": FP32_BYTES * shape.intermediate_size}
         distinct = {}
         for layer in targets:
             kind = ADAPTER_INPUTS.get(layer.name.rsplit(".", 1)[-1])
-            key = (layer.name.rsplit(".", 2)[0] if kind else layer.name, kind)  # one tensor per layer and kind
+            key = (_decoder_layer(layer.name) if kind else layer.name, kind)  # one tensor per layer and kind
             distinct[key] = shared[kind] if kind else FP32_BYTES * layer.in_features
         inputs = sum(distinct.values())
     return inputs + len(targets) * rank * adapter_bytes
+
+
+def _decoder_layer(name: str) -> str:
+    """'model.layers.3.mlp.shared_expert.down_proj' -> 'model.layers.3': the decoder layer a Linear is in."""
+    found = re.match(r"(.*?layers\.\d+)\.", name)
+    return found.group(1) if found else name

@@ -136,9 +136,6 @@ def plan_train(
         notes.append(f"LoRA targets: {', '.join(lora_target_choice(shape, lora_target_modules).names)}")
         notes += [f"lora target {name!r} matches no Linear layer of {shape.name}"
                   for name in lora_target_choice(shape, lora_target_modules).unmatched]
-        if shape.architecture.moe is not None:
-            notes.append("LoRA on a mixture of experts: the frozen experts' saved activations are planned as "
-                         "the full fine-tune's, an upper bound")
     return make_plan(
         mode="train", shape=shape, dtype=dtype, batch_size=micro_batch_size,
         lengths={"seq_len": seq_len},

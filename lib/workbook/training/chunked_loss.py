@@ -43,9 +43,11 @@ def loss_sum_chunked(model, input_ids, position_ids, targets, chunk_tokens: int)
         handle.remove()
     hidden = captured["hidden"].flatten(0, -2)
     targets = targets.flatten()
-    if hidden.device.type == "cuda" and liger_available():
+    # Gemma-2 soft-caps its logits (cap x tanh(logits / cap)) after the head: the chunks do the same.
+    softcap = getattr(_unwrapped(model).config, "final_logit_softcapping", None) or 0.0
+    if hidden.device.type == "cuda" and liger_available() and not softcap:
         return _liger_loss()(head.weight, hidden, targets).float()
-    return ChunkedCrossEntropy.apply(hidden, head.weight, targets, chunk_tokens, captured["dtype"])
+    return ChunkedCrossEntropy.apply(hidden, head.weight, targets, chunk_tokens, captured["dtype"], softcap)
 
 
 def liger_available() -> bool:
@@ -71,8 +73,12 @@ def _liger_loss():
 
 def _output_head(model) -> torch.nn.Module:
     """The output embedding (lm_head) through DDP / torch.compile / PEFT wrappers."""
+    return _unwrapped(model).get_output_embeddings()
+
+
+def _unwrapped(model) -> torch.nn.Module:
     from accelerate.utils import extract_model_from_parallel
-    return extract_model_from_parallel(model).get_output_embeddings()
+    return extract_model_from_parallel(model)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -86,16 +92,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_tokens, dtype):
+    def forward(ctx, hidden, weight, targets, chunk_tokens, dtype, softcap=0.0):
         compute_weight = weight.to(dtype)
         compute_hidden = hidden.to(dtype)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         for start in range(0, hidden.shape[0], chunk_tokens):
-            logits = compute_hidden[start:start + chunk_tokens] @ compute_weight.T
+            logits = _capped(compute_hidden[start:start + chunk_tokens] @ compute_weight.T, softcap)
             total += torch.nn.functional.cross_entropy(logits.float(), targets[start:start + chunk_tokens],
                                                        ignore_index=IGNORE_INDEX, reduction="sum")
         ctx.save_for_backward(compute_hidden, compute_weight, targets)
         ctx.chunk_tokens, ctx.hidden_dtype, ctx.weight_dtype = chunk_tokens, hidden.dtype, weight.dtype
+        ctx.softcap = softcap
         return total
 
     @staticmethod
@@ -107,12 +114,20 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h, t = hidden[start:start + chunk], targets[start:start + chunk]
             # d(sum of CE)/d(logits) = softmax - one_hot(target), zero where the target is ignored.
-            grad_logits = torch.softmax((h @ weight.T).float(), dim=-1)
+            raw = h @ weight.T
+            capped = _capped(raw, ctx.softcap).float()
+            grad_logits = torch.softmax(capped, dim=-1)
             kept = t != IGNORE_INDEX
             rows = torch.arange(t.shape[0], device=t.device)
             grad_logits[rows[kept], t[kept]] -= 1
             grad_logits *= kept.unsqueeze(1) * grad_total
+            if ctx.softcap:  # d(cap tanh(x / cap))/dx = 1 - tanh(x / cap)^2
+                grad_logits *= 1 - (capped / ctx.softcap) ** 2
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden[start:start + chunk] = grad_logits @ weight
             grad_weight += (grad_logits.T @ h).float()
-        return grad_hidden, grad_weight.to(ctx.weight_dtype), None, None, None
+        return grad_hidden, grad_weight.to(ctx.weight_dtype), None, None, None, None
+
+
+def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(logits / softcap) if softcap else logits
