@@ -638,3 +638,45 @@ def test_offloaded_activations_are_the_planned_bytes_and_change_no_gradient(lora
     assert activations_term(plan) < activations_term(plan_train(
         config, micro_batch_size=batch, seq_len=seq_len, dtype=plan.dtype, mixed_precision=autocast,
         lora_rank=lora_rank, gpu_memory_bytes=GiB))
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+@pytest.mark.parametrize("attention", ["document_sdpa", "sdpa_block_mask"])
+def test_packed_rows_saved_bytes_match_the_plan_of_the_attention_path_they_run(attention, lora_rank):
+    """Packed rows (restarting position ids) through the mask-free path and through the 4D-mask fallback
+    (its (batch, 1, seq, seq) additive mask and keys/values repeated per layer): one layer within 2%."""
+    from workbook import models
+    from workbook.training import packed_attention
+    packed_attention.register()
+    batch, seq_len = 3, 50
+    ids = torch.randint(0, 128, (batch, seq_len))
+    position_ids = torch.cat([torch.arange(20), torch.arange(30)]).repeat(batch, 1)
+
+    def measured(layers):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(small_llama(layers)).train()
+        model.config._attn_implementation = "sdpa" if attention == "sdpa_block_mask" else attention
+        model = models.with_lora(model, lora_rank) if lora_rank else model
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in parameters:
+                saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False)
+        return sum(saved.values())
+
+    def planned(layers):
+        return activations_term(plan_train(small_llama(layers), micro_batch_size=batch, seq_len=seq_len, dtype="fp32",
+                                           mixed_precision=False, lora_rank=lora_rank, attn_implementation=attention,
+                                           gpu_memory_bytes=GiB))
+    layer_measured, layer_planned = (measured(3) - measured(1)) // 2, (planned(3) - planned(1)) // 2
+    assert abs(layer_planned - layer_measured) <= 0.02 * layer_measured, (layer_planned, layer_measured)
+    if attention == "sdpa_block_mask":  # the mask alone: one additive fp32 (batch, 1, seq, seq) per layer
+        plain = (plan_train(small_llama(3), micro_batch_size=batch, seq_len=seq_len, dtype="fp32", mixed_precision=False,
+                            lora_rank=lora_rank, gpu_memory_bytes=GiB))
+        assert activations_term(plan_train(small_llama(3), micro_batch_size=batch, seq_len=seq_len, dtype="fp32",
+                                           mixed_precision=False, lora_rank=lora_rank, attn_implementation=attention,
+                                           gpu_memory_bytes=GiB)) - activations_term(plain) >= 3 * batch * seq_len * seq_len * 4

@@ -142,6 +142,18 @@ def test_a_run_with_the_chunked_loss_trains_as_the_full_loss_does(tmp_path):
     assert chunked["settings"]["loss"] == "chunked cross-entropy, 16 positions per chunk (pure PyTorch)"
 
 
+def test_packed_training_without_a_mask_gives_the_losses_of_the_4d_mask_path(tmp_path, monkeypatch):
+    from workbook.training import packed_attention
+    path = arithmetic_pairs(tmp_path)
+    no_mask = training.train(make_config(tmp_path / "no_mask", path, max_steps=3))
+    assert no_mask["model_description"].endswith("attention document_sdpa")  # packing on CPU: per-example sdpa, no mask
+    # The fallback: transformers' block-causal 4D mask from the restarting position ids, through sdpa.
+    monkeypatch.setattr(packed_attention, "training_attention_for", lambda config, seq_len: "sdpa_block_mask")
+    masked = training.train(make_config(tmp_path / "masked", path, max_steps=3))
+    assert masked["model_description"].endswith("attention sdpa_block_mask")
+    assert [r["loss"] for r in no_mask["history"]] == pytest.approx([r["loss"] for r in masked["history"]], rel=1e-5)
+
+
 def test_auto_max_seq_length_covers_the_data_and_truncation_is_reported(tmp_path, tokenizer):
     assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200]) == 256
     assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200], percentile=50) == 64

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from workbook.planner.architectures import attention_implementation_run
+from workbook.planner.architectures import DOCUMENT_SDPA, SDPA_BLOCK_MASK, attention_implementation_run
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES,
     QUANTIZED_DTYPES,
@@ -221,6 +221,7 @@ def attention_core_bytes_per_token(
     the logsumexp (eager: the probabilities; a window: its mask and keys/values repeated to every head)."""
     architecture = shape.architecture
     attn_implementation = attention_implementation_run(architecture.sdpa_supported, attn_implementation)  # Gemma-2
+    windowed = windowed or attn_implementation == SDPA_BLOCK_MASK  # packed rows' 4D mask: as a window's
     if attn_implementation == "eager":
         # Softmax runs in fp32 and is cast back to p; in pure fp32 the cast is the same tensor.
         probabilities_bytes = FP32_BYTES + (p if p != FP32_BYTES else 0)
@@ -241,6 +242,8 @@ def attention_core_bytes_per_token(
         attention = p * (2 * shape.query_width + 2 * key_value_width)
         attention += FP32_BYTES * shape.num_attention_heads  # logsumexp kept for backward
         attention += p * seq_len if windowed else 0
+        if attn_implementation == DOCUMENT_SDPA:  # each example's output is joined into one o_proj input
+            attention += p * shape.query_width
     return attention
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 
+from workbook.planner.architectures import DOCUMENT_SDPA
 from workbook.planner.formulas import (
     Precision, _kinds, _masked, attention_core_bytes_per_token, experts_saved_bytes_per_token,
 )
@@ -42,7 +43,8 @@ def lora_decoder_bytes_per_token(shape: ModelShape, precision: Precision, attn_i
                     for window in shape.attention_windows)
     mlp = sum(count * _frozen_mlp_bytes_per_token(shape, precision, routed=routed)
               for routed, count in ((True, moe_layers), (False, shape.num_layers - moe_layers)) if count)
-    return attention + mlp + adapter_bytes_per_token(shape, precision, rank, target_modules, autocast)
+    return attention + mlp + adapter_bytes_per_token(shape, precision, rank, target_modules, autocast,
+                                                      attn_implementation)
 
 
 def lora_layer_bytes_per_token(shape: ModelShape, precision: Precision, attn_implementation: str, seq_len: int,
@@ -54,7 +56,8 @@ def lora_layer_bytes_per_token(shape: ModelShape, precision: Precision, attn_imp
     frozen = (max(_frozen_attention_bytes_per_token(shape, precision, attn_implementation, seq_len, windowed=kind)
                   for kind in windowed_kinds)
               + max(_frozen_mlp_bytes_per_token(shape, precision, routed=kind) for kind in routed_kinds))
-    return frozen + adapter_bytes_per_token(shape, precision, rank, target_modules, autocast) // shape.num_layers
+    adapters = adapter_bytes_per_token(shape, precision, rank, target_modules, autocast, attn_implementation)
+    return frozen + adapters // shape.num_layers
 
 
 def frozen_norm_bytes_per_token(width: int) -> int:
@@ -72,6 +75,8 @@ def _frozen_attention_bytes_per_token(shape: ModelShape, precision: Precision, a
         extra += FP32_BYTES * (shape.num_attention_heads + shape.num_key_value_heads)
     if architecture.fused_qkv:  # the value is a view of qkv_proj's output: it keeps q and k's part alive too
         extra += p * (shape.query_width + shape.key_value_width)
+    if attn_implementation == DOCUMENT_SDPA:  # the joined output is o_proj's input: its adapter's alone here
+        extra -= p * shape.query_width
     return norms + attention_core_bytes_per_token(shape, p, attn_implementation, seq_len, windowed=windowed) + extra
 
 
@@ -83,7 +88,7 @@ def _frozen_mlp_bytes_per_token(shape: ModelShape, precision: Precision, *, rout
 
 
 def adapter_bytes_per_token(shape: ModelShape, precision: Precision, rank: int, target_modules,
-                            autocast: bool) -> int:
+                            autocast: bool, attn_implementation: str = "sdpa") -> int:
     """Every adapter's saved input (where it is a copy, or where no one else saves it) and rank-wide output."""
     h, p = shape.hidden_size, precision.compute_bytes
     targets = lora_targets(shape, target_modules)
@@ -93,8 +98,10 @@ def adapter_bytes_per_token(shape: ModelShape, precision: Precision, rank: int, 
         inputs = sum(layer.in_features * adapter_bytes for layer in targets)
     else:
         # The attention output is the one the attention saves, unless the family copies it head-major for
-        # o_proj (Phi-3, DeepSeek: rotary by concatenation): then the adapter alone keeps that copy.
-        attention_output = FP32_BYTES * shape.query_width if shape.architecture.rotary_by_concatenation else 0
+        # o_proj (Phi-3, DeepSeek: rotary by concatenation) or document_sdpa joins it from each example's:
+        # then the adapter alone keeps that copy.
+        own_copy = shape.architecture.rotary_by_concatenation or attn_implementation == DOCUMENT_SDPA
+        attention_output = FP32_BYTES * shape.query_width if own_copy else 0
         shared = {"attention_norm": FP32_BYTES * h, "mlp_norm": FP32_BYTES * h, "attention_output": attention_output,
                   "mlp_product": FP32_BYTES * shape.intermediate_size}
         distinct = {}

@@ -17,6 +17,7 @@ from typing import Callable, ClassVar
 
 from workbook import presets
 from workbook.params import AUTO, PLAN_MODES
+from workbook.planner.architectures import training_attention
 from workbook.planner.generation import plan_generate
 from workbook.planner.layout import check_tensor_parallel_size, choose_tensor_parallel_size
 from workbook.planner.network import network_traffic, traffic_line
@@ -143,13 +144,17 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
             return made
         wanted = settings["batch_size"] if batch_size is None else batch_size
     elif mode == "train":
+        # Packed rows run the attention path the trainer picks for them (no seq x seq mask where it can).
+        attention = training_attention(model_shape(config), settings.get("attn_implementation", "sdpa"),
+                                       settings.get("padding", "packing"), settings["seq_len"],
+                                       on_gpu=budget.gpu_count > 0)
+
         def make(batch: int) -> Plan:
             return train_plan(config, budget, micro_batch_size=batch, seq_len=settings["seq_len"],
                               dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
                               lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
                               sharding=settings.get("sharding", "none"), num_nodes=num_nodes,
-                              lora_targets=settings.get("lora_targets", ""),
-                              attn_implementation=settings.get("attn_implementation", "sdpa"),
+                              lora_targets=settings.get("lora_targets", ""), attn_implementation=attention,
                               loss_chunk_tokens=settings.get("loss_chunk_tokens", 0),
                               precision=settings.get("precision", "mixed"),
                               offload_activations=settings.get("offload_activations", False))

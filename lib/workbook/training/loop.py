@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from workbook import models, runtime
-from workbook.training import batches, checkpoints, evaluation, report, tracking
+from workbook.planner.architectures import model_attention
+from workbook.training import batches, checkpoints, evaluation, packed_attention, report, tracking
 from workbook.training.config import (
     ADAM_BETAS, MAX_GRAD_NORM, RESULT_FILE, TrainConfig, TrainError, accelerate_mixed_precision,
 )
@@ -66,7 +67,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         checkpoints.choose_where_to_save(accelerator, output_dir, fsdp=fsdp, saves_checkpoints=config.save_every_steps > 0)
         tracking.start(accelerator, config)
         torch.manual_seed(config.seed)  # identical LoRA initialisation in every process
-        model, model_description, lora = _load_model(config, device)
+        model, model_description, lora = _load_model(config, device, prepared.max_seq_length)
         total_parameters = sum(p.numel() for p in model.parameters())
         trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
         optimizer, optimizer_description = _build_optimizer(model, config, run.learning_rate,
@@ -209,7 +210,7 @@ def _set_tf32(enabled: bool, device: torch.device) -> bool:
     return enabled
 
 
-def _load_model(config: TrainConfig, device: torch.device):
+def _load_model(config: TrainConfig, device: torch.device, seq_len: int):
     """(model on device, description, lora?) with checkpointing and LoRA applied as configured.
 
     Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast: the planner's
@@ -217,9 +218,12 @@ def _load_model(config: TrainConfig, device: torch.device):
     """
     lora = config.lora_rank > 0
     pure = lora or config.precision == "bf16"  # else fp32 master weights under autocast
+    # Packed rows: an attention path with no seq x seq mask where there is one (training/packed_attention.py).
+    attention = packed_attention.training_attention_for(config, seq_len)
+    packed_attention.register()
     loaded = models.load_model(config.model, config.dtype if pure else "fp32", device,
-                               attn_implementation=config.attn_implementation)
-    model, description = loaded.model, loaded.description
+                               attn_implementation=model_attention(attention))
+    model, description = loaded.model, f"{loaded.description}, attention {attention}"
     model.config.use_cache = False  # training: a cache would also disable packed-sequence masks
     if config.grad_checkpointing:
         models.enable_gradient_checkpointing(model)
