@@ -228,8 +228,11 @@ def test_the_profiles_attention_reaches_the_plan():
     settings = {**params.load(params.profile_path("cpu")), "model": "llama-3.2-1b"}
     sdpa = profile.plan(settings, mode="train", batch_size=1)
     eager = profile.plan({**settings, "attn_implementation": "eager"}, mode="train", batch_size=1)
-    assert (sdpa.settings["attn_implementation"], eager.settings["attn_implementation"]) == ("sdpa", "eager")
+    # The cpu profile packs rows: sdpa runs as document_sdpa there (no mask), eager stays eager.
+    assert (sdpa.settings["attn_implementation"], eager.settings["attn_implementation"]) == ("document_sdpa", "eager")
     assert eager.total_bytes > sdpa.total_bytes  # eager keeps the attention probabilities
+    unpacked = profile.plan({**settings, "padding": "length_grouped"}, mode="train", batch_size=1)
+    assert unpacked.settings["attn_implementation"] == "sdpa"
 
 
 def test_a_model_that_refuses_sdpa_is_loaded_with_the_eager_attention_it_is_planned_with():

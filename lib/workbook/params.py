@@ -181,6 +181,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16'", int_list=True),
     Key("bench_train_steps", int, "optimizer steps per training point (the first 2 are warm-up); 0: no training "
         "sweep", minimum=0),
+    Key("bench_train_settings", str, "comma-separated memory settings the training sweep also runs, one point "
+        "each beside the plain one: loss_chunk_tokens, precision_bf16, offload_activations, sdpa_block_mask "
+        "(packing through the 4D-mask fallback); '' = none"),
     # Several nodes (the planner, notebook 01, `workbook plan`).
     Key("num_nodes", int, "machines the job spans, each with gpu_count GPUs (torchrun --nnodes, accelerate launch "
         "--num_machines); the plan says what crosses the network between them", minimum=1),
