@@ -102,6 +102,22 @@ def test_one_layers_saved_activations_are_within_2_percent_of_the_plan(name):
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
 
 
+@pytest.mark.parametrize("name", ACTIVATION_CHECKED + ["gemma-2-9b", "gemma-3-1b-pt"])
+def test_one_lora_layers_saved_activations_are_within_2_percent_of_the_plan(name):
+    # As above, with PEFT's rank-4 adapters on every linear projection of a frozen fp32 base: frozen norms
+    # (Gemma's four, Qwen3's q/k norms), the attention core, frozen experts, each adapter's input and output.
+    pytest.importorskip("peft")
+    from workbook import models
+    from workbook.planner.formulas import training_precision
+    from workbook.planner.lora_activations import lora_layer_bytes_per_token
+    measured = (_saved_activation_bytes(models.with_lora(built(shrunken(name, layers=2)).train(), 4))
+                - _saved_activation_bytes(models.with_lora(built(shrunken(name, layers=1)).train(), 4)))
+    planned = ACTIVATION_CHECK_BATCH * ACTIVATION_CHECK_SEQ_LEN * lora_layer_bytes_per_token(
+        model_shape(shrunken(name)), training_precision("fp32", False, lora=True), "sdpa", ACTIVATION_CHECK_SEQ_LEN,
+        rank=4, target_modules="", autocast=False)
+    assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
 def test_mixed_dense_and_routed_layers_are_each_planned_at_their_size():
     from workbook.planner.formulas import decoder_activation_bytes_per_token, layer_activation_bytes_per_token
     from workbook.planner.formulas import training_precision
@@ -152,3 +168,108 @@ def test_final_logit_softcapping_adds_its_saved_tanh_per_logit():
 
     assert measured == logits * 4  # fp32: one tanh output per logit
     assert loss_path_bytes(capped) - loss_path_bytes(plain) == measured
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA targets: one rule (planner.shape.choose_lora_targets) for the planner and the trainer.
+
+
+def test_lora_adapts_every_linear_projection_of_phi_3_and_the_planner_counts_what_peft_builds():
+    pytest.importorskip("peft")
+    from workbook import models
+    from workbook.planner import lora_parameter_count
+    config = shrunken("Phi-3-mini-4k-instruct")
+    model = built(config)
+    assert set(models.lora_targets(model).names) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    adapted = models.with_lora(model, 4)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert trainable == lora_parameter_count(config, 4)
+
+
+def test_llama_keeps_its_seven_projections_and_deepseek_gets_its_latent_ones():
+    from workbook.planner.shape import lora_target_choice
+    assert lora_target_choice(model_shape("llama-3.2-1b")).names == (
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    names = lora_target_choice(model_shape("DeepSeek-V2-Lite")).names
+    assert {"kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "down_proj"} <= set(names) and "lm_head" not in names
+
+
+def test_a_named_target_that_matches_nothing_is_a_warning_and_all_unmatched_an_error():
+    from workbook.planner import plan_train
+    config = shrunken("Phi-3-mini-4k-instruct")
+    plan = plan_train(config, micro_batch_size=1, seq_len=32, gpu_memory_bytes=2**34, lora_rank=8,
+                      lora_target_modules="q_proj,qkv_proj")
+    assert plan.settings["lora_target_modules"] == ["qkv_proj"]
+    assert any("lora target 'q_proj' matches no Linear layer" in note for note in plan.notes)
+    # The trainer reads the same rule off the real model: it adapts qkv_proj and warns about q_proj.
+    from workbook import models
+    targets = models.lora_targets(built(config), "q_proj,qkv_proj")
+    assert (targets.names, targets.unmatched) == (("qkv_proj",), ("q_proj",))
+    with pytest.raises(ValueError, match="match no Linear layer.*qkv_proj"):
+        plan_train(config, micro_batch_size=1, seq_len=32, gpu_memory_bytes=2**34, lora_rank=8,
+                   lora_target_modules="q_proj,v_proj")
+
+
+def test_plan_lora_targets_and_attention_from_the_command_line(capsys):
+    import json
+
+    from workbook import cli
+    assert cli.main(["plan", "--profile", "h100", "--mode", "train", "--model", "phi-3-mini-4k-instruct",
+                     "--lora-rank", "8", "--lora-targets", "qkv_proj", "--attn-implementation", "eager",
+                     "--batch-size", "1", "--json"]) in (0, 1)
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["settings"]["lora_target_modules"] == ["qkv_proj"]
+    assert plan["settings"]["attn_implementation"] == "eager"
+
+
+def test_the_profiles_attention_reaches_the_plan():
+    from workbook import params
+    from workbook.planner import profile
+    settings = {**params.load(params.profile_path("cpu")), "model": "llama-3.2-1b"}
+    sdpa = profile.plan(settings, mode="train", batch_size=1)
+    eager = profile.plan({**settings, "attn_implementation": "eager"}, mode="train", batch_size=1)
+    # The cpu profile packs rows: sdpa runs as document_sdpa there (no mask), eager stays eager.
+    assert (sdpa.settings["attn_implementation"], eager.settings["attn_implementation"]) == ("document_sdpa", "eager")
+    assert eager.total_bytes > sdpa.total_bytes  # eager keeps the attention probabilities
+    unpacked = profile.plan({**settings, "padding": "length_grouped"}, mode="train", batch_size=1)
+    assert unpacked.settings["attn_implementation"] == "sdpa"
+
+
+def test_a_model_that_refuses_sdpa_is_loaded_with_the_eager_attention_it_is_planned_with():
+    from workbook import models
+    config = shrunken("gemma-2-9b")
+    assert models.runnable_attention(config, "sdpa") == "eager"
+    assert models.runnable_attention(shrunken("Qwen3-8B"), "sdpa") == "sdpa"
+
+
+# ---------------------------------------------------------------------------------------------
+# What the planner does not model: a refusal that says what is missing.
+
+
+@pytest.mark.parametrize("model_type, values, missing", [
+    ("mamba", {"hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 256}, "state-space"),
+    ("t5", {"d_model": 64, "num_layers": 2, "vocab_size": 256}, "encoder-decoder"),
+    ("llava", {}, "vision/audio-language"),
+    ("gemma3", {}, "vision/audio-language"),
+])
+def test_architectures_the_planner_does_not_model_are_refused_naming_what_is_missing(model_type, values, missing):
+    config = AutoConfig.for_model(model_type, **values)
+    with pytest.raises(ValueError, match=missing):
+        model_shape(config)
+
+
+def test_the_chunked_loss_soft_caps_gemma_2s_logits_as_the_model_does():
+    from workbook.training.batches import loss_sum
+    model = built(shrunken("gemma-2-9b")).train()
+    torch.manual_seed(1)
+    ids = torch.randint(4, 200, (2, 24))
+    batch = {"input_ids": ids, "position_ids": torch.arange(24).repeat(2, 1), "targets": ids.roll(-1, 1)}
+    losses, gradients = {}, {}
+    for chunk in (0, 7):
+        model.zero_grad()
+        loss = loss_sum(model, batch, torch.device("cpu"), loss_chunk_tokens=chunk)
+        loss.backward()
+        losses[chunk], gradients[chunk] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert losses[7] == pytest.approx(losses[0], rel=1e-5)
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[7][name], gradient, atol=1e-5, rtol=1e-4, msg=name)

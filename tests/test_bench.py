@@ -74,6 +74,25 @@ def test_static_compiled_and_training_compile_are_skipped_with_a_reason_on_cpu()
     assert [bool(p.get("skipped")) for p in training] == [False, False, True, False]
 
 
+def test_the_training_sweep_runs_each_memory_setting_named_as_one_more_point(tmp_path):
+    import torch
+    from workbook import params as params_module
+    import importlib
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")  # the package exports a function so named
+    params = {**params_module.load_all()["cpu"], "bench_train_micro_batches": "2", "bench_train_steps": 3,
+              "bench_train_settings": "loss_chunk_tokens,precision_bf16,offload_activations,sdpa_block_mask"}
+    points = bench.training_points(params, torch.device("cpu"))
+    added = points[4:]
+    assert [{k: v for k, v in p.items() if k in training_sweep.SETTING_KEYS} for p in added] == [
+        {"loss_chunk_tokens": 1024}, {"precision": "bf16"}, {"offload_activations": True},
+        {"attn_implementation": "sdpa_block_mask"}]
+    assert "needs dtype bf16" in added[1]["skipped"]
+    measured = training_sweep.training_point(params, added[3], tmp_path, log=lambda line: None)
+    assert measured["tokens_per_second"] > 0 and measured["model"].endswith("attention sdpa_block_mask")
+    with pytest.raises(ValueError, match="bench_train_settings: unknown chunked"):
+        bench.training_points({**params, "bench_train_settings": "chunked"}, torch.device("cpu"))
+
+
 class NoNvml:
     @staticmethod
     def nvmlInit():

@@ -217,3 +217,17 @@ def test_plan_accepts_the_long_dtype_names(capsys):
     assert cli.main(["plan", "--profile", "h100", "--mode", "generate", "--model", "llama-3.2-1b",
                      "--dtype", "bfloat16", "--batch-size", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["dtype"] == "bf16"
+
+
+def test_plan_takes_the_memory_switches_and_lists_what_would_make_a_training_setting_fit(capsys):
+    common = ["plan", "--profile", "h100", "--model", "llama-3.2-1b", "--mode", "train", "--seq-len", "2048",
+              "--dtype", "bf16", "--batch-size", "12"]
+    assert cli.main(common) == 1
+    out = capsys.readouterr().out
+    assert "changes that would make it fit" in out and "loss_chunk_tokens 1024       fits" in out
+    assert cli.main(common + ["--loss-chunk-tokens", "1024", "--precision", "bf16", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["fits"] and plan["settings"]["loss_chunk_tokens"] == 1024 and not plan["settings"]["mixed_precision"]
+    assert plan["ways_to_fit"] == []
+    assert cli.main(["plan", "--profile", "cpu", "--mode", "train", "--precision", "bf16"]) == 2
+    assert capsys.readouterr().err.startswith("error: precision bf16 trains bf16 weights and needs dtype bf16")

@@ -1,5 +1,6 @@
 """The memory planner against real tensors: weights, KV caches and saved activations, on CPU."""
 
+import contextlib
 import json
 
 import pytest
@@ -160,21 +161,33 @@ def test_mistral_7b_kv_cache_stops_growing_at_4096_tokens():
 # Training activations: against what autograd saves for backward.
 
 
-def saved_tensor_bytes(config, dtype, autocast, batch, seq_len, checkpointing=False):
+def saved_tensor_bytes(config, dtype, autocast, batch, seq_len, checkpointing=False, lora_rank=0):
     """Bytes autograd saves in one training forward pass, and the bytes of autocast weight copies.
 
+    Called as the trainer calls the model: position ids per row, labels apart from the input ids.
     Parameters themselves are not counted; bf16 copies of them (same shape as a parameter) are
     returned separately. batch x seq_len must differ from every parameter dimension.
     """
+    record = saved_tensor_record(config, dtype, autocast, batch, seq_len, checkpointing, lora_rank)
+    return record["activations"], record["weight_copies"]
+
+
+def saved_tensor_record(config, dtype, autocast, batch, seq_len, checkpointing=False, lora_rank=0) -> dict:
+    """saved_tensor_bytes' two figures, plus what a checkpointed run holds beside them: the rotary
+    cos/sin (inputs of every checkpointed layer) and whether a layer saves its own input storage
+    (then the recomputed layer shares it with the checkpoint's boundary)."""
+    from workbook import models
+
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).to(TORCH_DTYPES[dtype]).train()
     if checkpointing:
-        enable = getattr(model, "activation_checkpointing_enable", None) or getattr(
-            model, "gradient_checkpointing_enable")  # renamed in transformers 5.x
-        enable()
+        models.enable_gradient_checkpointing(model)
+    base = model
+    if lora_rank:
+        model = models.with_lora(model, lora_rank)
     parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
     parameter_shapes = {tuple(p.shape) for p in model.parameters()}
-    activations, weight_copies = {}, {}
+    activations, weight_copies, seen = {}, {}, {}
 
     def pack(tensor):
         storage = tensor.untyped_storage()
@@ -186,11 +199,22 @@ def saved_tensor_bytes(config, dtype, autocast, batch, seq_len, checkpointing=Fa
             found[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    def keep(name):
+        return lambda module, args, kwargs, output=None: seen.setdefault(name, (args, kwargs, output))
+
+    base.model.rotary_emb.register_forward_hook(lambda module, args, output: seen.setdefault("rotary", output))
+    last = base.model.layers[-1]
+    last.register_forward_pre_hook(lambda module, args: seen.setdefault("layer_input", args[0]))
     ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    labels = torch.randint(0, config.vocab_size, (batch, seq_len))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            model(input_ids=ids, labels=ids, use_cache=False)
-    return sum(activations.values()), sum(weight_copies.values())
+            logits = model(input_ids=ids, position_ids=torch.arange(seq_len).repeat(batch, 1), use_cache=False).logits
+            torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+    layer_input = seen["layer_input"].untyped_storage()
+    return {"activations": sum(activations.values()), "weight_copies": sum(weight_copies.values()),
+            "rotary": storage_bytes(seen["rotary"]),
+            "layer_input_saved": layer_input.nbytes() if layer_input.data_ptr() in activations else 0}
 
 
 PRECISIONS = [  # (stored dtype, autocast): pure fp32, pure bf16, bf16 autocast on fp32 weights
@@ -217,30 +241,99 @@ def activations_term(plan):
     return next(term.bytes for term in plan.terms if term.name == "activations")
 
 
-@pytest.mark.parametrize("checkpointing", [False, True])
-@pytest.mark.parametrize("stored, autocast", PRECISIONS)
-def test_plan_activations_match_saved_tensors(stored, autocast, checkpointing):
+LORA_PRECISIONS = [  # (base dtype, autocast): fp32, the trainer's bf16 (autocast), pure bf16; fp32 adapters
+    ("fp32", False), ("bf16", True), ("bf16", False),
+]
+LOSS_BYTES = dict(log_softmax_per_token=128 * 4, scalar=4)  # fp32 log-softmax (logits_and_loss) and the loss
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "checkpointed"])
+@pytest.mark.parametrize("lora_rank, stored, autocast", [(0, *case) for case in PRECISIONS]
+                         + [(8, *case) for case in LORA_PRECISIONS])
+def test_plan_activations_equal_what_autograd_holds(lora_rank, stored, autocast, checkpointing):
+    """The whole model's activations term against autograd, full fine-tune and LoRA (PEFT).
+
+    Without checkpointing: every byte autograd saves is the plan's activations plus the loss's fp32
+    log-softmax (its logits_and_loss term) and the loss scalar. With checkpointing: what the forward
+    saves (the layer inputs and outside the layers), plus the rotary cos/sin the checkpoints keep as
+    inputs, plus one layer recomputed in backward (what a layer saves without checkpointing, less
+    its own input when that is the same storage as the checkpoint's).
+    """
     batch, seq_len = 3, 50
+    plan_dtype = "bf16" if autocast or stored == "bf16" else "fp32"
+    measured = {layers: saved_tensor_record(small_llama(layers), stored, autocast, batch, seq_len,
+                                            checkpointing, lora_rank) for layers in (1, 3)}
+    planned = {layers: activations_term(plan_train(
+        small_llama(layers), micro_batch_size=batch, seq_len=seq_len, dtype=plan_dtype, mixed_precision=autocast,
+        grad_checkpointing=checkpointing, lora_rank=lora_rank, gpu_memory_bytes=GiB)) for layers in (1, 3)}
+    loss = batch * seq_len * LOSS_BYTES["log_softmax_per_token"] + LOSS_BYTES["scalar"]
+    held = measured[3]["activations"]
+    if checkpointing:
+        saved = {layers: saved_tensor_record(small_llama(layers), stored, autocast, batch, seq_len, False, lora_rank)
+                 for layers in (1, 3)}
+        recomputed = (saved[3]["activations"] - saved[1]["activations"]) // 2 - saved[3]["layer_input_saved"]
+        held += measured[3]["rotary"] + recomputed
+    assert held == planned[3] + loss
+
+
+def loss_saved_tensor_bytes(config, stored, autocast, batch, seq_len, loss_chunk_tokens):
+    """(activations, autocast weight copies) autograd saves in one forward through the trainer's
+    loss (``batches.loss_sum``), autocast around the model's forward only, as accelerate runs it."""
+    from workbook.training.batches import loss_sum
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(TORCH_DTYPES[stored]).train()
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)(model.forward)
+    parameter_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    parameter_shapes = {tuple(p.shape) for p in model.parameters()}
+    activations, weight_copies = {}, {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameter_storages:
+            shape = tuple(tensor.shape)
+            is_copy = tensor.dtype == torch.bfloat16 and autocast and (
+                shape in parameter_shapes or shape[::-1] in parameter_shapes)
+            (weight_copies if is_copy else activations)[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    batch_tensors = {"input_ids": ids, "position_ids": torch.arange(seq_len).repeat(batch, 1), "targets": ids}
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss_sum(model, batch_tensors, torch.device("cpu"), loss_chunk_tokens)
+    return sum(activations.values()), sum(weight_copies.values())
+
+
+@pytest.mark.parametrize("stored, autocast", PRECISIONS)
+def test_the_chunked_loss_saves_no_logits_and_the_plan_holds_one_chunk(stored, autocast):
+    config, batch, seq_len, chunk = small_llama(2), 3, 50, 32
+    full = loss_saved_tensor_bytes(config, stored, autocast, batch, seq_len, loss_chunk_tokens=0)
+    chunked = loss_saved_tensor_bytes(config, stored, autocast, batch, seq_len, loss_chunk_tokens=chunk)
+    log_softmax_output = batch * seq_len * config.vocab_size * 4  # what the full loss saves, fp32
+    reduction_scalar = 4  # the full loss's sum reduction saves a float32 scalar
+    assert chunked == (full[0] - log_softmax_output - reduction_scalar, full[1])  # the same weight copies, no logits
     plan_dtype = "bf16" if autocast else stored
-    measured, planned = {}, {}
-    for layers in (1, 3):
-        config = small_llama(layers)
-        measured[layers], _ = saved_tensor_bytes(config, stored, autocast, batch, seq_len,
-                                                 checkpointing=checkpointing)
-        plan = plan_train(config, micro_batch_size=batch, seq_len=seq_len, dtype=plan_dtype,
-                          mixed_precision=autocast, grad_checkpointing=checkpointing,
-                          gpu_memory_bytes=GiB)
-        planned[layers] = activations_term(plan)
-    # Two more layers add exactly what autograd saves for them (the layer inputs if checkpointed).
-    assert planned[3] - planned[1] == measured[3] - measured[1]
-    if not checkpointing:
-        # The whole model, outside the layers too: the plan's activations plus the fp32
-        # log-softmax output (counted in logits_and_loss) are all autograd saves, but for the
-        # rotary cos/sin tables (one per sequence position, shared by all layers) and the loss.
-        log_softmax_output = batch * seq_len * 128 * 4
-        rotary_tables = 2 * seq_len * 32 * (4 if stored == "fp32" else 2)
-        loss_scalar = 4
-        assert measured[3] == planned[3] + log_softmax_output + rotary_tables + loss_scalar
+    common = dict(micro_batch_size=batch, seq_len=seq_len, dtype=plan_dtype, mixed_precision=autocast,
+                  gpu_memory_bytes=GiB)
+    full_plan = plan_train(config, **common)
+    chunked_plan = plan_train(config, loss_chunk_tokens=chunk, **common)
+    assert activations_term(chunked_plan) == activations_term(full_plan)
+    per_position = term_bytes(full_plan, "logits_and_loss") // (batch * seq_len)
+    assert term_bytes(chunked_plan, "logits_and_loss") == chunk * per_position
+    # All the chunked forward saves is the plan's activations (less the labels it counts apart:
+    # here the input ids themselves).
+    assert chunked[0] == activations_term(chunked_plan) - batch * seq_len * 8
+
+
+def test_the_chunked_loss_plan_is_far_smaller_for_a_large_vocabulary():
+    common = dict(micro_batch_size=8, seq_len=2048, gpu_memory_bytes=A100_80GB_BYTES)
+    full = plan_train(load_config("Llama-3.1-8B"), **common)
+    chunked = plan_train(load_config("Llama-3.1-8B"), loss_chunk_tokens=1024, **common)
+    assert term_bytes(full, "logits_and_loss") == 8 * 2048 * 128256 * 14  # 29.4 GB: the issue's figure
+    assert term_bytes(chunked, "logits_and_loss") == 1024 * 128256 * 14
+    one_b = load_config("Llama-3.2-1B")
+    assert plan_train(one_b, loss_chunk_tokens=1024, **common).max_batch_size > \
+        plan_train(one_b, **common).max_batch_size
 
 
 def test_autocast_weight_copies_equal_the_linear_weights_in_bf16():
@@ -300,19 +393,19 @@ def test_lora_rank_16_on_llama_3_1_8b_has_41_943_040_parameters():
         (hidden + hidden) + (hidden + kv)) * layers
 
 
-def test_lora_counts_the_adapter_a_real_model_would_get():
+def test_lora_counts_the_adapters_peft_puts_on_every_llama_projection():
+    peft = pytest.importorskip("peft")
     config = small_llama(2)
-    model = LlamaForCausalLM(config)
-    rank, expected = 8, 0
-    for name, module in model.named_modules():
-        if name.rsplit(".", 1)[-1] in planner.DEFAULT_LORA_TARGET_MODULES:
-            expected += torch.nn.Linear(module.in_features, rank, bias=False).weight.numel()
-            expected += torch.nn.Linear(rank, module.out_features, bias=False).weight.numel()
+    rank = 8
+    # Llama's seven projections, named here rather than taken from the planner's rule.
+    every_projection = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    adapted = peft.get_peft_model(LlamaForCausalLM(config), peft.LoraConfig(r=rank, target_modules=every_projection))
+    expected = sum(p.numel() for name, p in adapted.named_parameters() if "lora_" in name)
     assert lora_parameter_count(config, rank) == expected
 
 
 def test_lora_unknown_target_names_the_argument_and_the_layers():
-    with pytest.raises(ValueError, match="lora_target_modules.*q_proj"):
+    with pytest.raises(ValueError, match="lora_targets.*q_proj"):
         lora_parameter_count(small_llama(), 8, ["query"])
 
 
@@ -467,3 +560,123 @@ def test_train_validation_names_the_argument(overrides, named):
 def test_dtype_aliases():
     assert weights_bytes(small_llama(), "bfloat16") == weights_bytes(small_llama(), "bf16")
     assert planner.canonical_dtype("Float32") == "fp32"
+
+
+@pytest.mark.parametrize("model", ["Llama-3.2-1B", "Llama-3.1-8B"])
+def test_lora_with_checkpointing_plans_fewer_activations_than_a_full_fine_tune_with_it(model):
+    # Frozen norms save no normalized copy and frozen Linears no input (measured above): the
+    # notebook's curves must show LoRA + checkpointing below full fine-tune + checkpointing.
+    common = dict(micro_batch_size=8, seq_len=2048, gpu_memory_bytes=A100_80GB_BYTES, grad_checkpointing=True)
+    full = plan_train(load_config(model), **common)
+    lora = plan_train(load_config(model), lora_rank=16, **common)
+    assert activations_term(lora) < activations_term(full) and lora.total_bytes < full.total_bytes
+
+
+def test_the_profile_plans_pure_bf16_as_the_trainer_runs_it():
+    from workbook import params
+    from workbook.planner import profile
+    settings = {**params.load_all()["h100"], "model": "llama-3.2-1b", "dtype": "bf16"}
+    pure = profile.plan(settings, mode="train", batch_size=1, seq_len=512, precision="bf16")
+    assert pure.settings["mixed_precision"] is False
+    assert term_bytes(pure, "optimizer_states") == 4 * 1_235_814_400  # two bf16 moments
+    mixed = profile.plan(settings, mode="train", batch_size=1, seq_len=512)
+    assert pure.max_batch_size > mixed.max_batch_size
+    with pytest.raises(ValueError, match="precision bf16 .* needs dtype bf16"):
+        profile.plan({**settings, "dtype": "fp32"}, mode="train", precision="bf16")
+
+
+def test_a_training_setting_that_does_not_fit_lists_planned_changes_cheapest_first():
+    from workbook import params
+    from workbook.planner import fit, profile
+    settings = {**params.load_all()["h100"], "model": "llama-3.2-1b", "dtype": "bf16", "seq_len": 2048}
+    assert not profile.plan(settings, mode="train", batch_size=16).fits
+    options = fit.ways_to_fit(settings, batch_size=16)
+    assert [option["change"] for option in options] == [
+        "precision bf16", "optimizer adamw-8bit", "loss_chunk_tokens 1024", "micro_batch_size 6",
+        "grad_checkpointing true", "offload_activations true", "lora_rank 16", "FSDP over 2 GPUs"]
+    chunked = profile.plan(settings, mode="train", batch_size=16, loss_chunk_tokens=1024)
+    assert options[2]["peak_bytes"] == chunked.total_bytes and options[2]["max_batch_size"] == chunked.max_batch_size
+    assert options[3]["fits"] and options[3]["peak_bytes"] == profile.plan(settings, mode="train", batch_size=6).total_bytes
+    lines = fit.ways_to_fit_lines(options)
+    assert lines[0].startswith("changes that would make it fit") and "loss_chunk_tokens 1024" in lines[3]
+    # A change already in effect is not offered again.
+    checkpointed = fit.ways_to_fit(settings, batch_size=16, grad_checkpointing=True, loss_chunk_tokens=512)
+    assert not {"grad_checkpointing true", "loss_chunk_tokens 1024"} & {o["change"] for o in checkpointed}
+
+
+@pytest.mark.parametrize("lora_rank, stored, autocast", [(0, "fp32", False), (0, "bf16", False), (0, "fp32", True),
+                                                         (8, "fp32", False), (8, "bf16", False)])
+def test_offloaded_activations_are_the_planned_bytes_and_change_no_gradient(lora_rank, stored, autocast):
+    from workbook import models
+    from workbook.training.batches import loss_sum
+    from workbook.training.offload import OffloadActivations
+
+    config, batch, seq_len = small_llama(3), 3, 50
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(TORCH_DTYPES[stored]).train()
+    if lora_rank:
+        model = models.with_lora(model, lora_rank)
+    model.forward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)(model.forward)  # as accelerate
+    ids, labels = torch.randint(0, 128, (batch, seq_len)), torch.randint(0, 128, (batch, seq_len))
+    tensors = {"input_ids": ids, "position_ids": torch.arange(seq_len).repeat(batch, 1), "targets": labels}
+    gradients, host_bytes = [], 0
+    for offload in (False, True):
+        model.zero_grad()
+        hooks = OffloadActivations(model, offload_device_type="cpu")  # the copies a GPU run makes, here on CPU
+        with hooks if offload else contextlib.nullcontext():
+            loss = loss_sum(model, tensors, torch.device("cpu"))
+        loss.backward()
+        gradients.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+        host_bytes = hooks.host_bytes
+    for plain, offloaded in zip(*gradients):
+        torch.testing.assert_close(offloaded, plain, atol=0, rtol=0)
+    plan = plan_train(config, micro_batch_size=batch, seq_len=seq_len, dtype="bf16" if autocast or stored == "bf16"
+                      else "fp32", mixed_precision=autocast, lora_rank=lora_rank, offload_activations=True,
+                      gpu_memory_bytes=GiB)
+    loss_scalar = 4
+    assert host_bytes == plan.settings["offloaded_activation_bytes"] + loss_scalar
+    assert activations_term(plan) < activations_term(plan_train(
+        config, micro_batch_size=batch, seq_len=seq_len, dtype=plan.dtype, mixed_precision=autocast,
+        lora_rank=lora_rank, gpu_memory_bytes=GiB))
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
+@pytest.mark.parametrize("attention", ["document_sdpa", "sdpa_block_mask"])
+def test_packed_rows_saved_bytes_match_the_plan_of_the_attention_path_they_run(attention, lora_rank):
+    """Packed rows (restarting position ids) through the mask-free path and through the 4D-mask fallback
+    (its (batch, 1, seq, seq) additive mask and keys/values repeated per layer): one layer within 2%."""
+    from workbook import models
+    from workbook.training import packed_attention
+    packed_attention.register()
+    batch, seq_len = 3, 50
+    ids = torch.randint(0, 128, (batch, seq_len))
+    position_ids = torch.cat([torch.arange(20), torch.arange(30)]).repeat(batch, 1)
+
+    def measured(layers):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(small_llama(layers)).train()
+        model.config._attn_implementation = "sdpa" if attention == "sdpa_block_mask" else attention
+        model = models.with_lora(model, lora_rank) if lora_rank else model
+        parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        saved = {}
+
+        def pack(tensor):
+            if tensor.untyped_storage().data_ptr() not in parameters:
+                saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+            return tensor
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            model(input_ids=ids, position_ids=position_ids, labels=ids, use_cache=False)
+        return sum(saved.values())
+
+    def planned(layers):
+        return activations_term(plan_train(small_llama(layers), micro_batch_size=batch, seq_len=seq_len, dtype="fp32",
+                                           mixed_precision=False, lora_rank=lora_rank, attn_implementation=attention,
+                                           gpu_memory_bytes=GiB))
+    layer_measured, layer_planned = (measured(3) - measured(1)) // 2, (planned(3) - planned(1)) // 2
+    assert abs(layer_planned - layer_measured) <= 0.02 * layer_measured, (layer_planned, layer_measured)
+    if attention == "sdpa_block_mask":  # the mask alone: one additive fp32 (batch, 1, seq, seq) per layer
+        plain = (plan_train(small_llama(3), micro_batch_size=batch, seq_len=seq_len, dtype="fp32", mixed_precision=False,
+                            lora_rank=lora_rank, gpu_memory_bytes=GiB))
+        assert activations_term(plan_train(small_llama(3), micro_batch_size=batch, seq_len=seq_len, dtype="fp32",
+                                           mixed_precision=False, lora_rank=lora_rank, attn_implementation=attention,
+                                           gpu_memory_bytes=GiB)) - activations_term(plain) >= 3 * batch * seq_len * seq_len * 4

@@ -55,7 +55,11 @@ def kill(node):
 
 def descendants(pid):
     children = []
-    for task in os.listdir(f"/proc/{pid}/task"):
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:  # it exited (and was reaped) while we walked the tree
+        return []
+    for task in tasks:
         try:
             children += [int(child) for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
         except FileNotFoundError:

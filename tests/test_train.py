@@ -119,6 +119,44 @@ def test_packing_reaches_every_attention_kernel_as_separate_sequences(tiny_model
     assert one_row == pytest.approx(two_rows, rel=1e-5)
 
 
+@pytest.mark.parametrize("chunk_tokens", [7, 64, 1000])  # not dividing the 128 positions, one row, all of them
+def test_the_chunked_loss_equals_the_full_loss_in_value_and_gradients(tiny_model_path, tokenizer, chunk_tokens):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).train()
+    records = [{"input": f"What is {i} + {i}?", "output": str(2 * i)} for i in range(6)]
+    examples, _ = sft_examples.tokenize_pairs(records, tokenizer, use_chat_template=False)
+    batch = sft_batches.Collator("packing", 64, PAD_ID)([examples[:3], examples[3:]])  # prompt and padding: ignored
+    losses, gradients = {}, {}
+    for chunk in (0, chunk_tokens):
+        model.zero_grad()
+        loss = sft_batches.loss_sum(model, batch, torch.device("cpu"), loss_chunk_tokens=chunk)
+        loss.backward()
+        losses[chunk] = loss.item()
+        gradients[chunk] = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert losses[chunk_tokens] == pytest.approx(losses[0], rel=1e-6)
+    for name, gradient in gradients[0].items():
+        torch.testing.assert_close(gradients[chunk_tokens][name], gradient, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_a_run_with_the_chunked_loss_trains_as_the_full_loss_does(tmp_path):
+    path = arithmetic_pairs(tmp_path)
+    full = training.train(make_config(tmp_path / "full", path))
+    chunked = training.train(make_config(tmp_path / "chunked", path, loss_chunk_tokens=16))
+    assert [r["loss"] for r in chunked["history"]] == pytest.approx([r["loss"] for r in full["history"]], rel=1e-5)
+    assert chunked["settings"]["loss"] == "chunked cross-entropy, 16 positions per chunk (pure PyTorch)"
+
+
+def test_packed_training_without_a_mask_gives_the_losses_of_the_4d_mask_path(tmp_path, monkeypatch):
+    from workbook.training import packed_attention
+    path = arithmetic_pairs(tmp_path)
+    no_mask = training.train(make_config(tmp_path / "no_mask", path, max_steps=3))
+    assert no_mask["model_description"].endswith("attention document_sdpa")  # packing on CPU: per-example sdpa, no mask
+    # The fallback: transformers' block-causal 4D mask from the restarting position ids, through sdpa.
+    monkeypatch.setattr(packed_attention, "training_attention_for", lambda config, seq_len: "sdpa_block_mask")
+    masked = training.train(make_config(tmp_path / "masked", path, max_steps=3))
+    assert masked["model_description"].endswith("attention sdpa_block_mask")
+    assert [r["loss"] for r in no_mask["history"]] == pytest.approx([r["loss"] for r in masked["history"]], rel=1e-5)
+
+
 def test_auto_max_seq_length_covers_the_data_and_truncation_is_reported(tmp_path, tokenizer):
     assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200]) == 256
     assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200], percentile=50) == 64
@@ -312,6 +350,42 @@ def test_lora_trains_adapters_of_the_size_the_planner_counts_and_saves_only_them
 def arithmetic_pairs(tmp_path, count=24):
     records = [{"input": f"What is {i} + {2 * i}?", "output": str(3 * i)} for i in range(count)]
     return write_jsonl(tmp_path / "pairs.jsonl", records)
+
+
+def test_tensorboard_gets_the_loss_learning_rate_grad_norm_and_throughput_of_every_step(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    result = training.train(make_config(tmp_path, arithmetic_pairs(tmp_path), max_steps=3, report_to="tensorboard"))
+    events = EventAccumulator(str(tmp_path / "out" / "tracking" / "training")).Reload()
+    for name, key in [("train/loss", "loss"), ("train/learning_rate", "learning_rate"),
+                      ("train/grad_norm", "grad_norm"), ("train/tokens_per_second", "tokens_per_second")]:
+        scalars = events.Scalars(name)
+        assert [s.step for s in scalars] == [1, 2, 3], name
+        assert [s.value for s in scalars] == pytest.approx([r[key] for r in result["history"]], rel=1e-5), name
+    assert "train/mfu" not in events.Tags()["scalars"]  # CPU: no peak to measure against, nothing invented
+
+
+def test_report_to_wandb_without_wandb_is_refused_before_any_model_loads(tmp_path, monkeypatch):
+    import importlib.util
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
+    with pytest.raises(training.TrainError, match="report_to: wandb needs the package wandb"):
+        training.train(make_config(tmp_path, report_to="wandb"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_pure_bf16_training_keeps_bf16_weights_and_adamw_states(tmp_path):
+    path = arithmetic_pairs(tmp_path)
+    result = training.train(make_config(tmp_path, path, dtype="bf16", precision="bf16", max_steps=2, save_every_steps=2))
+    assert result["status"] == "finished" and result["settings"]["mixed_precision"] == "no"
+    assert {t.dtype for t in load_file(tmp_path / "out" / "final" / "model.safetensors").values()} == {torch.bfloat16}
+    optimizer = torch.load(checkpoints.latest_checkpoint(tmp_path / "out") / "optimizer.bin", weights_only=True)
+    moments = [state[name] for state in optimizer["state"].values() for name in ("exp_avg", "exp_avg_sq")]
+    assert moments and {m.dtype for m in moments} == {torch.bfloat16}  # 2 + 2 B per parameter, as planned
+
+
+def test_pure_bf16_on_an_fp32_model_is_refused_with_what_to_set(tmp_path):
+    with pytest.raises(training.TrainError, match="precision: bf16 .* needs dtype: bf16"):
+        training.train(make_config(tmp_path, precision="bf16"))
 
 
 def test_resume_continues_from_the_saved_step_with_the_same_optimizer_state(tmp_path):

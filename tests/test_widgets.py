@@ -104,3 +104,18 @@ def test_the_tuner_shows_the_layout_it_plans_a_teacher_bigger_than_one_gpu_with(
     assert layout in tuner.max_batch.value and f"layout {layout}" in tuner.advice.value  # and why
     tuner.tensor_parallel.value = 1  # the whole 70B on each GPU: not even batch 1
     assert tuner.plan.max_batch_size == 0 and "T=1 x D=8" in tuner.max_batch.value
+
+
+def test_the_training_memory_switches_replan_and_an_overfull_setting_lists_what_would_fit(tuner):
+    tuner.mode.value = "train"
+    tuner.model.value = "Llama-3.2-1B"
+    tuner.seq_len.value = 2048
+    tuner.batch_size.value = 32
+    assert "DOES NOT FIT" in tuner.verdict.value and "changes that would make it fit" in tuner.advice.value
+    full_logits = tuner.plan.total_bytes
+    tuner.loss_chunk_tokens.value = 1024
+    assert tuner.plan.settings["loss_chunk_tokens"] == 1024 and tuner.plan.total_bytes < full_logits
+    tuner.precision.value = "bf16"  # the h200 profile's dtype is bf16
+    assert tuner.plan.settings["mixed_precision"] is False
+    tuner.mode.value = "generate"
+    assert tuner.loss_chunk_tokens.disabled and tuner.precision.disabled

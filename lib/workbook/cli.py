@@ -60,9 +60,12 @@ def _cmd_plan(args) -> int:
     overrides = {key: value for key, value in {
         "model": args.model, "dtype": dtype, "prompt_len": args.prompt_len,
         "max_new_tokens": args.new_tokens, "seq_len": args.seq_len, "lora_rank": args.lora_rank,
+        "lora_targets": args.lora_targets,
         "grad_checkpointing": args.grad_checkpointing or None, "safety_margin": args.safety_margin,
         "optimizer": args.optimizer, "sharding": args.sharding, "tensor_parallel_size": args.tensor_parallel_size,
-        "num_nodes": args.num_nodes,
+        "num_nodes": args.num_nodes, "attn_implementation": args.attn_implementation,
+        "loss_chunk_tokens": args.loss_chunk_tokens, "precision": args.precision,
+        "offload_activations": args.offload_activations or None,
     }.items() if value is not None}
     flags = {"max_new_tokens": "--new-tokens"}  # the params key's flag, where the two names differ
     for key, value in overrides.items():
@@ -77,11 +80,17 @@ def _cmd_plan(args) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    options = []
+    if result.mode == "train" and not result.fits:
+        from workbook.planner import fit
+        options = fit.ways_to_fit(profile, batch_size=args.batch_size, **overrides)
     if args.json:
-        print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice()},
-                         indent=2, default=str))
+        print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice(),
+                          "ways_to_fit": options}, indent=2, default=str))
     else:
         print(planner_profile.plan_text(result, profile["profile"]))
+        if options:
+            print("\n".join(fit.ways_to_fit_lines(options)))
     if result.max_batch_size == 0:
         print(f"error: {result.advice()}", file=sys.stderr)
         return 3
@@ -215,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   f"formats; {', '.join(PLAN_DTYPE_ALIASES)} are accepted too)")
     plan_parser.add_argument("--grad-checkpointing", action="store_true", help="plan with activation recomputation")
     plan_parser.add_argument("--lora-rank", type=int, help="LoRA rank (train); 0 = full fine-tune")
+    plan_parser.add_argument("--lora-targets", help="train: comma-separated module names LoRA adapts "
+                                                    "(e.g. q_proj,v_proj); default: every linear projection")
+    plan_parser.add_argument("--attn-implementation", choices=("sdpa", "flash_attention_2", "eager"),
+                             help="default: the profile's attn_implementation")
     plan_parser.add_argument("--optimizer", choices=("adamw", "adamw-8bit"), help="train: optimizer states")
     plan_parser.add_argument("--sharding", choices=("none", "fsdp"),
                              help="train: 'fsdp' shards weights, gradients and optimizer over the profile's GPUs")
@@ -222,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
                              help="generate: shard the model over N GPUs (tensor parallel) and run gpu_count / N copies "
                                   "(data parallel); 'auto' picks the smallest N that fits a useful batch "
                                   "(default: the profile's tensor_parallel_size)")
+    plan_parser.add_argument("--loss-chunk-tokens", type=int,
+                             help="train: the loss over chunks of N positions (0: all logits at once)")
+    plan_parser.add_argument("--precision", choices=("mixed", "bf16"),
+                             help="train: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16 weights and "
+                                  "AdamW states; needs --dtype bf16)")
+    plan_parser.add_argument("--offload-activations", action="store_true",
+                             help="train: saved activations in host memory (about one layer's on the GPU)")
     plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
     plan_parser.add_argument("--num-nodes", type=int, help="machines of the profile's GPUs (default: the profile's "
                              "num_nodes); the plan says what crosses the network between them")

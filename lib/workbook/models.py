@@ -52,13 +52,14 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
     weights (``build_random``). ``sharding``, keyword arguments of ``from_pretrained`` such as
     ``{"distributed_config": DistributedConfig(...)}``, loads this process's shard of the weights onto
     its own device instead (tensor parallel: ``generation.tensor_parallel.sharding_arguments``)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     from workbook import tiny_model
     if is_preset(model):
         return build_random(model, dtype, device, attn_implementation=attn_implementation)
     torch_dtype = _torch_dtype(dtype)
     path = tiny_model.resolve_model_path(model)
+    attn_implementation = runnable_attention(AutoConfig.from_pretrained(path), attn_implementation)
     description = f"{model}: weights from {path}, {DTYPE_NAMES[torch_dtype]}"
     if sharding:  # transformers places each shard on this rank's device
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
@@ -76,11 +77,21 @@ def build_random(model: str, dtype: str | torch.dtype, device: str | torch.devic
 
     from workbook import presets
     torch_dtype = _torch_dtype(dtype)
+    config = presets.load_config(model)
     with torch.device(device):
-        built = AutoModelForCausalLM.from_config(presets.load_config(model), dtype=torch_dtype,
-                                                 attn_implementation=attn_implementation)
+        built = AutoModelForCausalLM.from_config(config, dtype=torch_dtype,
+                                                 attn_implementation=runnable_attention(config, attn_implementation))
     description = f"{model}: preset architecture, random {DTYPE_NAMES[torch_dtype]} weights built on {device}"
     return LoadedModel(built.eval(), description, None)
+
+
+def runnable_attention(config, requested: str) -> str:
+    """``requested``, or eager for a model that refuses sdpa (Gemma-2), as the planner plans it."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from workbook.planner.architectures import attention_implementation_run
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return attention_implementation_run(getattr(model_class, "_supports_sdpa", True), requested)
 
 
 def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -109,17 +120,26 @@ def enable_gradient_checkpointing(model) -> None:
 
 
 def with_lora(model, rank: int, target_modules=None):
-    """LoRA adapters of ``rank`` (alpha 2 x rank, no dropout) on the planner's default targets.
+    """LoRA adapters of ``rank`` (alpha 2 x rank, no dropout) on ``lora_targets(model, target_modules)``:
+    every linear projection by default, the rule the planner counts.
 
     PEFT keeps the adapters in fp32 on a 16-bit base (``autocast_adapter_dtype=True``, its default),
     which is what the planner assumes. Raises ImportError when peft is missing."""
     import peft
 
-    from workbook.planner import DEFAULT_LORA_TARGET_MODULES
-    targets = list(target_modules or DEFAULT_LORA_TARGET_MODULES)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets,
-                             task_type="CAUSAL_LM")
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
+                             target_modules=list(lora_targets(model, target_modules).names))
     return peft.get_peft_model(model, config)
+
+
+def lora_targets(model, target_modules=None):
+    """The module names LoRA adapts on ``model`` and the requested ones that match nothing
+    (``workbook.planner.shape.choose_lora_targets``, the planner's rule)."""
+    from workbook.planner.shape import choose_lora_targets
+    output = model.get_output_embeddings()
+    linear_names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    output_name = next((name for name, module in model.named_modules() if module is output), None)
+    return choose_lora_targets(linear_names, output_name, target_modules)
 
 
 # ----------------------------------------------------------------------------------------------

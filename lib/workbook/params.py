@@ -80,6 +80,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("seq_len", int, "training sequence length in tokens", minimum=1),
     Key("grad_checkpointing", bool, "recompute activations in backward: less memory, ~30% more compute"),
     Key("lora_rank", int, "LoRA rank; 0 trains every weight", minimum=0),
+    Key("lora_targets", str, "comma-separated module names LoRA adapts, e.g. 'q_proj,v_proj'; '' = every linear "
+        "projection of the architecture (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)"),
     Key("safety_margin", float, "fraction of GPU memory the planner keeps free", minimum=0, maximum=0.5),
     Key("cuda_overhead_gib", float, "CUDA context + library workspaces per GPU, GiB (measured or prior)",
         minimum=0),
@@ -155,6 +157,16 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("train_output_dir", str, "checkpoints and the final model; '' = <run folder>/training; an existing "
         "folder with checkpoints resumes"),
     Key("train_processes", int, "training processes, one per GPU (data parallel)", minimum=1),
+    Key("precision", str, "16-bit training: 'mixed' (autocast over fp32 master weights, 16 B/param of states) or "
+        "'bf16' (pure bf16 weights, gradients and AdamW states, 8 B/param; small updates can round away)",
+        choices=("mixed", "bf16")),
+    Key("offload_activations", bool, "move what autograd saves to host memory in forward and back in backward: "
+        "GPU activations of about one layer, PCIe copies every step (GPU only)"),
+    Key("report_to", str, "per-step training metrics (loss, learning rate, grad norm, tokens/s, MFU, memory) to "
+        "TensorBoard (<train_output_dir>/tracking) or Weights & Biases (offline; needs wandb)",
+        choices=("none", "tensorboard", "wandb")),
+    Key("loss_chunk_tokens", int, "0: the loss over all logits at once; N: over chunks of N positions, one chunk's "
+        "logits alive at a time (same loss and gradients, less memory)", minimum=0),
     # Benchmarks (notebook 04/05, `workbook bench`); dtype, prompt_len, seq_len and the peaks above.
     Key("bench_generate_model", str, "model of the generation sweep: 'tiny', a local dir, or a preset (random "
         "weights built on the device)"),
@@ -170,6 +182,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16'", int_list=True),
     Key("bench_train_steps", int, "optimizer steps per training point (the first 2 are warm-up); 0: no training "
         "sweep", minimum=0),
+    Key("bench_train_settings", str, "comma-separated memory settings the training sweep also runs, one point "
+        "each beside the plain one: loss_chunk_tokens, precision_bf16, offload_activations, sdpa_block_mask "
+        "(packing through the 4D-mask fallback); '' = none"),
     # Several nodes (the planner, notebook 01, `workbook plan`).
     Key("num_nodes", int, "machines the job spans, each with gpu_count GPUs (torchrun --nnodes, accelerate launch "
         "--num_machines); the plan says what crosses the network between them", minimum=1),

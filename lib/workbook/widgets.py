@@ -22,11 +22,12 @@ import matplotlib.pyplot as plt
 from IPython.display import clear_output, display
 
 from workbook import plots
-from workbook.planner import profile
+from workbook.planner import fit, profile
 from workbook.units import GiB, format_bytes
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
 LORA_RANKS = (0, 4, 8, 16, 32, 64, 128)
+LOSS_CHUNKS = (0, 512, 1024, 2048, 4096)  # loss_chunk_tokens choices (0: all logits at once)
 CURVE_POINTS = 16
 LABEL_WIDTH = "160px"  # wide enough for the longest label with its unit, at JupyterLab's font size
 # Two plots side by side, 1000 x 320 px at the inline backend's 100 dpi: full size at 1280 px,
@@ -117,6 +118,16 @@ class PlannerTuner:
         self.lora_rank = _labelled(widgets.Dropdown(options=sorted({*LORA_RANKS, params["lora_rank"]}),
                                                     value=params["lora_rank"]), "LoRA rank",
                                    "0: full fine-tune; > 0: train LoRA adapters only, on a frozen base")
+        self.loss_chunk_tokens = _labelled(
+            widgets.Dropdown(options=sorted({*LOSS_CHUNKS, params["loss_chunk_tokens"]}),
+                             value=params["loss_chunk_tokens"]), "loss chunk (tokens)",
+            "0: all logits at once; N: the loss over chunks of N positions (same loss, less memory)")
+        self.precision = _labelled(widgets.Dropdown(options=["mixed", "bf16"], value=params["precision"]),
+                                   "precision", "mixed: autocast over fp32 master weights; bf16: pure bf16 "
+                                   "weights and AdamW states (needs weights dtype bf16)")
+        self.offload_activations = _labelled(widgets.Checkbox(value=params["offload_activations"], indent=True),
+                                             "offload activations", "saved activations in host memory: about one "
+                                             "layer's on the GPU, PCIe copies every step")
         self.verdict = widgets.HTML()
         self.max_batch = widgets.HTML()
         self.advice = widgets.HTML()
@@ -135,14 +146,16 @@ class PlannerTuner:
 
     def _controls(self):
         return (self.model, self.profile, self.dtype, self.mode, self.batch_size, self.tensor_parallel,
-                self.prompt_len, self.new_tokens, self.seq_len, self.grad_checkpointing, self.lora_rank)
+                self.prompt_len, self.new_tokens, self.seq_len, self.grad_checkpointing, self.lora_rank,
+                self.loss_chunk_tokens, self.precision, self.offload_activations)
 
     def _layout(self):
         groups = [
             _group("Model and hardware", [self.model, self.profile, self.dtype]),
             _group("Workload", [self.mode, self.batch_size]),
             _group("Generation", [self.tensor_parallel, self.prompt_len, self.new_tokens], "(mode generate)"),
-            _group("Training", [self.seq_len, self.grad_checkpointing, self.lora_rank], "(mode train)"),
+            _group("Training", [self.seq_len, self.grad_checkpointing, self.lora_rank, self.loss_chunk_tokens,
+                                self.precision, self.offload_activations], "(mode train)"),
         ]
         controls = widgets.HBox(groups, layout=widgets.Layout(flex_flow="row wrap"))
         result = widgets.HBox([self.verdict, self.max_batch],
@@ -155,7 +168,9 @@ class PlannerTuner:
         return {**facts, "model": self.model.value, "dtype": self.dtype.value,
                 "prompt_len": self.prompt_len.value, "max_new_tokens": self.new_tokens.value,
                 "seq_len": self.seq_len.value, "grad_checkpointing": self.grad_checkpointing.value,
-                "lora_rank": self.lora_rank.value, "tensor_parallel_size": self.tensor_parallel.value}
+                "lora_rank": self.lora_rank.value, "tensor_parallel_size": self.tensor_parallel.value,
+                "loss_chunk_tokens": self.loss_chunk_tokens.value, "precision": self.precision.value,
+                "offload_activations": self.offload_activations.value}
 
     def _on_change(self, change) -> None:
         if self._quiet:
@@ -192,8 +207,9 @@ class PlannerTuner:
             self.error.layout.display = None
         for control in (self.tensor_parallel, self.prompt_len, self.new_tokens):
             control.disabled = self.mode.value != "generate"
-        self.seq_len.disabled = self.grad_checkpointing.disabled = self.lora_rank.disabled = \
-            self.mode.value != "train"
+        for control in (self.seq_len, self.grad_checkpointing, self.lora_rank, self.loss_chunk_tokens, self.precision,
+                        self.offload_activations):
+            control.disabled = self.mode.value != "train"
 
     def _show_verdict(self) -> None:
         plan = self.plan
@@ -209,6 +225,8 @@ class PlannerTuner:
         # verdict flips.
         spare = f"{format_bytes(plan.budget_bytes - plan.total_bytes)} of the budget left{per}."
         notes = [plan.advice() or spare, *plan.notes]
+        if plan.mode == "train" and not plan.fits:
+            notes += fit.ways_to_fit_lines(fit.ways_to_fit(self.settings(), batch_size=plan.batch_size))
         self.advice.value = "<br>".join(f"<span style='color:#555'>{html.escape(n)}</span>" for n in notes)
         # The slider spans twice the largest batch that fits (as the curve does), so the interesting
         # part is not squeezed into a few pixels; never below the batch it shows.

@@ -30,7 +30,7 @@ PARAMS_USED = ("profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "pe
                "memory_bandwidth_gbs", "usd_per_gpu_hour", "dtype", "prompt_len", "seq_len", "safety_margin",
                "cuda_overhead_gib", "bench_generate_model", "bench_train_model", "bench_batch_sizes",
                "bench_strategies", "bench_examples", "bench_max_new_tokens", "bench_repeats",
-               "bench_train_micro_batches", "bench_train_steps", "lora_rank")
+               "bench_train_micro_batches", "bench_train_steps", "bench_train_settings", "lora_rank")
 
 
 def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print) -> dict:

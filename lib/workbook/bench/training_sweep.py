@@ -17,17 +17,39 @@ from workbook.planner.profile import Budget
 from workbook.training.config import TIMING_WARMUP_STEPS
 
 
+# bench_train_settings: each names one more point per micro-batch, the plain point with this change.
+MEMORY_SETTINGS = {
+    "loss_chunk_tokens": {"loss_chunk_tokens": 1024},
+    "precision_bf16": {"precision": "bf16"},  # needs dtype bf16 (the GPU profiles')
+    "offload_activations": {"offload_activations": True},
+    "sdpa_block_mask": {"attn_implementation": "sdpa_block_mask"},  # packing through the 4D-mask fallback
+}
+
+
+SETTING_KEYS = ("loss_chunk_tokens", "precision", "offload_activations", "attn_implementation")
+
+
 def training_points(params, device: torch.device) -> list[dict]:
-    """One factor at a time around each micro-batch: the plain point, then checkpointing, compile and
-    length grouping instead of packing (a full grid would cost 8 runs per micro-batch)."""
+    """One factor at a time around each micro-batch: the plain point, then checkpointing, compile,
+    length grouping instead of packing, and each of ``bench_train_settings`` (a full grid would cost
+    8 runs per micro-batch)."""
+    settings = [name.strip() for name in params.get("bench_train_settings", "").split(",") if name.strip()]
+    unknown = [name for name in settings if name not in MEMORY_SETTINGS]
+    if unknown:
+        raise ValueError(f"bench_train_settings: unknown {', '.join(unknown)}; expected some of "
+                         f"{', '.join(MEMORY_SETTINGS)}")
     points = []
     for micro in parse_int_list(params["bench_train_micro_batches"], "bench_train_micro_batches"):
         base = {"micro_batch_size": micro, "grad_checkpointing": False, "torch_compile": False, "padding": "packing"}
-        for change in ({}, {"grad_checkpointing": True}, {"torch_compile": True}, {"padding": "length_grouped"}):
+        changes = [{}, {"grad_checkpointing": True}, {"torch_compile": True}, {"padding": "length_grouped"}]
+        for change in changes + [MEMORY_SETTINGS[name] for name in settings]:
             point = {**base, **change}
             if point["torch_compile"] and device.type != "cuda":
                 point["skipped"] = ("skipped on CPU: compiling takes longer than the whole CPU sweep; "
                                     "measured on a GPU session")
+            if point.get("precision") == "bf16" and run_dtype(params, device) != "bf16":
+                point["skipped"] = (f"skipped: precision bf16 needs dtype bf16, and this sweep runs "
+                                    f"{run_dtype(params, device)} (CPU: fp32)")
             points.append(point)
     return points
 
@@ -50,7 +72,7 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         grad_checkpointing=point["grad_checkpointing"], torch_compile=point["torch_compile"],
         lora_rank=params["lora_rank"], profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
-        budget=Budget.from_params(params),
+        budget=Budget.from_params(params), **{key: point[key] for key in SETTING_KEYS if key in point},
         synthetic_examples=max(64, point["micro_batch_size"] * steps + 8))
     try:
         with NvmlSampler() as sampler:
@@ -73,8 +95,9 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         nvml=sampler.summary(), model=measured["model_description"],
     )
     result["cost"].pop("usd_per_1000_examples", None)
+    extra = "".join(f", {key} {point[key]}" for key in SETTING_KEYS if key in point)
     log(f"train micro-batch {point['micro_batch_size']}, checkpointing {point['grad_checkpointing']}, "
-        f"{point['padding']}: {tokens_per_second or 0:,.0f} tokens/s")
+        f"{point['padding']}{extra}: {tokens_per_second or 0:,.0f} tokens/s")
     return result
 
 

@@ -10,9 +10,10 @@ Everything is in bytes and comes from the architecture alone (no GPU, no weights
     plan.to_dict()             # the same, for a metrics JSON
 
 A plan is a list of ``Term`` s whose bytes add up to ``total_bytes``, the peak on one GPU. It fits
-when ``total_bytes <= capacity_bytes * (1 - safety_margin)``. The formulas assume a Llama-style
-decoder (the presets: Llama, Qwen2, Mistral): RMSNorm, rotary attention with grouped key/value
-heads, a SwiGLU MLP and no dropout, run by transformers 5.x with its default DynamicCache. Every
+when ``total_bytes <= capacity_bytes * (1 - safety_margin)``. The formulas start from a Llama-style
+decoder: RMSNorm, rotary attention with grouped key/value heads, a SwiGLU MLP and no dropout, run by
+transformers 5.x with its default DynamicCache; ``architectures`` says what Mixtral, Qwen-MoE/Qwen3,
+Gemma-2/3, Phi-3 and DeepSeek (MLA) do differently, and refuses what it does not model. Every
 formula lives in one function, with its source; the activation formulas were checked
 tensor by tensor against what autograd saves (tests/test_memory.py).
 
@@ -28,7 +29,8 @@ Conventions, so two readers get the same number:
   Korthikanti et al. 2022, which count the two separately and add them.
 
 Where each part lives:
-- ``shape``: the model's sizes (``model_shape``) and the argument checks;
+- ``shape``: the model's sizes (``model_shape``), LoRA's targets and the argument checks;
+- ``architectures``: each family's differences from Llama, read from the config in one place;
 - ``formulas``: weights, KV cache, LoRA adapters and training activations, one function each;
 - ``plans``: ``Term``, ``Plan``, the budget and the largest-batch search;
 - ``generation`` / ``training``: ``plan_generate`` and ``plan_train``;

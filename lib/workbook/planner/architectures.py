@@ -93,12 +93,62 @@ def describe(config: PretrainedConfig, meta_model: torch.nn.Module, layers: torc
     )
 
 
-def attention_implementation_run(shape, requested: str) -> str:
+def attention_implementation_run(sdpa_supported: bool, requested: str) -> str:
     """The attention the model really runs: transformers loads a model that refuses sdpa (Gemma-2:
-    its soft-capping) with eager when none is named, and refuses sdpa when it is named."""
-    if requested == "sdpa" and not shape.architecture.sdpa_supported:
+    its soft-capping) with eager when none is named, and refuses sdpa when it is named; the planner,
+    the trainer and the finder all ask for this one (``models.load_model`` passes it)."""
+    if requested in ("sdpa", SDPA_BLOCK_MASK, DOCUMENT_SDPA, FLEX_ATTENTION) and not sdpa_supported:
         return "eager"
     return requested
+
+
+# Attention paths of packed training rows (training/packed_attention.py), beside the profile's choices:
+DOCUMENT_SDPA = "document_sdpa"  # sdpa with is_causal over each packed example's span: no mask (CPU)
+FLEX_ATTENTION = "flex_attention"  # transformers' BlockMask from the packed position ids: O(seq) (CUDA)
+SDPA_BLOCK_MASK = "sdpa_block_mask"  # the fallback: sdpa given the block-causal 4D mask masking_utils builds
+PACKED_ATTENTIONS = (DOCUMENT_SDPA, FLEX_ATTENTION, SDPA_BLOCK_MASK)
+
+
+def packed_attention(sdpa_supported: bool, windowed: bool, requested: str, *, on_gpu: bool) -> str:
+    """The attention packed rows run with: no seq x seq mask where possible.
+
+    sdpa becomes flex attention on a GPU (torch has no flex backward on CPU) and ``document_sdpa`` on CPU;
+    flash-attention-2 already unpacks the rows (``batches.Collator(flatten=True)``). A sliding window
+    shorter than the rows, or a model that runs eager (Gemma-2's soft-capping), keeps the model's own mask
+    path: for sdpa the 4D block-causal mask (``SDPA_BLOCK_MASK``, planned with its mask and K/V copies)."""
+    run = attention_implementation_run(sdpa_supported, requested)
+    if run != "sdpa":
+        return run
+    if windowed:
+        return SDPA_BLOCK_MASK
+    return FLEX_ATTENTION if on_gpu else DOCUMENT_SDPA
+
+
+def training_attention(shape, requested: str, padding: str, seq_len: int, *, on_gpu: bool) -> str:
+    """The attention a training run of ``shape`` (a ModelShape) runs with: ``packed_attention`` for packed rows
+    of ``seq_len`` tokens, else the requested one as the model runs it."""
+    if padding != "packing":
+        return attention_implementation_run(shape.architecture.sdpa_supported, requested)
+    windowed = any(window is not None and window < seq_len for window in shape.attention_windows)
+    return packed_attention(shape.architecture.sdpa_supported, windowed, requested, on_gpu=on_gpu)
+
+
+def model_attention(implementation: str) -> str:
+    """The attn_implementation to load a model with for a planned path (the fallback loads plain sdpa)."""
+    return "sdpa" if implementation == SDPA_BLOCK_MASK else implementation
+
+
+def training_notes(architecture: Architecture) -> list[str]:
+    """What a training plan of this architecture estimates rather than counts."""
+    notes = []
+    if architecture.latent_attention:
+        notes.append("compressed-latent attention (MLA): its saved activations are estimated with the standard "
+                     "attention formula, not measured tensor by tensor; the experts and the KV cache are exact")
+    if architecture.moe is not None:
+        notes.append(f"mixture of experts: {architecture.moe.experts_per_token} of {architecture.moe.num_experts} "
+                     "experts per token; grouped_mm experts run in the weights' dtype (fp32 master weights "
+                     "under autocast)")
+    return notes
 
 
 def _kv_cache(text: PretrainedConfig) -> dict:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from workbook.planner.architectures import attention_implementation_run
+from workbook.planner.architectures import DOCUMENT_SDPA, SDPA_BLOCK_MASK, attention_implementation_run
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES,
     QUANTIZED_DTYPES,
@@ -207,10 +207,21 @@ def attention_saved_bytes_per_token(
 ) -> int:
     """The attention half of a layer, with the norm before it (and after it: Gemma)."""
     architecture = shape.architecture
-    attn_implementation = attention_implementation_run(shape, attn_implementation)  # Gemma-2: eager, not sdpa
-    p = precision.compute_bytes
     norms = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 3)
     norms += _post_norm_bytes_per_token(shape)
+    p = precision.compute_bytes
+    return (norms + attention_core_bytes_per_token(shape, p, attn_implementation, seq_len, windowed=windowed)
+            + _attention_variant_bytes_per_token(shape, p))
+
+
+def attention_core_bytes_per_token(
+    shape: ModelShape, p: int, attn_implementation: str, seq_len: int, *, windowed: bool = False
+) -> int:
+    """What the attention itself saves, whether its projections train or not: rotated q, k, v, the output and
+    the logsumexp (eager: the probabilities; a window: its mask and keys/values repeated to every head)."""
+    architecture = shape.architecture
+    attn_implementation = attention_implementation_run(architecture.sdpa_supported, attn_implementation)  # Gemma-2
+    windowed = windowed or attn_implementation == SDPA_BLOCK_MASK  # packed rows' 4D mask: as a window's
     if attn_implementation == "eager":
         # Softmax runs in fp32 and is cast back to p; in pure fp32 the cast is the same tensor.
         probabilities_bytes = FP32_BYTES + (p if p != FP32_BYTES else 0)
@@ -231,7 +242,9 @@ def attention_saved_bytes_per_token(
         attention = p * (2 * shape.query_width + 2 * key_value_width)
         attention += FP32_BYTES * shape.num_attention_heads  # logsumexp kept for backward
         attention += p * seq_len if windowed else 0
-    return norms + attention + _attention_variant_bytes_per_token(shape, p)
+        if attn_implementation == DOCUMENT_SDPA:  # each example's output is joined into one o_proj input
+            attention += p * shape.query_width
+    return attention
 
 
 def mlp_saved_bytes_per_token(shape: ModelShape, precision: Precision, *, routed: bool = False) -> int:
@@ -265,7 +278,7 @@ def _attention_variant_bytes_per_token(shape: ModelShape, p: int) -> int:
     return extra
 
 
-def experts_saved_bytes_per_token(shape: ModelShape, precision: Precision) -> int:
+def experts_saved_bytes_per_token(shape: ModelShape, precision: Precision, *, frozen: bool = False) -> int:
     """A mixture-of-experts MLP, per token (transformers 5.x grouped_mm experts, its default).
 
     Each of the top-k routed experts saves its gathered input and its output (2 h) and gate|up, silu(gate) and
@@ -273,13 +286,15 @@ def experts_saved_bytes_per_token(shape: ModelShape, precision: Precision) -> in
     dtype (fp32 master weights under autocast). Add the int64 ids of the routing (top-k, the sort's gather,
     the un-permute), the router's fp32 softmax (Mixtral/Qwen; DeepSeek's grouped sigmoid router is close),
     the top-k weights, and the shared experts as a dense SwiGLU (Qwen2-MoE also gates them with a sigmoid).
+    ``frozen`` (LoRA): down projections save no input (the SwiGLU product) and the experts' output is not kept.
     """
     moe = shape.architecture.moe
     h, k, p = shape.hidden_size, moe.experts_per_token, precision.compute_bytes
-    routed = k * (2 * h + 4 * moe.expert_intermediate_size) * precision.residual_bytes
+    per_expert_values = h + 3 * moe.expert_intermediate_size if frozen else 2 * h + 4 * moe.expert_intermediate_size
+    routed = k * per_expert_values * precision.residual_bytes
     routing_ids = 4 * k * INT64_BYTES
     router = FP32_BYTES * (moe.num_experts + k) + (FP32_BYTES * (k + 1) if moe.normalizes_top_k else 0)
-    shared = 4 * p * moe.shared_intermediate_size
+    shared = (3 if frozen else 4) * p * moe.shared_intermediate_size
     if moe.shared_expert_gate:  # sigmoid(gate) x shared output saves both
         shared += p * (h + 1)
     return routed + routing_ids + router + shared

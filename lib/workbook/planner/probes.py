@@ -191,7 +191,9 @@ def prove_batch_size(params, mode: str, *, device: str | torch.device, log=print
     start = profile.resolve_batch_size(params, mode)
     dtype, lora = params["dtype"], mode == "train" and params["lora_rank"] > 0
     mixed = mode == "train" and not lora and dtype != "fp32"
-    loaded = models.load_model(params["model"], "fp32" if mixed else dtype, device)
+    # The attention and the LoRA targets the planner assumed (profile.plan reads the same keys).
+    loaded = models.load_model(params["model"], "fp32" if mixed else dtype, device,
+                               attn_implementation=params.get("attn_implementation", "sdpa"))
     model = loaded.model
     if mode == "generate":
         generator = torch.Generator().manual_seed(0)
@@ -201,7 +203,7 @@ def prove_batch_size(params, mode: str, *, device: str | torch.device, log=print
         if params["grad_checkpointing"]:
             models.enable_gradient_checkpointing(model)
         if lora:
-            model = models.with_lora(model, params["lora_rank"])
+            model = models.with_lora(model, params["lora_rank"], params.get("lora_targets", ""))
         probe = training_probe(model, params["seq_len"],
                                autocast_dtype=models.TORCH_DTYPES[dtype] if mixed else None)
 

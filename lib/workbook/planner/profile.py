@@ -17,6 +17,7 @@ from typing import Callable, ClassVar
 
 from workbook import presets
 from workbook.params import AUTO, PLAN_MODES
+from workbook.planner.architectures import training_attention
 from workbook.planner.generation import plan_generate
 from workbook.planner.layout import LayoutError, check_tensor_parallel_size, choose_tensor_parallel_size
 from workbook.planner.network import network_traffic, traffic_line
@@ -73,7 +74,8 @@ def capacity_bytes(params) -> int:
 
 
 def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, new_tokens: int,
-                  dtype: str, tensor_parallel_size: int = 1, backend: str = "static") -> Plan:
+                  dtype: str, tensor_parallel_size: int = 1, backend: str = "static",
+                  attn_implementation: str = "sdpa") -> Plan:
     """Generation plans T x D GPUs: groups of ``tensor_parallel_size`` GPUs each hold one sharded copy
     of the model, and the profile's other GPUs run more such groups (data parallel). T = 1 is plain
     data parallel, every GPU holding the whole model; nothing else is planned, since nothing else runs.
@@ -92,6 +94,7 @@ def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, ne
     return plan_generate(model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype, batch_size=batch_size,
                          gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                          safety_margin=budget.safety_margin, tensor_parallel_size=tensor_parallel_size,
+                         attn_implementation=attn_implementation,
                          data_parallel_size=max(gpus // tensor_parallel_size, 1))
 
 
@@ -106,13 +109,24 @@ def tensor_parallel_size(settings, config, budget: Budget, make: Callable[[int, 
 
 
 def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
-               lora_rank: int, optimizer: str = "adamw", sharding: str = "none", num_nodes: int = 1) -> Plan:
+               lora_rank: int, optimizer: str = "adamw", sharding: str = "none", num_nodes: int = 1,
+               lora_targets: str = "", attn_implementation: str = "sdpa", loss_chunk_tokens: int = 0,
+               precision: str = "mixed", offload_activations: bool = False) -> Plan:
     """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs on each of
     ``num_nodes`` nodes, with mixed precision (fp32 master weights under autocast) whenever the dtype
-    is 16-bit: what the trainer runs."""
+    is 16-bit and ``precision`` is 'mixed', pure bf16 weights and states when it is 'bf16': what the
+    trainer runs."""
+    if precision not in ("mixed", "bf16"):
+        raise ValueError(f"precision {precision!r}: expected mixed or bf16")
+    if precision == "bf16" and dtype != "bf16":
+        raise ValueError(f"precision bf16 trains bf16 weights and needs dtype bf16 (not {dtype}): "
+                         "add --dtype bf16, or use precision mixed")
     return plan_train(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-                      mixed_precision=dtype != "fp32", grad_checkpointing=grad_checkpointing, lora_rank=lora_rank,
-                      optimizer=optimizer, sharding=sharding, gpu_count=max(budget.gpu_count, 1) * num_nodes,
+                      mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing,
+                      lora_rank=lora_rank, lora_target_modules=lora_targets, attn_implementation=attn_implementation,
+                      optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
+                      offload_activations=offload_activations,
+                      gpu_count=max(budget.gpu_count, 1) * num_nodes,
                       gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
                       safety_margin=budget.safety_margin)
 
@@ -138,7 +152,8 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
         def make_at(batch: int, size: int) -> Plan:
             return generate_plan(config, budget, batch_size=batch, prompt_len=settings["prompt_len"],
                                  new_tokens=settings["max_new_tokens"], dtype=settings["dtype"],
-                                 tensor_parallel_size=size, backend=settings.get("backend", "static"))
+                                 tensor_parallel_size=size, backend=settings.get("backend", "static"),
+                                 attn_implementation=settings.get("attn_implementation", "sdpa"))
         size, why = tensor_parallel_size(settings, config, budget, make_at)
 
         def make(batch: int) -> Plan:
@@ -147,11 +162,20 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
             return made
         wanted = settings["batch_size"] if batch_size is None else batch_size
     elif mode == "train":
+        # Packed rows run the attention path the trainer picks for them (no seq x seq mask where it can).
+        attention = training_attention(model_shape(config), settings.get("attn_implementation", "sdpa"),
+                                       settings.get("padding", "packing"), settings["seq_len"],
+                                       on_gpu=budget.gpu_count > 0)
+
         def make(batch: int) -> Plan:
             return train_plan(config, budget, micro_batch_size=batch, seq_len=settings["seq_len"],
                               dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
                               lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
-                              sharding=settings.get("sharding", "none"), num_nodes=num_nodes)
+                              sharding=settings.get("sharding", "none"), num_nodes=num_nodes,
+                              lora_targets=settings.get("lora_targets", ""), attn_implementation=attention,
+                              loss_chunk_tokens=settings.get("loss_chunk_tokens", 0),
+                              precision=settings.get("precision", "mixed"),
+                              offload_activations=settings.get("offload_activations", False))
         wanted = settings["micro_batch_size"] if batch_size is None else batch_size
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")

@@ -16,12 +16,10 @@ from workbook.planner.architectures import Architecture, describe, refuse_unsupp
 BITS_PER_PARAMETER = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 QUANTIZED_DTYPES = ("int8", "int4")  # weights only: compute and KV cache run in bf16
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")  # training also: architectures.PACKED_ATTENTIONS
 OPTIMIZERS = ("adamw", "adamw-8bit")
 SHARDINGS = ("none", "fsdp")
-DEFAULT_LORA_TARGET_MODULES = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
-)
+DEFAULT_LORA_TARGET_MODULES = ""  # every linear projection of the architecture (choose_lora_targets)
 
 
 FP32_BYTES = 4
@@ -191,28 +189,59 @@ def has_window(shape: ModelShape) -> bool:
 
 
 def target_names(target_modules) -> tuple[str, ...]:
+    """'q_proj, v_proj' or a list -> ('q_proj', 'v_proj'); '' or None -> () (= every linear projection)."""
+    if not target_modules:
+        return ()
     if isinstance(target_modules, str):
         return tuple(name.strip() for name in target_modules.split(",") if name.strip())
     return tuple(target_modules)
 
 
+@dataclass(frozen=True)
+class LoraTargets:
+    """The module names LoRA adapts, as PEFT's ``target_modules`` takes them, and requested names that match
+    no ``nn.Linear`` (a warning: a typo, or a projection another architecture names differently)."""
 
-def lora_targets(shape: ModelShape, target_modules) -> list[LinearLayer]:
-    if isinstance(target_modules, str):
-        target_modules = [name.strip() for name in target_modules.split(",") if name.strip()]
-    targeted = [
-        layer
-        for layer in shape.linear_layers
-        if any(layer.name == t or layer.name.endswith("." + t) for t in target_modules)
-    ]
-    if not targeted:
-        available = sorted({layer.name.rsplit(".", 1)[-1] for layer in shape.linear_layers})
-        raise ValueError(
-            f"lora_target_modules {list(target_modules)} match no Linear layer of {shape.name}; "
-            f"its Linear layers are named: {', '.join(available)}"
-        )
-    return targeted
+    names: tuple[str, ...]
+    unmatched: tuple[str, ...]
 
+
+def choose_lora_targets(linear_names, output_embedding_name: str | None, requested=None) -> LoraTargets:
+    """The one rule for LoRA's targets, used by the planner (the meta model) and the trainer (the real one).
+
+    ``linear_names``: qualified names of the model's ``nn.Linear`` modules. Nothing requested ('' or None):
+    every linear projection except the lm_head, by its last name part (Llama: q_proj ... down_proj; Phi-3:
+    qkv_proj, o_proj, gate_up_proj, down_proj; DeepSeek: q_a_proj, kv_a_proj_with_mqa, kv_b_proj, ...).
+    Mixture-of-experts experts are 3-D parameters, no ``nn.Linear``: LoRA never adapts them. Requested
+    names match like PEFT's: the full name, or its ending after a dot.
+    """
+    linear_names = [name for name in linear_names if name != output_embedding_name]
+    requested = target_names(requested)
+    if not requested:
+        return LoraTargets(tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear_names)), ())
+
+    def matches(name: str, target: str) -> bool:
+        return name == target or name.endswith("." + target)
+
+    unmatched = tuple(t for t in requested if not any(matches(name, t) for name in linear_names))
+    if len(unmatched) == len(requested):
+        available = sorted({name.rsplit(".", 1)[-1] for name in linear_names})
+        raise ValueError(f"lora_targets {list(requested)} match no Linear layer of the model; its Linear layers "
+                         f"are named: {', '.join(available)} (leave lora_targets empty to adapt all of them)")
+    return LoraTargets(tuple(t for t in requested if t not in unmatched), unmatched)
+
+
+def lora_target_choice(shape: ModelShape, target_modules=None) -> LoraTargets:
+    """``choose_lora_targets`` on the Linear layers of ``shape``."""
+    output = next((layer.name for layer in shape.linear_layers if layer.is_output_embedding), None)
+    return choose_lora_targets([layer.name for layer in shape.linear_layers], output, target_modules)
+
+
+def lora_targets(shape: ModelShape, target_modules=None) -> list[LinearLayer]:
+    """The Linear layers of ``shape`` LoRA adapts."""
+    names = lora_target_choice(shape, target_modules).names
+    return [layer for layer in shape.linear_layers if not layer.is_output_embedding
+            and any(layer.name == t or layer.name.endswith("." + t) for t in names)]
 
 
 # ----------------------------------------------------------------------------------------------

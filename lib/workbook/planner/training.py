@@ -9,10 +9,13 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from workbook.planner.architectures import attention_implementation_run
+from workbook.planner.architectures import PACKED_ATTENTIONS, attention_implementation_run, training_notes
 from workbook.planner.formulas import (
-    Precision, decoder_activation_bytes_per_token, layer_activation_bytes_per_token, lora_parameter_count, norm_saved_bytes_per_token,
-    training_precision, weights_bytes, weights_explanation,
+    Precision, decoder_activation_bytes_per_token, layer_activation_bytes_per_token, lora_parameter_count,
+    norm_saved_bytes_per_token, training_precision, weights_bytes, weights_explanation,
+)
+from workbook.planner.lora_activations import (
+    frozen_norm_bytes_per_token, lora_decoder_bytes_per_token, lora_layer_bytes_per_token,
 )
 from workbook.planner.plans import (
     DEFAULT_FRAGMENTATION_FRACTION, DEFAULT_OVERHEAD_BYTES, DEFAULT_SAFETY_MARGIN, Plan, Term, check_overheads,
@@ -20,8 +23,8 @@ from workbook.planner.plans import (
 )
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES, OPTIMIZERS,
-    QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_targets,
-    model_shape, positive_bytes, require_non_negative, require_positive, target_names,
+    QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_target_choice, lora_targets,
+    model_shape, positive_bytes, require_non_negative, require_positive,
 )
 
 # 8-bit Adam (bitsandbytes) keeps one fp32 absmax per block of 256 values of each of its two states.
@@ -43,6 +46,8 @@ def plan_train(
     sharding: str = "none",
     gpu_count: int = 1,
     attn_implementation: str = "sdpa",
+    loss_chunk_tokens: int = 0,
+    offload_activations: bool = False,
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
     fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -63,15 +68,19 @@ def plan_train(
     and optimizer states. ``sharding="fsdp"`` (FSDP / ZeRO-3) divides weights, gradients and
     optimizer states by ``gpu_count`` and adds the all-gathered layers; activations are never
     sharded. Without sharding every GPU holds a full replica (DDP) plus its gradient buckets.
+    ``loss_chunk_tokens`` > 0: the loss runs over chunks of that many positions, so only one
+    chunk's logits (and their gradient) exist at a time (``training.chunked_loss``).
+    ``offload_activations``: what autograd saves moves to host memory in forward
+    (``training.offload``); the GPU holds what backward unpacks, at most one layer's saved tensors.
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
     require_positive(micro_batch_size=micro_batch_size, seq_len=seq_len, gpu_count=gpu_count)
     gpu_memory_bytes = positive_bytes("gpu_memory_bytes", gpu_memory_bytes)
-    require_non_negative(lora_rank=lora_rank)
+    require_non_negative(lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens)
     check_choice("optimizer", optimizer, OPTIMIZERS)
     check_choice("sharding", sharding, SHARDINGS)
-    check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS)
+    check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS + PACKED_ATTENTIONS)
     check_overheads(overhead_bytes, fragmentation_fraction, safety_margin)
     lora = lora_rank > 0
     if dtype in QUANTIZED_DTYPES and not lora:
@@ -95,24 +104,38 @@ def plan_train(
         terms = state_terms + [
             _training_activations_term(
                 shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
-                lora_rank, lora_target_modules, mixed_precision,
+                lora_rank, lora_target_modules, mixed_precision, offload_activations,
             ),
-            _training_logits_term(shape, precision, batch, seq_len),
+            _training_logits_term(shape, precision, batch, seq_len, loss_chunk_tokens),
         ]
         return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
 
-    notes = []
+    notes, host = [], 0
+    if offload_activations:
+        saved = _training_activations_term(shape, precision, micro_batch_size, seq_len, grad_checkpointing,
+                                           attn_implementation, lora_rank, lora_target_modules, mixed_precision)
+        # Every saved tensor but the parameters: the activations, the loss's fp32 log-softmax output
+        # and autocast's weight copies (which the autocast cache also holds on the GPU until the
+        # forward ends: that term stays).
+        log_softmax = 0 if loss_chunk_tokens else micro_batch_size * seq_len * shape.vocab_size * FP32_BYTES
+        casts = sum(term.bytes for term in state_terms if term.name == "autocast_weight_copies")
+        host = saved.bytes + log_softmax + casts
+        notes.append(f"offload_activations: {host:,} bytes of saved activations in pinned host memory per "
+                     "micro-batch (not GPU memory; with checkpointing it includes the one recomputed layer, which stays on "
+                     "the GPU: an upper bound); each step copies them over PCIe twice")
     if shape.max_position_embeddings and seq_len > shape.max_position_embeddings:
         notes.append(
             f"seq_len {seq_len} exceeds the model's max_position_embeddings "
             f"({shape.max_position_embeddings})"
         )
-    if attention_implementation_run(shape, attn_implementation) != attn_implementation:
+    notes += training_notes(shape.architecture)
+    if attention_implementation_run(shape.architecture.sdpa_supported, attn_implementation) != attn_implementation:
         notes.append(f"{shape.name} refuses {attn_implementation} (transformers: _supports_sdpa = False); "
                      "planned with the eager attention it runs")
     if lora:
-        notes.append("LoRA activations add each adapter's saved input to the full fine-tune "
-                     "formula: an upper bound, not measured against PEFT")
+        notes.append(f"LoRA targets: {', '.join(lora_target_choice(shape, lora_target_modules).names)}")
+        notes += [f"lora target {name!r} matches no Linear layer of {shape.name}"
+                  for name in lora_target_choice(shape, lora_target_modules).unmatched]
     return make_plan(
         mode="train", shape=shape, dtype=dtype, batch_size=micro_batch_size,
         lengths={"seq_len": seq_len},
@@ -121,9 +144,12 @@ def plan_train(
             "optimizer": optimizer,
             "grad_checkpointing": grad_checkpointing,
             "lora_rank": lora_rank,
-            "lora_target_modules": list(target_names(lora_target_modules)) if lora else [],
+            "lora_target_modules": list(lora_target_choice(shape, lora_target_modules).names) if lora else [],
             "sharding": sharding,
             "attn_implementation": attn_implementation,
+            "loss_chunk_tokens": loss_chunk_tokens,
+            "offload_activations": offload_activations,
+            "offloaded_activation_bytes": host,
             "overhead_bytes": overhead_bytes,
             "fragmentation_fraction": fragmentation_fraction,
         },
@@ -224,57 +250,68 @@ def _fsdp_gather_term(shape: ModelShape, precision: Precision) -> Term:
 
 def _training_activations_term(
     shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
-    lora_rank, lora_target_modules, mixed_precision,
+    lora_rank, lora_target_modules, mixed_precision, offload: bool = False,
 ) -> Term:
     tokens = batch * seq_len
-    per_layer = tokens * layer_activation_bytes_per_token(
-        shape, precision, attn_implementation, seq_len
-    )
-    # Outside the layers: the final norm and the lm_head's input, plus token ids and labels.
-    outside = tokens * (
-        norm_saved_bytes_per_token(shape, precision, consuming_linears=1) + 2 * INT64_BYTES
-    )
-    lora_extra = 0
+    h = shape.hidden_size
     if lora_rank > 0:
-        # Each adapter's A saves its input and B saves A's output (rank values), in bf16 under
-        # autocast, else in the adapter's fp32 (PEFT casts the input to the adapter dtype).
-        adapter_bytes = precision.compute_bytes if mixed_precision else FP32_BYTES
-        per_model = sum(
-            (layer.in_features + lora_rank) * adapter_bytes
-            for layer in lora_targets(shape, lora_target_modules)
-        )
-        lora_extra = tokens * per_model // shape.num_layers  # targets are spread over the layers
+        adapters = (lora_rank, lora_target_modules, mixed_precision)
+        all_layers = tokens * lora_decoder_bytes_per_token(shape, precision, attn_implementation, seq_len, *adapters)
+        one_layer = tokens * lora_layer_bytes_per_token(shape, precision, attn_implementation, seq_len, *adapters)
+        # Frozen embedding and lm_head save no ids and no input; the frozen final norm saves its
+        # fp32 input and rsqrt, as the first layer's norm would if its input needed a gradient.
+        outside = tokens * (INT64_BYTES + (frozen_norm_bytes_per_token(h) if grad_checkpointing else 0))
+    else:
+        one_layer = tokens * layer_activation_bytes_per_token(shape, precision, attn_implementation, seq_len)
+        all_layers = tokens * decoder_activation_bytes_per_token(shape, precision, attn_implementation, seq_len)
+        # Outside the layers: the final norm and the lm_head's input, plus token ids and labels.
+        outside = tokens * (norm_saved_bytes_per_token(shape, precision, consuming_linears=1) + 2 * INT64_BYTES)
+    # The rotary cos and sin of every position (the trainer passes position ids per row), in the
+    # residual dtype, shared by all layers.
+    rotary = tokens * 2 * shape.head_dim * precision.residual_bytes
     if grad_checkpointing:
         # Each layer keeps only its input; backward recomputes one layer at a time (Chen et al.
         # 2016, "Training Deep Nets with Sublinear Memory Cost"; transformers checkpoints each
-        # decoder layer).
-        boundaries = shape.num_layers * tokens * shape.hidden_size * precision.residual_bytes
-        total = boundaries + per_layer + lora_extra + outside
+        # decoder layer). On an fp32 residual stream the recomputed layer's first norm saves that
+        # same input (its cast to fp32 is a no-op): counted once.
+        boundaries = shape.num_layers * tokens * h * precision.residual_bytes
+        shared_input = tokens * h * FP32_BYTES if precision.residual_bytes == FP32_BYTES else 0
+        total = boundaries + one_layer - shared_input + outside + rotary
         how = (f"checkpointed: {shape.num_layers} layer inputs ({tokens:,} tokens x "
-               f"{shape.hidden_size} x {precision.residual_bytes} B) + one layer recomputed "
-               f"({per_layer:,} B)")
+               f"{h} x {precision.residual_bytes} B) + one layer recomputed "
+               f"({one_layer - shared_input:,} B)")
     else:
-        all_layers = tokens * decoder_activation_bytes_per_token(shape, precision, attn_implementation, seq_len)
-        total = all_layers + shape.num_layers * lora_extra + outside
-        how = (f"{shape.num_layers} layers x {(all_layers // shape.num_layers) + lora_extra:,} B saved for backward "
+        total = all_layers + outside + rotary
+        how = (f"{shape.num_layers} layers x {all_layers // shape.num_layers:,} B saved for backward "
                f"({tokens:,} tokens, {attn_implementation})")
-    return Term("activations", total, how + " + final norm and token ids")
+    lora = f", LoRA rank {lora_rank} (frozen norms, adapter inputs and rank-wide outputs)" if lora_rank > 0 else ""
+    if offload:
+        # training.offload: every saved tensor goes to the host in forward; backward unpacks one
+        # node's at a time, within one layer's (an upper bound); checkpointing recomputes one layer.
+        return Term("activations", one_layer, f"offloaded to host memory ({total:,} B there, see notes); on the "
+                                              f"GPU at most one layer's saved tensors in backward ({one_layer:,} B){lora}")
+    return Term("activations", total, how + lora + " + final norm, token ids and rotary cos/sin")
 
 
 def _training_logits_term(
-    shape: ModelShape, precision: Precision, batch: int, seq_len: int
+    shape: ModelShape, precision: Precision, batch: int, seq_len: int, loss_chunk_tokens: int = 0
 ) -> Term:
     # transformers' ForCausalLMLoss upcasts the logits to fp32 and runs cross_entropy; backward of
     # its log_softmax holds the saved fp32 output, the incoming fp32 gradient and the outgoing
-    # one at once, while the model output keeps the logits in the compute dtype.
+    # one at once, while the model output keeps the logits in the compute dtype. The chunked loss
+    # holds the same per position, for one chunk only (its backward: logits, fp32 softmax, gradient).
     p = precision.compute_bytes
-    logits = batch * seq_len * shape.vocab_size
+    tokens = batch * seq_len
+    if loss_chunk_tokens > 0:
+        tokens = min(tokens, loss_chunk_tokens)
+        which = f"one chunk of {tokens} positions (loss_chunk_tokens {loss_chunk_tokens})"
+    else:
+        which = f"{batch} x {seq_len} tokens"
     # Gemma-2 soft-caps the logits (cap x tanh(logits / cap)): tanh keeps its output for backward.
     softcap = p if shape.architecture.final_logit_softcapping else 0
     return Term(
-        "logits_and_loss", logits * (p + softcap + 3 * FP32_BYTES),
-        f"{batch} x {seq_len} tokens x {shape.vocab_size:,} vocab x ({p} B logits"
+        "logits_and_loss", tokens * shape.vocab_size * (p + softcap + 3 * FP32_BYTES),
+        f"{which} x {shape.vocab_size:,} vocab x ({p} B logits"
         + (f" + {p} B soft-capping's tanh" if softcap else "")
         + " + 3 x 4 B: fp32 log-softmax output and its gradient in and out)",
     )
-

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from workbook.jsonl import DataError
+from workbook.training.chunked_loss import loss_sum_chunked
 from workbook.training.examples import IGNORE_INDEX, TokenizedExample
 
 # Length-grouped batching sorts lengths inside windows of this many micro-batches (as the HF
@@ -183,12 +184,17 @@ class Collator:
         }
 
 
-def loss_sum(model, batch: dict, device: torch.device) -> torch.Tensor:
-    """Sum of the next-token cross-entropy over the batch's loss tokens, in float32."""
+def loss_sum(model, batch: dict, device: torch.device, loss_chunk_tokens: int = 0) -> torch.Tensor:
+    """Sum of the next-token cross-entropy over the batch's loss tokens, in float32.
+
+    ``loss_chunk_tokens`` > 0: over chunks of that many positions, never all logits at once
+    (``chunked_loss``); the same value and gradients."""
     input_ids = batch["input_ids"].to(device, non_blocking=True)
     position_ids = batch["position_ids"].to(device, non_blocking=True)
     targets = batch["targets"].to(device, non_blocking=True)
     # No attention mask and no cache: position ids that restart mark packed examples (module docstring).
+    if loss_chunk_tokens > 0:
+        return loss_sum_chunked(model, input_ids, position_ids, targets, loss_chunk_tokens)
     logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits
     return torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
                                              ignore_index=IGNORE_INDEX, reduction="sum")

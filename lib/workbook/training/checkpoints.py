@@ -32,7 +32,7 @@ def fingerprint(config, prepared, run) -> dict:
             "micro_batch_size": run.micro_batch_size, "effective_batch_rows": run.effective_batch_rows,
             "learning_rate": run.learning_rate, "total_steps": run.total_steps,
             "warmup_steps": config.warmup_steps, "lora_rank": config.lora_rank, "optimizer": config.optimizer,
-            "dtype": config.dtype, "seed": config.seed}
+            "dtype": config.dtype, "precision": config.precision, "seed": config.seed}
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:

@@ -17,19 +17,20 @@ from workbook.planner.profile import Budget
 # Keys of a params profile this module reads; notebook 03 declares each of them.
 PARAMS_USED = (
     "profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour",
-    "model", "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "safety_margin", "cuda_overhead_gib",
+    "model", "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "lora_targets", "safety_margin", "cuda_overhead_gib",
     "train_data_path", "on_bad_line", "input_field", "output_field", "use_chat_template", "max_seq_length",
     "length_percentile", "padding", "validation_fraction", "learning_rate", "lr_scaling", "base_batch",
     "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32",
     "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps",
-    "train_output_dir", "train_processes",
-    "eval_prompts_path",
+    "train_output_dir", "train_processes", "loss_chunk_tokens", "report_to", "precision",
+    "eval_prompts_path", "offload_activations",
     "output_path",  # where notebook 02 wrote its outputs: the default training data
     "verifier",  # set: notebook 02 verified its outputs, and the accepted ones are the default training data
 )
 TRAINING_DIR_NAME = "training"  # train_output_dir '' -> <run folder>/training/
 RESULT_FILE = "training_result.json"
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
+PRECISIONS = ("mixed", "bf16")  # autocast over fp32 master weights | pure bf16 weights, gradients and AdamW states
 SEED = 0  # data order, validation split and LoRA initialisation
 TIMING_WARMUP_STEPS = 2  # steps left out of the steady-state tokens/s
 MAX_GRAD_NORM = 1.0  # gradient clipping, the HF Trainer's default
@@ -68,6 +69,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     optimizer: str = "adamw"
     lora_rank: int = 0
+    lora_targets: str = ""  # '' = every linear projection (planner.shape.choose_lora_targets)
     dtype: str = "fp32"
     tf32: bool = False
     grad_checkpointing: bool = False
@@ -77,6 +79,10 @@ class TrainConfig:
     pin_memory: bool = False
     prefetch_factor: int = 2
     save_every_steps: int = 0
+    loss_chunk_tokens: int = 0  # 0: full logits; N: the loss over chunks of N positions (chunked_loss)
+    precision: str = "mixed"  # 16-bit dtypes: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16 training)
+    offload_activations: bool = False  # saved activations to host memory in forward, back in backward (offload)
+    report_to: str = "none"  # none | tensorboard | wandb: per-step metrics through accelerate's trackers (tracking)
     processes: int = 1
     profile: str = "cpu"
     peak_bf16_tflops: float = 0.0
@@ -86,6 +92,19 @@ class TrainConfig:
     seed: int = SEED
     stop_after_steps: int | None = None  # end this invocation early, as if interrupted (resume tests, spot machines)
     synthetic_examples: int = 512  # preset models only: random sequences of max_seq_length tokens
+
+
+def accelerate_mixed_precision(config: TrainConfig) -> str:
+    """accelerate's ``mixed_precision`` for the run: autocast for 16-bit dtypes under precision 'mixed',
+    none for fp32 and for pure bf16 (the weights are bf16 themselves)."""
+    if config.precision not in PRECISIONS:
+        raise TrainError(f"precision {config.precision!r}: expected one of {', '.join(PRECISIONS)}")
+    if config.precision == "bf16":
+        if config.dtype != "bf16":
+            raise TrainError(f"precision: bf16 trains bf16 weights and needs dtype: bf16 (dtype is {config.dtype}); "
+                             "set dtype: bf16, or precision: mixed")
+        return "no"
+    return MIXED_PRECISION[config.dtype]
 
 
 def config_from_params(params, run_dir: str | Path) -> TrainConfig:
@@ -109,11 +128,13 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
         gradient_accumulation_steps=params["gradient_accumulation_steps"], learning_rate=params["learning_rate"],
         lr_scaling=params["lr_scaling"], base_batch=params["base_batch"], epochs=params["epochs"],
         max_steps=params["max_steps"], warmup_steps=params["warmup_steps"], weight_decay=params["weight_decay"],
-        optimizer=params["optimizer"], lora_rank=params["lora_rank"], dtype=params["dtype"], tf32=params["tf32"],
+        optimizer=params["optimizer"], lora_rank=params["lora_rank"], lora_targets=params["lora_targets"], dtype=params["dtype"], tf32=params["tf32"],
         grad_checkpointing=params["grad_checkpointing"], torch_compile=params["torch_compile"],
         attn_implementation=params["attn_implementation"], dataloader_workers=params["dataloader_workers"],
         pin_memory=params["pin_memory"], prefetch_factor=params["prefetch_factor"],
         save_every_steps=params["save_every_steps"], processes=params["train_processes"],
+        loss_chunk_tokens=params["loss_chunk_tokens"], report_to=params["report_to"],
+        precision=params["precision"], offload_activations=params["offload_activations"],
         profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
         budget=Budget.from_params(params),

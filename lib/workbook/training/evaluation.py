@@ -32,13 +32,13 @@ def validation_batches(prepared, config, run, collator, accelerator):
     return share
 
 
-def evaluate(model, batches, accelerator) -> float:
+def evaluate(model, batches, accelerator, loss_chunk_tokens: int = 0) -> float:
     """Mean next-token loss over every validation loss token of all processes."""
     model.eval()
     totals = torch.zeros(2, device=accelerator.device, dtype=torch.float64)
     with torch.no_grad():
         for batch in batches:
-            totals[0] += loss_sum(model, batch, accelerator.device).double()
+            totals[0] += loss_sum(model, batch, accelerator.device, loss_chunk_tokens).double()
             totals[1] += (batch["targets"] != IGNORE_INDEX).sum()
     model.train()
     loss, count = accelerator.reduce(totals, "sum").tolist()

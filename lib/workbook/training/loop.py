@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 
 from workbook import models, runtime
-from workbook.training import batches, checkpoints, evaluation, report
-from workbook.training.config import ADAM_BETAS, MAX_GRAD_NORM, MIXED_PRECISION, RESULT_FILE, TrainConfig, TrainError
-from workbook.planner import DEFAULT_LORA_TARGET_MODULES
+from workbook.planner.architectures import model_attention
+from workbook.training import batches, checkpoints, evaluation, packed_attention, report, tracking
+from workbook.training.config import (
+    ADAM_BETAS, MAX_GRAD_NORM, RESULT_FILE, TrainConfig, TrainError, accelerate_mixed_precision,
+)
+from workbook.training.offload import OffloadActivations
 from workbook.training.prepare import PreparedData, prepare_data
 from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run
 
@@ -46,20 +49,26 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
 
     started = time.perf_counter()
     _refuse_fsdp_on_cpu()
-    accelerator = Accelerator(mixed_precision=MIXED_PRECISION[config.dtype], cpu=not torch.cuda.is_available(),
-                              dynamo_backend="inductor" if config.torch_compile else None)
+    accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(config), cpu=not torch.cuda.is_available(),
+                              dynamo_backend="inductor" if config.torch_compile else None,
+                              **tracking.accelerator_kwargs(config.report_to, config.output_dir))
     try:
         device = accelerator.device
         tf32_applied = _set_tf32(config.tf32, device)
         fsdp = accelerator.distributed_type == DistributedType.FSDP
+        if fsdp and config.loss_chunk_tokens:
+            # The chunked loss reads the output head's weight outside the model's forward, where
+            # FSDP has resharded it.
+            raise TrainError("loss_chunk_tokens > 0 does not run under FSDP yet; set loss_chunk_tokens: 0")
         tokenizer = models.load_tokenizer(config.model)
         prepared = prepared or prepare_data(config, tokenizer, log=lambda line: _print(accelerator, line))
         run = plan_run(config, prepared, accelerator.num_processes)
         output_dir = Path(config.output_dir)
         output_dir.mkdir(parents=True, exist_ok=True)  # by every process: a node may have its own disk
         checkpoints.choose_where_to_save(accelerator, output_dir, fsdp=fsdp, saves_checkpoints=config.save_every_steps > 0)
+        tracking.start(accelerator, config)
         torch.manual_seed(config.seed)  # identical LoRA initialisation in every process
-        model, model_description, lora = _load_model(config, device)
+        model, model_description, lora = _load_model(config, device, prepared.max_seq_length)
         total_parameters = sum(p.numel() for p in model.parameters())
         trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
         optimizer, optimizer_description = _build_optimizer(model, config, run.learning_rate,
@@ -87,12 +96,15 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
             if accuracy_enabled:
                 accuracy_before = evaluation.accuracy(accelerator, unwrap(accelerator, model), tokenizer, prepared, config)
             if validation_batches is not None:
-                eval_history.append({"step": 0, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator)})
+                eval_history.append({"step": 0, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator, config.loss_chunk_tokens)})
 
         eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
         stop_at = run.total_steps if config.stop_after_steps is None else min(run.total_steps, config.stop_after_steps)
         progress = _progress_bar(accelerator, run.total_steps, start_step)
         world = accelerator.num_processes
+        # On CPU the activations are in host memory already: nothing to offload.
+        offloading = ((lambda: OffloadActivations(model)) if config.offload_activations and device.type == "cuda"
+                      else contextlib.nullcontext)
         step = start_step
         runtime.reset_peak_memory(device)
         model.train()
@@ -112,7 +124,8 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                 for index, batch in enumerate(micro_batches):
                     last = index == len(micro_batches) - 1
                     with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                        batch_loss = evaluation.loss_sum(model, batch, device)
+                        with offloading():
+                            batch_loss = evaluation.loss_sum(model, batch, device, config.loss_chunk_tokens)
                         # The mean over every loss token of the effective batch: DDP averages gradients
                         # over processes, hence x world.
                         accelerator.backward(batch_loss * world / global_targets.to(batch_loss.dtype))
@@ -137,10 +150,12 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                           "tokens_per_second": tokens / seconds if seconds > 0 else None,
                           "flops": per_token_flops * tokens + per_square_flops * squares}
                 history.append(record)
+                if config.report_to != "none":
+                    accelerator.log(tracking.step_metrics(record, report.dense_peak_tflops(config), world, device), step=step)
                 progress.update(1)
                 progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second'] or 0:,.0f}")
                 if validation_batches is not None and (step % eval_every == 0 or step == run.total_steps):
-                    eval_history.append({"step": step, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator)})
+                    eval_history.append({"step": step, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator, config.loss_chunk_tokens)})
                     step_started = time.perf_counter()  # evaluation is not training time
                 if config.save_every_steps and step % config.save_every_steps == 0:
                     checkpoints.save(accelerator, output_dir, step, fingerprint, history, eval_history, accuracy_before)
@@ -210,27 +225,35 @@ def _set_tf32(enabled: bool, device: torch.device) -> bool:
     return enabled
 
 
-def _load_model(config: TrainConfig, device: torch.device):
+def _load_model(config: TrainConfig, device: torch.device, seq_len: int):
     """(model on device, description, lora?) with checkpointing and LoRA applied as configured.
 
     Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast: the planner's
     "mixed precision"); LoRA freezes the base in ``dtype`` and trains fp32 adapters (PEFT's default).
     """
     lora = config.lora_rank > 0
-    loaded = models.load_model(config.model, config.dtype if lora else "fp32", device,
-                               attn_implementation=config.attn_implementation)
-    model, description = loaded.model, loaded.description
+    pure = lora or config.precision == "bf16"  # else fp32 master weights under autocast
+    # Packed rows: an attention path with no seq x seq mask where there is one (training/packed_attention.py).
+    attention = packed_attention.training_attention_for(config, seq_len)
+    packed_attention.register()
+    loaded = models.load_model(config.model, config.dtype if pure else "fp32", device,
+                               attn_implementation=model_attention(attention))
+    model, description = loaded.model, f"{loaded.description}, attention {attention}"
     model.config.use_cache = False  # training: a cache would also disable packed-sequence masks
     if config.grad_checkpointing:
         models.enable_gradient_checkpointing(model)
     if lora:
         try:
-            model = models.with_lora(model, config.lora_rank)
+            targets = models.lora_targets(model, config.lora_targets)
+            model = models.with_lora(model, config.lora_rank, config.lora_targets)
         except ImportError:
             raise TrainError("lora_rank > 0 needs peft (pinned in requirements.txt: pip install peft==0.21.2); "
                              "or set lora_rank: 0 for a full fine-tune") from None
         description += (f", LoRA rank {config.lora_rank} (alpha {2 * config.lora_rank}) on "
-                        f"{', '.join(DEFAULT_LORA_TARGET_MODULES)}")
+                        f"{', '.join(targets.names)}")
+        if targets.unmatched:
+            description += f" (WARNING: lora_targets {', '.join(targets.unmatched)} match no Linear layer)"
+
     return model, description, lora
 
 

@@ -22,7 +22,8 @@ import torch
 
 from workbook import gpu, runtime
 from workbook.training.checkpoints import latest_checkpoint
-from workbook.training.config import MAX_GRAD_NORM, MIXED_PRECISION, TIMING_WARMUP_STEPS
+from workbook.training.config import MAX_GRAD_NORM, TIMING_WARMUP_STEPS, accelerate_mixed_precision
+from workbook.training.chunked_loss import loss_description
 from workbook.training.run_plan import MIN_LR_FRACTION, memory_plan
 
 
@@ -39,6 +40,11 @@ def measured_peak_memory(device, accelerator) -> dict:
             "note": "max over processes of torch.cuda.max_memory_reserved + memory outside PyTorch's allocator"}
 
 
+def dense_peak_tflops(config) -> float:
+    """The profile's dense peak per GPU for the run's dtype, TFLOP/s; 0 when it has none (fp32)."""
+    return {"bf16": config.peak_bf16_tflops, "fp16": config.peak_fp16_tflops}.get(config.dtype, 0.0)
+
+
 def result(config, prepared, run, accelerator, history, eval_history, start_step, step, finished,
            model_description, total_parameters, trainable_parameters, optimizer_description, tf32_applied,
            memory_measured, accuracy_before, accuracy_after, wall_seconds, final_dir, fsdp) -> dict:
@@ -52,7 +58,7 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
     all_seconds = sum(r["seconds"] for r in this_run)
     overall = sum(r["tokens"] for r in this_run) / all_seconds if all_seconds else None
     achieved_tflops = sum(r["flops"] for r in warm) / seconds / 1e12 if seconds else None
-    peak = {"bf16": config.peak_bf16_tflops, "fp16": config.peak_fp16_tflops}.get(config.dtype, 0.0)
+    peak = dense_peak_tflops(config)
     if not on_gpu:
         mfu, mfu_note = None, "n/a: CPU run (no GPU peak to measure against)"
     elif not peak:
@@ -80,10 +86,15 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
         "data": prepared.summary(),
         "plan": run.to_dict(),
         "settings": {
-            "dtype": config.dtype, "mixed_precision": MIXED_PRECISION[config.dtype],
+            "dtype": config.dtype, "mixed_precision": accelerate_mixed_precision(config),
+            "precision": config.precision,
+            "offload_activations": {"requested": config.offload_activations,
+                                    "applied": config.offload_activations and on_gpu},
             "tf32": {"requested": config.tf32, "applied": tf32_applied},
             "grad_checkpointing": config.grad_checkpointing, "torch_compile": config.torch_compile,
             "attn_implementation": config.attn_implementation, "padding": config.padding,
+            "report_to": config.report_to,
+            "loss": loss_description(config.loss_chunk_tokens, "cuda" if on_gpu else "cpu"),
             "dataloader_workers": config.dataloader_workers,
             "pin_memory": {"requested": config.pin_memory, "applied": config.pin_memory and on_gpu},
             "prefetch_factor": config.prefetch_factor if config.dataloader_workers else None,

@@ -14,7 +14,7 @@ from workbook import models, presets
 from workbook.params import AUTO
 from workbook.planner import Plan
 from workbook.planner.profile import train_plan
-from workbook.training import batches
+from workbook.training import batches, packed_attention
 from workbook.training.config import TrainConfig, TrainError
 from workbook.training.prepare import PreparedData
 
@@ -125,7 +125,11 @@ def memory_plan(config: TrainConfig, micro_batch_size: int, seq_len: int, shardi
     'auto' micro-batch and for the prediction the report puts beside the measured peak."""
     return train_plan(models.model_source(config.model), config.budget, micro_batch_size=micro_batch_size,
                       seq_len=seq_len, dtype=config.dtype, grad_checkpointing=config.grad_checkpointing,
-                      lora_rank=config.lora_rank, optimizer=config.optimizer, sharding=sharding)
+                      lora_rank=config.lora_rank, optimizer=config.optimizer, sharding=sharding,
+                      lora_targets=config.lora_targets,
+                      attn_implementation=packed_attention.training_attention_for(config, seq_len),
+                      loss_chunk_tokens=config.loss_chunk_tokens, precision=config.precision,
+                      offload_activations=config.offload_activations)
 
 
 def model_flops_coefficients(model_config, lora: bool) -> tuple[int, int]:
