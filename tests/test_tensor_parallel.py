@@ -209,7 +209,8 @@ def test_notebook_02s_launcher_starts_a_tensor_parallel_job_that_writes_the_one_
     output = tmp_path / "out.jsonl"
     command = [sys.executable, "-m", "workbook.generation", "--params", "cpu", "--set", f"prompts_path={prompts}",
                f"output_path={output}", "log_every_batches=0", "interactive=false", "verifier=", "batch_size=2",
-               "max_new_tokens=6", "tensor_parallel_size=2", "data_parallel_processes=2"]
+               "max_new_tokens=6", "tensor_parallel_size=2", "data_parallel_processes=2",
+               "do_sample=false", "samples_per_prompt=1"]  # one greedy output per prompt
     done = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tensor parallel 2 x data parallel 1" in done.stdout
