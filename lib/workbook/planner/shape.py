@@ -16,7 +16,7 @@ from workbook.planner.architectures import Architecture, describe, refuse_unsupp
 BITS_PER_PARAMETER = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 QUANTIZED_DTYPES = ("int8", "int4")  # weights only: compute and KV cache run in bf16
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")  # training also: architectures.PACKED_ATTENTIONS
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")  # training also: architectures.TRAINING_ATTENTIONS
 OPTIMIZERS = ("adamw", "adamw-8bit")
 SHARDINGS = ("none", "fsdp")
 DEFAULT_LORA_TARGET_MODULES = ""  # every linear projection of the architecture (choose_lora_targets)
