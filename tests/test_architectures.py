@@ -110,15 +110,8 @@ def test_one_layers_saved_activations_are_within_2_percent_of_the_plan(name):
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
 
 
-PEFT_REMAPS_DEEPSEEKS_MLP = pytest.mark.xfail(strict=True, reason=(
-    "PEFT 0.21 rewrites the targets gate_proj/up_proj/down_proj of transformers-5 MoE models it converts from v4 "
-    "(DeepSeek) onto the routed experts' 3-D parameters: the shared experts get no adapter, every expert gets "
-    "one, and a merged weight per layer is saved; the planner counts the Linear layers choose_lora_targets picks"))
-
-
-@pytest.mark.parametrize("name, target_modules", [(name, "") for name in ACTIVATION_CHECKED if "DeepSeek" not in name]
-                         + [("DeepSeek-V2-Lite", MLA_PROJECTIONS),
-                            pytest.param("DeepSeek-V2-Lite", "", marks=PEFT_REMAPS_DEEPSEEKS_MLP)])
+@pytest.mark.parametrize("name, target_modules", [(name, "") for name in ACTIVATION_CHECKED]
+                         + [("DeepSeek-V2-Lite", MLA_PROJECTIONS)])
 def test_one_lora_layers_saved_activations_are_within_2_percent_of_the_plan(name, target_modules):
     # As above, with PEFT's rank-4 adapters on every linear projection (or the named ones) of a frozen fp32 base:
     # frozen norms (Gemma's four, Qwen3's q/k norms, DeepSeek's latent norms), the attention core, frozen experts,
@@ -207,6 +200,22 @@ def test_lora_adapts_every_linear_projection_of_phi_3_and_the_planner_counts_wha
     adapted = models.with_lora(model, 4)
     trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert trainable == lora_parameter_count(config, 4)
+
+
+@pytest.mark.parametrize("name, target_modules", [("DeepSeek-V2-Lite", ""), ("DeepSeek-V2-Lite", "gate_proj,up_proj"),
+                                                  ("Qwen1.5-MoE-A2.7B", ""), ("Mixtral-8x7B-v0.1", "")])
+def test_lora_leaves_routed_experts_alone_and_the_planner_counts_what_peft_builds(name, target_modules):
+    # PEFT 0.21 would move DeepSeek's gate_proj/up_proj/down_proj onto the routed experts (models.with_lora).
+    pytest.importorskip("peft")
+    from workbook import models
+    from workbook.planner import lora_parameter_count
+    config = shrunken(name)
+    adapted = models.with_lora(built(config), 4, target_modules)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert trainable == lora_parameter_count(config, 4, target_modules)
+    adapted_names = [n for n, module in adapted.named_modules() if hasattr(module, "lora_A")]
+    assert adapted_names and not [n for n in adapted_names if ".experts" in n]  # the routed ones, not shared_experts
+    assert not adapted.peft_config["default"].target_parameters
 
 
 def test_llama_keeps_its_seven_projections_and_deepseek_gets_its_latent_ones():

@@ -106,13 +106,14 @@ def adapter_bytes_per_token(shape: ModelShape, precision: Precision, rank: int, 
         # then the adapter alone keeps that copy.
         own_copy = shape.architecture.rotary_by_concatenation or attn_implementation == DOCUMENT_SDPA
         attention_output = FP32_BYTES * shape.query_width if own_copy else 0
-        shared = {"attention_norm": FP32_BYTES * h, "mlp_norm": FP32_BYTES * h, "attention_output": attention_output,
-                  "mlp_product": FP32_BYTES * shape.intermediate_size}
+        shared = {"attention_norm": FP32_BYTES * h, "mlp_norm": FP32_BYTES * h, "attention_output": attention_output}
         distinct = {}
         for layer in targets:
             kind = ADAPTER_INPUTS.get(layer.name.rsplit(".", 1)[-1])
             key = (_decoder_layer(layer.name) if kind else layer.name, kind)  # one tensor per layer and kind
-            distinct[key] = shared[kind] if kind else FP32_BYTES * layer.in_features
+            # Any other input at its own width: down_proj's product is n_shared x moe_intermediate wide in
+            # DeepSeek's shared experts, intermediate_size in its dense layers.
+            distinct[key] = shared.get(kind, FP32_BYTES * layer.in_features)
         inputs = sum(distinct.values())
     return inputs + len(targets) * rank * adapter_bytes
 
