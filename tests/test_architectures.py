@@ -10,6 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from workbook import presets
 from workbook.planner import kv_cache_bytes, model_shape, training_activation_bytes_per_layer
+from workbook.planner.architectures import training_attention
 from workbook.planner.exact_checks import ACTIVATION_CHECK_BATCH, ACTIVATION_CHECK_SEQ_LEN, _saved_activation_bytes
 
 # Each family's released config with its sizes shrunk (ratios and switches kept), so a CPU builds it in a blink.
@@ -87,35 +88,53 @@ def test_deepseek_caches_the_compressed_latent_not_the_keys_and_values():
 
 
 ACTIVATION_CHECKED = ["Mixtral-8x7B-v0.1", "Qwen1.5-MoE-A2.7B", "Qwen3-30B-A3B", "Qwen3-8B", "Qwen2.5-0.5B",
-                      "Phi-3-mini-4k-instruct"]
+                      "Phi-3-mini-4k-instruct", "gemma-2-9b", "gemma-3-1b-pt", "DeepSeek-V2-Lite"]
+MLA_PROJECTIONS = "q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
+
+
+def cpu_attention(config) -> str:
+    """The attention the model runs by default on CPU: sdpa, eager for Gemma-2 (sdpa refused, soft-capping),
+    sdpa's math kernel for DeepSeek (values narrower than queries and keys)."""
+    return training_attention(model_shape(config), "sdpa", "length_grouped", ACTIVATION_CHECK_SEQ_LEN, on_gpu=False)
 
 
 @pytest.mark.parametrize("name", ACTIVATION_CHECKED)
 def test_one_layers_saved_activations_are_within_2_percent_of_the_plan(name):
     # The method of planner/exact_checks.py: autograd's saved tensors of a 2-layer model minus a 1-layer one,
-    # pure fp32, the attention the model runs by default (sdpa for these).
+    # pure fp32, the attention the model runs by default.
     measured = (_saved_activation_bytes(built(shrunken(name, layers=2)).train())
                 - _saved_activation_bytes(built(shrunken(name, layers=1)).train()))
     planned = training_activation_bytes_per_layer(
         shrunken(name), batch_size=ACTIVATION_CHECK_BATCH, seq_len=ACTIVATION_CHECK_SEQ_LEN, dtype="fp32",
-        mixed_precision=False, attn_implementation="sdpa")
+        mixed_precision=False, attn_implementation=cpu_attention(shrunken(name)))
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
 
 
-@pytest.mark.parametrize("name", ACTIVATION_CHECKED + ["gemma-2-9b", "gemma-3-1b-pt"])
-def test_one_lora_layers_saved_activations_are_within_2_percent_of_the_plan(name):
-    # As above, with PEFT's rank-4 adapters on every linear projection of a frozen fp32 base: frozen norms
-    # (Gemma's four, Qwen3's q/k norms), the attention core, frozen experts, each adapter's input and output.
+@pytest.mark.parametrize("name, target_modules", [(name, "") for name in ACTIVATION_CHECKED]
+                         + [("DeepSeek-V2-Lite", MLA_PROJECTIONS)])
+def test_one_lora_layers_saved_activations_are_within_2_percent_of_the_plan(name, target_modules):
+    # As above, with PEFT's rank-4 adapters on every linear projection (or the named ones) of a frozen fp32 base:
+    # frozen norms (Gemma's four, Qwen3's q/k norms, DeepSeek's latent norms), the attention core, frozen experts,
+    # each adapter's input and output.
     pytest.importorskip("peft")
     from workbook import models
     from workbook.planner.formulas import training_precision
     from workbook.planner.lora_activations import lora_layer_bytes_per_token
-    measured = (_saved_activation_bytes(models.with_lora(built(shrunken(name, layers=2)).train(), 4))
-                - _saved_activation_bytes(models.with_lora(built(shrunken(name, layers=1)).train(), 4)))
+    measured = (_saved_activation_bytes(models.with_lora(built(shrunken(name, layers=2)).train(), 4, target_modules))
+                - _saved_activation_bytes(models.with_lora(built(shrunken(name, layers=1)).train(), 4, target_modules)))
     planned = ACTIVATION_CHECK_BATCH * ACTIVATION_CHECK_SEQ_LEN * lora_layer_bytes_per_token(
-        model_shape(shrunken(name)), training_precision("fp32", False, lora=True), "sdpa", ACTIVATION_CHECK_SEQ_LEN,
-        rank=4, target_modules="", autocast=False)
+        model_shape(shrunken(name)), training_precision("fp32", False, lora=True), cpu_attention(shrunken(name)),
+        ACTIVATION_CHECK_SEQ_LEN, rank=4, target_modules=target_modules, autocast=False)
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
+
+
+def test_deepseeks_sdpa_is_planned_with_the_kernel_it_runs():
+    shape = model_shape(shrunken("DeepSeek-V2-Lite"))
+    assert training_attention(shape, "sdpa", "length_grouped", 64, on_gpu=False) == "sdpa_math"  # CPU: math kernel
+    assert training_attention(shape, "sdpa", "length_grouped", 64, on_gpu=True) == "sdpa"  # GPU: memory-efficient
+    sdpa, math = (training_activation_bytes_per_layer(shape, batch_size=1, seq_len=64, attn_implementation=name)
+                  for name in ("sdpa", "sdpa_math"))
+    assert math > sdpa  # the math kernel keeps the probabilities
 
 
 def test_mixed_dense_and_routed_layers_are_each_planned_at_their_size():
@@ -137,9 +156,6 @@ def test_quantized_mixture_of_experts_keeps_its_experts_in_bf16():
     # Experts are 3-D tensors (no nn.Linear): bitsandbytes leaves them bf16, so int4 saves only on attention.
     assert weights_bytes(shape, "int4") > experts * 2
     assert weights_bytes(shape, "bf16") - weights_bytes(shape, "int4") < (shape.parameters - experts) * 2
-
-
-ACTIVATION_CHECKED += ["gemma-2-9b", "gemma-3-1b-pt"]  # eager (sdpa refused) with soft-capping; sliding sdpa
 
 
 def test_gemma_2_is_planned_with_the_eager_attention_it_runs():
@@ -184,6 +200,22 @@ def test_lora_adapts_every_linear_projection_of_phi_3_and_the_planner_counts_wha
     adapted = models.with_lora(model, 4)
     trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
     assert trainable == lora_parameter_count(config, 4)
+
+
+@pytest.mark.parametrize("name, target_modules", [("DeepSeek-V2-Lite", ""), ("DeepSeek-V2-Lite", "gate_proj,up_proj"),
+                                                  ("Qwen1.5-MoE-A2.7B", ""), ("Mixtral-8x7B-v0.1", "")])
+def test_lora_leaves_routed_experts_alone_and_the_planner_counts_what_peft_builds(name, target_modules):
+    # PEFT 0.21 would move DeepSeek's gate_proj/up_proj/down_proj onto the routed experts (models.with_lora).
+    pytest.importorskip("peft")
+    from workbook import models
+    from workbook.planner import lora_parameter_count
+    config = shrunken(name)
+    adapted = models.with_lora(built(config), 4, target_modules)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert trainable == lora_parameter_count(config, 4, target_modules)
+    adapted_names = [n for n, module in adapted.named_modules() if hasattr(module, "lora_A")]
+    assert adapted_names and not [n for n in adapted_names if ".experts" in n]  # the routed ones, not shared_experts
+    assert not adapted.peft_config["default"].target_parameters
 
 
 def test_llama_keeps_its_seven_projections_and_deepseek_gets_its_latent_ones():

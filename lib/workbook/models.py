@@ -11,6 +11,7 @@ from its config with random weights on the device: nothing is downloaded) mean t
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,22 +125,61 @@ def with_lora(model, rank: int, target_modules=None):
     every linear projection by default, the rule the planner counts.
 
     PEFT keeps the adapters in fp32 on a 16-bit base (``autocast_adapter_dtype=True``, its default),
-    which is what the planner assumes. Raises ImportError when peft is missing."""
+    which is what the planner assumes. Raises ImportError when peft is missing, RuntimeError when PEFT
+    adapted other modules than the rule picks."""
     import peft
 
+    from workbook.planner.shape import is_lora_target
+    targets = lora_targets(model, target_modules)
+    planned = {name for name in _linear_names(model) if name != _output_name(model)
+               and is_lora_target(name, targets.names)}
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
-                             target_modules=list(lora_targets(model, target_modules).names))
-    return peft.get_peft_model(model, config)
+                             target_modules=list(targets.names))
+    with _without_peft_v4_moe_remap():
+        adapted = peft.get_peft_model(model, config)
+    built = {name.removeprefix("base_model.model.") for name, module in adapted.named_modules()
+             if isinstance(module, peft.tuners.lora.LoraLayer)}
+    if built != planned:
+        raise RuntimeError(f"PEFT {peft.__version__} adapted {sorted(built - planned)} and not "
+                           f"{sorted(planned - built)}, unlike the planner's LoRA targets {list(targets.names)}")
+    return adapted
+
+
+@contextmanager
+def _without_peft_v4_moe_remap():
+    """PEFT 0.21 on transformers 5 rewrites the targets gate_proj/up_proj/down_proj of the MoE families
+    transformers converts from v4 checkpoints (DeepSeek-V2/V3, GLM-4-MoE, Qwen3-MoE, ...) into
+    ``target_parameters`` on the routed experts' fused 3-D weights, so that adapters trained on v4 still load;
+    no list or regex ``target_modules`` escapes it. A fresh adapter needs none of that: switched off here, the
+    shared experts' and dense layers' ``nn.Linear`` keep their adapters and the routed experts stay frozen and
+    unadapted, which is what the planner's LoRA terms assume (no adapter, no merged copy of expert weights)."""
+    try:
+        from peft.utils import transformers_weight_conversion as conversion
+    except ImportError:  # transformers 4, or a PEFT without the remap
+        yield
+        return
+    remap = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None  # looked up at each injection
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = remap
+
+
+def _linear_names(model) -> list[str]:
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def _output_name(model) -> str | None:
+    output = model.get_output_embeddings()
+    return next((name for name, module in model.named_modules() if module is output), None)
 
 
 def lora_targets(model, target_modules=None):
     """The module names LoRA adapts on ``model`` and the requested ones that match nothing
     (``workbook.planner.shape.choose_lora_targets``, the planner's rule)."""
     from workbook.planner.shape import choose_lora_targets
-    output = model.get_output_embeddings()
-    linear_names = [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    output_name = next((name for name, module in model.named_modules() if module is output), None)
-    return choose_lora_targets(linear_names, output_name, target_modules)
+    return choose_lora_targets(_linear_names(model), _output_name(model), target_modules)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 meta-device model: the one place that knows Qwen from Gemma from DeepSeek.
 
 The formulas (``formulas``, ``training``, ``generation``) read these facts and never a model_type:
-- the KV cache width (DeepSeek's compressed latent instead of full keys and values);
+- the KV cache width (DeepSeek's compressed latent instead of full keys and values) and that latent
+  attention's head dims (queries and keys wider than values);
 - mixture-of-experts layers (routed experts per token, shared experts, router);
 - per-head q/k norms (Qwen3, Gemma-3), norms per layer (Gemma: 4), fused q/k/v (Phi-3);
 - the attention implementation the model really runs (Gemma-2 refuses sdpa: eager);
@@ -39,6 +40,21 @@ class MixtureOfExperts:
 
 
 @dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention (MLA): keys and values expanded from one compressed latent."""
+
+    q_lora_rank: int | None  # the query's low-rank bottleneck (q_a_proj, q_a_layernorm, q_b_proj); None: q_proj
+    kv_lora_rank: int  # the latent kv_a_layernorm normalizes and kv_b_proj expands
+    qk_nope_head_dim: int  # per-head query/key features without rotary
+    qk_rope_head_dim: int  # rotary features: per head in the query, one shared head in the key
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class Architecture:
     """Per-family facts the formulas need; the Llama values are the defaults."""
 
@@ -50,7 +66,7 @@ class Architecture:
     fused_qkv: bool = False
     rotary_by_concatenation: bool = False
     norms_per_layer: int = 2
-    latent_attention: bool = False  # DeepSeek MLA: activations of its attention not modelled exactly
+    latent_attention: LatentAttention | None = None  # DeepSeek MLA
     final_logit_softcapping: float | None = None
     attention_logit_softcapping: float | None = None  # Gemma-2: eager saves tanh(scores / cap)
     sdpa_supported: bool = True
@@ -86,7 +102,7 @@ def describe(config: PretrainedConfig, meta_model: torch.nn.Module, layers: torc
         fused_qkv=hasattr(attention, "qkv_proj"),
         rotary_by_concatenation=text.model_type in ROTARY_BY_CONCATENATION_TYPES,
         norms_per_layer=sum(1 for name, _ in layers[0].named_children() if name.endswith("layernorm")),
-        latent_attention=getattr(text, "kv_lora_rank", None) is not None,
+        latent_attention=_latent_attention(text),
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
         attention_logit_softcapping=getattr(text, "attn_logit_softcapping", None),
         sdpa_supported=bool(sdpa),
@@ -107,6 +123,11 @@ DOCUMENT_SDPA = "document_sdpa"  # sdpa with is_causal over each packed example'
 FLEX_ATTENTION = "flex_attention"  # transformers' BlockMask from the packed position ids: O(seq) (CUDA)
 SDPA_BLOCK_MASK = "sdpa_block_mask"  # the fallback: sdpa given the block-causal 4D mask masking_utils builds
 PACKED_ATTENTIONS = (DOCUMENT_SDPA, FLEX_ATTENTION, SDPA_BLOCK_MASK)
+# sdpa on CPU when values are narrower than queries and keys (DeepSeek's MLA): torch's CPU flash kernel needs
+# equal head dims, so its math kernel runs and saves the probabilities, as eager does. (On a GPU the
+# memory-efficient kernel takes unequal head dims.)
+SDPA_MATH = "sdpa_math"
+TRAINING_ATTENTIONS = PACKED_ATTENTIONS + (SDPA_MATH,)  # what training plans, beside the profile's choices
 
 
 def packed_attention(sdpa_supported: bool, windowed: bool, requested: str, *, on_gpu: bool) -> str:
@@ -126,24 +147,24 @@ def packed_attention(sdpa_supported: bool, windowed: bool, requested: str, *, on
 
 def training_attention(shape, requested: str, padding: str, seq_len: int, *, on_gpu: bool) -> str:
     """The attention a training run of ``shape`` (a ModelShape) runs with: ``packed_attention`` for packed rows
-    of ``seq_len`` tokens, else the requested one as the model runs it."""
+    of ``seq_len`` tokens, else the requested one as the model runs it (``SDPA_MATH`` for MLA's sdpa on CPU)."""
     if padding != "packing":
-        return attention_implementation_run(shape.architecture.sdpa_supported, requested)
+        run = attention_implementation_run(shape.architecture.sdpa_supported, requested)
+        latent = shape.architecture.latent_attention
+        unequal_head_dims = latent is not None and latent.v_head_dim != latent.qk_head_dim
+        return SDPA_MATH if run == "sdpa" and unequal_head_dims and not on_gpu else run
     windowed = any(window is not None and window < seq_len for window in shape.attention_windows)
     return packed_attention(shape.architecture.sdpa_supported, windowed, requested, on_gpu=on_gpu)
 
 
 def model_attention(implementation: str) -> str:
-    """The attn_implementation to load a model with for a planned path (the fallback loads plain sdpa)."""
-    return "sdpa" if implementation == SDPA_BLOCK_MASK else implementation
+    """The attn_implementation to load a model with for a planned path (the fallback and the math kernel: sdpa)."""
+    return "sdpa" if implementation in (SDPA_BLOCK_MASK, SDPA_MATH) else implementation
 
 
 def training_notes(architecture: Architecture) -> list[str]:
-    """What a training plan of this architecture estimates rather than counts."""
+    """What a training plan of this architecture tells the user about it."""
     notes = []
-    if architecture.latent_attention:
-        notes.append("compressed-latent attention (MLA): its saved activations are estimated with the standard "
-                     "attention formula, not measured tensor by tensor; the experts and the KV cache are exact")
     if architecture.moe is not None:
         notes.append(f"mixture of experts: {architecture.moe.experts_per_token} of {architecture.moe.num_experts} "
                      "experts per token; grouped_mm experts run in the weights' dtype (fp32 master weights "
@@ -165,6 +186,14 @@ def _kv_cache(text: PretrainedConfig) -> dict:
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return {"kv_cache_values_per_token_per_layer": 2 * key_value_heads * head_dim,
             "kv_cache_explanation": "2 x kv_heads x head_dim"}
+
+
+def _latent_attention(text: PretrainedConfig) -> LatentAttention | None:
+    if getattr(text, "kv_lora_rank", None) is None:
+        return None
+    return LatentAttention(q_lora_rank=getattr(text, "q_lora_rank", None), kv_lora_rank=text.kv_lora_rank,
+                           qk_nope_head_dim=text.qk_nope_head_dim, qk_rope_head_dim=text.qk_rope_head_dim,
+                           v_head_dim=text.v_head_dim)
 
 
 def _experts_block(layer: torch.nn.Module) -> torch.nn.Module | None:

@@ -11,7 +11,9 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from workbook.planner.architectures import DOCUMENT_SDPA, SDPA_BLOCK_MASK, attention_implementation_run
+from workbook.planner.architectures import (
+    DOCUMENT_SDPA, SDPA_BLOCK_MASK, SDPA_MATH, TRAINING_ATTENTIONS, LatentAttention, attention_implementation_run,
+)
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES,
     QUANTIZED_DTYPES,
@@ -142,7 +144,7 @@ def training_activation_bytes_per_layer(
     shape = model_shape(model)
     precision = training_precision(dtype, mixed_precision, lora=False)
     require_positive(batch_size=batch_size, seq_len=seq_len)
-    check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS)
+    check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS + TRAINING_ATTENTIONS)
     per_token = layer_activation_bytes_per_token(shape, precision, attn_implementation, seq_len)
     return batch_size * seq_len * per_token
 
@@ -207,7 +209,7 @@ def attention_saved_bytes_per_token(
 ) -> int:
     """The attention half of a layer, with the norm before it (and after it: Gemma)."""
     architecture = shape.architecture
-    norms = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 3)
+    norms = norm_saved_bytes_per_token(shape, precision, consuming_linears=_attention_input_linears(architecture))
     norms += _post_norm_bytes_per_token(shape)
     p = precision.compute_bytes
     return (norms + attention_core_bytes_per_token(shape, p, attn_implementation, seq_len, windowed=windowed)
@@ -221,6 +223,8 @@ def attention_core_bytes_per_token(
     the logsumexp (eager: the probabilities; a window: its mask and keys/values repeated to every head)."""
     architecture = shape.architecture
     attn_implementation = attention_implementation_run(architecture.sdpa_supported, attn_implementation)  # Gemma-2
+    if architecture.latent_attention is not None:
+        return _latent_attention_core_bytes_per_token(shape, p, attn_implementation, seq_len)
     windowed = windowed or attn_implementation == SDPA_BLOCK_MASK  # packed rows' 4D mask: as a window's
     if attn_implementation == "eager":
         # Softmax runs in fp32 and is cast back to p; in pure fp32 the cast is the same tensor.
@@ -247,6 +251,37 @@ def attention_core_bytes_per_token(
     return attention
 
 
+def _latent_attention_core_bytes_per_token(shape: ModelShape, p: int, attn_implementation: str, seq_len: int) -> int:
+    """DeepSeek's MLA core (transformers' DeepseekV2Attention): query and key are new full-width tensors per head
+    (nope and rotated rope parts joined by torch.cat / copy_), the value a slice of kv_b_proj's output; the
+    rotary multiplies save only the frequencies all layers share."""
+    latent, heads = shape.architecture.latent_attention, shape.num_attention_heads
+    query_and_key = 2 * p * heads * latent.qk_head_dim
+    output = p * heads * latent.v_head_dim
+    if attn_implementation in ("eager", SDPA_MATH):
+        # The matmuls save contiguous copies of q, k and v, softmax its probabilities (fp32, then cast back),
+        # and o_proj gets a head-major copy of the output.
+        probabilities_bytes = FP32_BYTES + (p if p != FP32_BYTES else 0)
+        return query_and_key + 2 * output + heads * seq_len * probabilities_bytes
+    # sdpa's kernel (memory-efficient: flash refuses unequal head dims) saves q, k, the value as a view that keeps
+    # all of kv_b_proj's output alive (its key half too), the output and an fp32 logsumexp per head.
+    value = p * heads * (latent.qk_nope_head_dim + latent.v_head_dim)
+    return query_and_key + value + output + FP32_BYTES * heads
+
+
+def latent_norms_bytes_per_token(latent: LatentAttention, p: int, *, frozen: bool) -> int:
+    """MLA's norms inside the attention, over the latent (kv_a_layernorm) and the query's bottleneck
+    (q_a_layernorm), per token: each saves its fp32 input and rsqrt; trained, also the normalized value and the
+    next Linear's input (p each). In pure fp32 the latent's "upcast" input is a view of kv_a_proj_with_mqa's
+    output, which keeps its rotary part alive too."""
+    latent_input = latent.kv_lora_rank + (latent.qk_rope_head_dim if p == FP32_BYTES else 0)
+    widths = [(latent_input, latent.kv_lora_rank)]
+    if latent.q_lora_rank:
+        widths.append((latent.q_lora_rank, latent.q_lora_rank))
+    trained = 0 if frozen else 2 * p
+    return sum(FP32_BYTES * (fp32_input + 1) + trained * width for fp32_input, width in widths)
+
+
 def mlp_saved_bytes_per_token(shape: ModelShape, precision: Precision, *, routed: bool = False) -> int:
     """The MLP half of a layer, with the norm before it (and after it: Gemma): SwiGLU/GeGLU (gate, act(gate),
     up, their product) or the routed experts."""
@@ -256,6 +291,14 @@ def mlp_saved_bytes_per_token(shape: ModelShape, precision: Precision, *, routed
         return norm + experts_saved_bytes_per_token(shape, precision) + _post_norm_bytes_per_token(shape)
     norm = norm_saved_bytes_per_token(shape, precision, consuming_linears=1 if architecture.fused_qkv else 2)
     return norm + 4 * precision.compute_bytes * shape.intermediate_size + _post_norm_bytes_per_token(shape)
+
+
+def _attention_input_linears(architecture) -> int:
+    """Linear layers reading the attention norm's output (autocast casts it for each): q, k, v; Phi-3's fused
+    qkv; MLA's query projection and kv_a_proj_with_mqa."""
+    if architecture.fused_qkv:
+        return 1
+    return 2 if architecture.latent_attention is not None else 3
 
 
 def _post_norm_bytes_per_token(shape: ModelShape) -> int:
@@ -275,6 +318,8 @@ def _attention_variant_bytes_per_token(shape: ModelShape, p: int) -> int:
         extra += p * (shape.query_width + shape.key_value_width)
     if architecture.rotary_by_concatenation:  # attention's output is head-major: o_proj gets a real copy
         extra += p * shape.query_width
+    if architecture.latent_attention is not None:
+        extra += latent_norms_bytes_per_token(architecture.latent_attention, p, frozen=False)
     return extra
 
 

@@ -12,7 +12,7 @@ tensor with autograd's saved-tensor hooks on CPU (tests/test_memory.py, tests/te
   tensor share it with the other savers of that tensor.
 Frozen mixture-of-experts layers (grouped_mm experts are no nn.Linear: LoRA never adapts them) keep
 their gathered input, gate|up and act(gate), not the product nor the output. DeepSeek's latent
-attention is estimated with the standard attention, as in ``formulas``.
+attention keeps its core and its frozen norms' inputs (``formulas``); its adapters' inputs are counted as any.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import re
 from workbook.planner.architectures import DOCUMENT_SDPA
 from workbook.planner.formulas import (
     Precision, _kinds, _masked, attention_core_bytes_per_token, experts_saved_bytes_per_token,
+    latent_norms_bytes_per_token,
 )
 from workbook.planner.shape import FP32_BYTES, ModelShape, lora_targets
 
@@ -29,7 +30,8 @@ from workbook.planner.shape import FP32_BYTES, ModelShape, lora_targets
 # one else when the norm is frozen), the attention output (saved by the attention already) or the
 # SwiGLU product (saved by no one else when down_proj's base is frozen).
 ADAPTER_INPUTS = {"q_proj": "attention_norm", "k_proj": "attention_norm", "v_proj": "attention_norm",
-                  "qkv_proj": "attention_norm", "o_proj": "attention_output", "gate_proj": "mlp_norm",
+                  "qkv_proj": "attention_norm", "q_a_proj": "attention_norm", "kv_a_proj_with_mqa": "attention_norm",
+                  "o_proj": "attention_output", "gate_proj": "mlp_norm",
                   "up_proj": "mlp_norm", "gate_up_proj": "mlp_norm", "down_proj": "mlp_product",
                   "shared_expert_gate": "mlp_norm"}
 
@@ -75,6 +77,8 @@ def _frozen_attention_bytes_per_token(shape: ModelShape, precision: Precision, a
         extra += FP32_BYTES * (shape.num_attention_heads + shape.num_key_value_heads)
     if architecture.fused_qkv:  # the value is a view of qkv_proj's output: it keeps q and k's part alive too
         extra += p * (shape.query_width + shape.key_value_width)
+    if architecture.latent_attention is not None:
+        extra += latent_norms_bytes_per_token(architecture.latent_attention, p, frozen=True)
     if attn_implementation == DOCUMENT_SDPA:  # the joined output is o_proj's input: its adapter's alone here
         extra -= p * shape.query_width
     return norms + attention_core_bytes_per_token(shape, p, attn_implementation, seq_len, windowed=windowed) + extra
@@ -102,13 +106,14 @@ def adapter_bytes_per_token(shape: ModelShape, precision: Precision, rank: int, 
         # then the adapter alone keeps that copy.
         own_copy = shape.architecture.rotary_by_concatenation or attn_implementation == DOCUMENT_SDPA
         attention_output = FP32_BYTES * shape.query_width if own_copy else 0
-        shared = {"attention_norm": FP32_BYTES * h, "mlp_norm": FP32_BYTES * h, "attention_output": attention_output,
-                  "mlp_product": FP32_BYTES * shape.intermediate_size}
+        shared = {"attention_norm": FP32_BYTES * h, "mlp_norm": FP32_BYTES * h, "attention_output": attention_output}
         distinct = {}
         for layer in targets:
             kind = ADAPTER_INPUTS.get(layer.name.rsplit(".", 1)[-1])
             key = (_decoder_layer(layer.name) if kind else layer.name, kind)  # one tensor per layer and kind
-            distinct[key] = shared[kind] if kind else FP32_BYTES * layer.in_features
+            # Any other input at its own width: down_proj's product is n_shared x moe_intermediate wide in
+            # DeepSeek's shared experts, intermediate_size in its dense layers.
+            distinct[key] = shared.get(kind, FP32_BYTES * layer.in_features)
         inputs = sum(distinct.values())
     return inputs + len(targets) * rank * adapter_bytes
 

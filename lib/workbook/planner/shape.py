@@ -16,7 +16,7 @@ from workbook.planner.architectures import Architecture, describe, refuse_unsupp
 BITS_PER_PARAMETER = {"fp32": 32, "bf16": 16, "fp16": 16, "int8": 8, "int4": 4}
 DTYPE_ALIASES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 QUANTIZED_DTYPES = ("int8", "int4")  # weights only: compute and KV cache run in bf16
-ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")  # training also: architectures.PACKED_ATTENTIONS
+ATTENTION_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")  # training also: architectures.TRAINING_ATTENTIONS
 OPTIMIZERS = ("adamw", "adamw-8bit")
 SHARDINGS = ("none", "fsdp")
 DEFAULT_LORA_TARGET_MODULES = ""  # every linear projection of the architecture (choose_lora_targets)
@@ -212,7 +212,8 @@ def choose_lora_targets(linear_names, output_embedding_name: str | None, request
     ``linear_names``: qualified names of the model's ``nn.Linear`` modules. Nothing requested ('' or None):
     every linear projection except the lm_head, by its last name part (Llama: q_proj ... down_proj; Phi-3:
     qkv_proj, o_proj, gate_up_proj, down_proj; DeepSeek: q_a_proj, kv_a_proj_with_mqa, kv_b_proj, ...).
-    Mixture-of-experts experts are 3-D parameters, no ``nn.Linear``: LoRA never adapts them. Requested
+    Routed experts are 3-D parameters, no ``nn.Linear``: LoRA never adapts them (``models.with_lora`` keeps
+    PEFT from moving gate_proj/up_proj/down_proj onto them). Requested
     names match like PEFT's: the full name, or its ending after a dot.
     """
     linear_names = [name for name in linear_names if name != output_embedding_name]
@@ -220,15 +221,18 @@ def choose_lora_targets(linear_names, output_embedding_name: str | None, request
     if not requested:
         return LoraTargets(tuple(dict.fromkeys(name.rsplit(".", 1)[-1] for name in linear_names)), ())
 
-    def matches(name: str, target: str) -> bool:
-        return name == target or name.endswith("." + target)
-
-    unmatched = tuple(t for t in requested if not any(matches(name, t) for name in linear_names))
+    unmatched = tuple(t for t in requested if not any(is_lora_target(name, (t,)) for name in linear_names))
     if len(unmatched) == len(requested):
         available = sorted({name.rsplit(".", 1)[-1] for name in linear_names})
         raise ValueError(f"lora_targets {list(requested)} match no Linear layer of the model; its Linear layers "
                          f"are named: {', '.join(available)} (leave lora_targets empty to adapt all of them)")
     return LoraTargets(tuple(t for t in requested if t not in unmatched), unmatched)
+
+
+def is_lora_target(module_name: str, target_names) -> bool:
+    """Whether PEFT's list ``target_modules`` picks ``module_name``: a target is the full name or its ending
+    after a dot (``peft.tuners.tuners_utils.check_target_module_exists``)."""
+    return any(module_name == target or module_name.endswith("." + target) for target in target_names)
 
 
 def lora_target_choice(shape: ModelShape, target_modules=None) -> LoraTargets:
@@ -241,7 +245,7 @@ def lora_targets(shape: ModelShape, target_modules=None) -> list[LinearLayer]:
     """The Linear layers of ``shape`` LoRA adapts."""
     names = lora_target_choice(shape, target_modules).names
     return [layer for layer in shape.linear_layers if not layer.is_output_embedding
-            and any(layer.name == t or layer.name.endswith("." + t) for t in names)]
+            and is_lora_target(layer.name, names)]
 
 
 # ----------------------------------------------------------------------------------------------

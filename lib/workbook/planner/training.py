@@ -9,7 +9,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from workbook.planner.architectures import PACKED_ATTENTIONS, attention_implementation_run, training_notes
+from workbook.planner.architectures import TRAINING_ATTENTIONS, attention_implementation_run, training_notes
 from workbook.planner.formulas import (
     Precision, decoder_activation_bytes_per_token, layer_activation_bytes_per_token, lora_parameter_count,
     norm_saved_bytes_per_token, training_precision, weights_bytes, weights_explanation,
@@ -80,7 +80,7 @@ def plan_train(
     require_non_negative(lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens)
     check_choice("optimizer", optimizer, OPTIMIZERS)
     check_choice("sharding", sharding, SHARDINGS)
-    check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS + PACKED_ATTENTIONS)
+    check_choice("attn_implementation", attn_implementation, ATTENTION_IMPLEMENTATIONS + TRAINING_ATTENTIONS)
     check_overheads(overhead_bytes, fragmentation_fraction, safety_margin)
     lora = lora_rank > 0
     if dtype in QUANTIZED_DTYPES and not lora:
