@@ -6,7 +6,7 @@ Output widget with `clear_output(wait=True)`, which swaps the old image for the 
 blank frame, and the Output keeps the figure's height so the page below does not jump while the
 new image decodes. A callback error is shown under the verdict instead of vanishing into the log.
 
-Layout: four labelled groups (model and hardware, workload, generation lengths, training) that sit
+Layout: four labelled groups (model and hardware, workload, generation, training) that sit
 two by two on a laptop (1024 to 1280 px) and stack on a narrow window; the verdict line right
 under them; the two plots side by side so controls, verdict and plot fit on one laptop screen.
 `tests/test_browser.py` checks all of this in JupyterLab in a headless browser.
@@ -19,6 +19,7 @@ import traceback
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
+from matplotlib.transforms import ScaledTranslation
 from IPython.display import clear_output, display
 
 from workbook import plots
@@ -30,11 +31,11 @@ LORA_RANKS = (0, 4, 8, 16, 32, 64, 128)
 LOSS_CHUNKS = (0, 512, 1024, 2048, 4096)  # loss_chunk_tokens choices (0: all logits at once)
 CURVE_POINTS = 16
 LABEL_WIDTH = "160px"  # wide enough for the longest label with its unit, at JupyterLab's font size
-# Two plots side by side, 1000 x 320 px at the inline backend's 100 dpi: full size at 1280 px,
+# Two plots side by side, 1000 x 280 px (about 300 with the legend) at the inline backend's 100 dpi: full size at 1280 px,
 # scaled to ~80% (still readable) in a 1024 px window; controls, verdict and plot then fit one
 # laptop screen (1280 x 800, 1024 x 768) under JupyterLab's menus.
-FIGURE_INCHES = (10, 3.2)
-FIGURE_MIN_HEIGHT = "335px"  # the figure's height: the page does not jump while an image swaps
+FIGURE_INCHES = (10, 2.8)
+FIGURE_MIN_HEIGHT = "300px"  # the figure's height: the page does not jump while an image swaps
 # CSS classes: a handle for the browser test and for anyone styling the tuner.
 AUTO_LAYOUT = "auto"  # the tensor-parallel size the planner chooses (planner.layout)
 TENSOR_PARALLEL_SIZES = [1, 2, 4, 8]  # divisors of an 8-GPU machine
@@ -49,6 +50,13 @@ def _labelled(control, label: str, tooltip: str):
     control.tooltip = tooltip
     control.style.description_width = LABEL_WIDTH
     control.layout = widgets.Layout(width="100%")
+    return control
+
+
+def _switch(value: bool, label: str, tooltip: str):
+    """A checkbox with its label to its right, so two share one line of a group."""
+    control = widgets.Checkbox(value=value, description=label, indent=False, layout=widgets.Layout(width="auto"))
+    control.tooltip = tooltip
     return control
 
 
@@ -111,10 +119,9 @@ class PlannerTuner:
                                          "run copies, D); auto: the smallest T that fits a useful batch")
         self.seq_len = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["seq_len"]),
                                  "sequence (tokens)", "training sequence length; activations grow with it")
-        # indent: the box lines up with the other controls, its label beside it.
-        self.grad_checkpointing = _labelled(widgets.Checkbox(value=params["grad_checkpointing"], indent=True),
-                                            "gradient checkpointing", "recompute activations in backward: "
-                                            "~1 layer of activations, ~30% more compute")
+        self.grad_checkpointing = _switch(params["grad_checkpointing"], "gradient checkpointing",
+                                          "recompute activations in backward: ~1 layer of activations, "
+                                          "~30% more compute")
         self.lora_rank = _labelled(widgets.Dropdown(options=sorted({*LORA_RANKS, params["lora_rank"]}),
                                                     value=params["lora_rank"]), "LoRA rank",
                                    "0: full fine-tune; > 0: train LoRA adapters only, on a frozen base")
@@ -125,9 +132,9 @@ class PlannerTuner:
         self.precision = _labelled(widgets.Dropdown(options=["mixed", "bf16"], value=params["precision"]),
                                    "precision", "mixed: autocast over fp32 master weights; bf16: pure bf16 "
                                    "weights and AdamW states (needs weights dtype bf16)")
-        self.offload_activations = _labelled(widgets.Checkbox(value=params["offload_activations"], indent=True),
-                                             "offload activations", "saved activations in host memory: about one "
-                                             "layer's on the GPU, PCIe copies every step")
+        self.offload_activations = _switch(params["offload_activations"], "offload activations",
+                                           "saved activations in host memory: about one layer's on the GPU, "
+                                           "PCIe copies every step")
         self.verdict = widgets.HTML()
         self.max_batch = widgets.HTML()
         self.advice = widgets.HTML()
@@ -152,10 +159,10 @@ class PlannerTuner:
     def _layout(self):
         groups = [
             _group("Model and hardware", [self.model, self.profile, self.dtype]),
-            _group("Workload", [self.mode, self.batch_size]),
+            _group("Workload", [self.mode, self.batch_size, self.lora_rank]),
             _group("Generation", [self.tensor_parallel, self.prompt_len, self.new_tokens], "(mode generate)"),
-            _group("Training", [self.seq_len, self.grad_checkpointing, self.lora_rank, self.loss_chunk_tokens,
-                                self.precision, self.offload_activations], "(mode train)"),
+            _group("Training", [self.seq_len, self.loss_chunk_tokens, self.precision,
+                                widgets.HBox([self.grad_checkpointing, self.offload_activations])], "(mode train)"),
         ]
         controls = widgets.HBox(groups, layout=widgets.Layout(flex_flow="row wrap"))
         result = widgets.HBox([self.verdict, self.max_batch],
@@ -242,7 +249,10 @@ class PlannerTuner:
         on_gpu = settings["gpu_count"] > 0
         plots.plan_breakdown(plan, axis=bar_axis, on_gpu=on_gpu)
         # Half a figure wide, the bar has no room for the legend beside it: legend under, a shorter title.
-        bar_axis.legend(loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2, fontsize=7, frameon=False)
+        # Its gap below the axis is in points (tick labels + x label), not a fraction of the axis height.
+        under_the_label = bar_axis.transAxes + ScaledTranslation(0, -32 / 72, figure.dpi_scale_trans)
+        bar_axis.legend(loc="upper center", bbox_to_anchor=(0.5, 0), bbox_transform=under_the_label, ncol=2,
+                        fontsize=7, frameon=False)
         verdict = "fits" if plan.fits else "DOES NOT FIT"
         bar_axis.set_title(f"{mode}, {plan.dtype}, batch {plan.batch_size}: {format_bytes(plan.total_bytes)}, "
                            f"{verdict}", fontsize=9.5, color="black" if plan.fits else "#b00")
