@@ -430,9 +430,15 @@ def test_workbook_train_cli_trains_into_a_run_folder(tmp_path, monkeypatch, caps
 
 def test_every_set_counts_in_python_m_workbook_training(monkeypatch, capsys):
     seen = {}
-    monkeypatch.setattr(training_cli, "_train_in_chosen_folder", lambda params, command: seen.update(params) or 0)
+
+    def train_in_chosen_folder(params, params_arg, overrides):  # the real one's signature
+        seen.update(params, params_arg=params_arg, overrides=overrides)
+        return 0
+
+    monkeypatch.setattr(training_cli, "_train_in_chosen_folder", train_in_chosen_folder)
     assert training.main(["--params", "cpu", "--set", "max_steps=3", "--set", "epochs=2", "learning_rate=0.001"]) == 0
     assert (seen["max_steps"], seen["epochs"], seen["learning_rate"]) == (3, 2, 0.001)
+    assert (seen["params_arg"], seen["overrides"]) == ("cpu", ["max_steps=3", "epochs=2", "learning_rate=0.001"])
     assert training.main(["--params", "cpu", "--set", "max_steps=3", "--set", "epochs=two"]) == 2  # no traceback
     assert capsys.readouterr().err.startswith("error: --set epochs=two: 'epochs' is 'two'")
 

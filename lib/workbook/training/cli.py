@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not runtime.inside_launcher():
         if not args.run_dir:
-            return _train_in_chosen_folder(params, shlex.join(["python", "-m", "workbook.training", *argv]))
+            return _train_in_chosen_folder(params, args.params, args.set)
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
         return _run_and_report(params, Path(args.run_dir))
     run_dir = Path(args.run_dir) if args.run_dir else notebook.new_run_dir(params["profile"])
