@@ -70,6 +70,13 @@ class Rank:
         from accelerate.utils import gather_object
         return gather_object([value])
 
+    def leave(self) -> None:
+        """Tear this process's process group down once it has nothing more to exchange. Left to the
+        interpreter's exit, gloo's threads were sometimes destroyed still running ("terminate called
+        without an active exception", SIGABRT) in a tensor-parallel rank that finished first."""
+        if self.state is not None and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
 
 def current_rank(tensor_parallel_size: int = 1) -> Rank:
     if runtime.launched_processes() > 1:
@@ -337,6 +344,7 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         # tensor-parallel rank that wrote nothing sends nothing: its group's writer counted its work.
         every_process = [each for each in rank.gather(counts if rank.writes else None) if each is not None]
         over_network = nodes.bring_parts_to_first(files, rank, shared)
+        rank.leave()  # the last collective: what follows is the first process's alone
         if rank.index != 0:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
