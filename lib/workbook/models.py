@@ -129,10 +129,10 @@ def with_lora(model, rank: int, target_modules=None):
     adapted other modules than the rule picks."""
     import peft
 
-    from workbook.planner.shape import is_lora_target
-    targets = lora_targets(model, target_modules)
-    planned = {name for name in _linear_names(model) if name != _output_name(model)
-               and is_lora_target(name, targets.names)}
+    from workbook.planner.shape import choose_lora_targets, is_lora_target
+    linear_names, output_name = _linear_names(model), _output_name(model)
+    targets = choose_lora_targets(linear_names, output_name, target_modules)
+    planned = {name for name in linear_names if name != output_name and is_lora_target(name, targets.names)}
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, task_type="CAUSAL_LM",
                              target_modules=list(targets.names))
     with _without_peft_v4_moe_remap():

@@ -78,6 +78,11 @@ class ContinuousBackend:
         ceiling = self.batch_size  # the in-flight limit to go back to; an out-of-memory lowers it for good
         consecutive_errors = 0
         manager, in_flight = None, {}
+
+        def deliver(outcome: Outcome) -> None:
+            write(outcome)
+            tally.add(outcome)
+
         try:
             while queue or in_flight:
                 if restore and not restore_after and not in_flight:
@@ -97,10 +102,7 @@ class ContinuousBackend:
                     prompt = in_flight.pop(result.request_id, None)
                     if prompt is None or not result.is_finished():
                         continue
-                    outcome = Outcome(completed=[(prompt, finish(list(result.generated_tokens), prompt.max_new_tokens,
-                                                                 self.settings.eos_token_ids))])
-                    write(outcome)
-                    tally.add(outcome)
+                    deliver(self._completed(prompt, list(result.generated_tokens)))
                     consecutive_errors = 0
                     restore_after.discard(_key(prompt))
                     continue
@@ -110,10 +112,7 @@ class ContinuousBackend:
                 finished = self._stop(manager, drain=in_flight)
                 manager, in_flight = None, {}
                 for prompt, tokens in finished:  # completed before the loop stopped
-                    outcome = Outcome(completed=[(prompt, finish(tokens, prompt.max_new_tokens,
-                                                                 self.settings.eos_token_ids))])
-                    write(outcome)
-                    tally.add(outcome)
+                    deliver(self._completed(prompt, tokens))
                     failed.remove(prompt)
                 error = _error_from_text(error_text)
                 out_of_memory = should_reduce_batch_size(error)
@@ -130,9 +129,7 @@ class ContinuousBackend:
                     queue.extendleft(reversed(sort_longest_first(failed)))
                     continue
                 for prompt in failed:
-                    outcome = Outcome(failed=[(prompt, _error_text(error))])
-                    write(outcome)
-                    tally.add(outcome)
+                    deliver(Outcome(failed=[(prompt, _error_text(error))]))
                     restore_after.discard(_key(prompt))
                     consecutive_errors = 0 if out_of_memory else consecutive_errors + 1
                 if consecutive_errors >= MAX_CONSECUTIVE_ERRORS:
@@ -158,6 +155,9 @@ class ContinuousBackend:
         if failures:
             raise PartialFailure(completed, _error_from_text(failures[0]))
         return BackendOutput([completed[i] for i in range(len(prompts))], token_slots=None)
+
+    def _completed(self, prompt: Prompt, tokens: list[int]) -> Outcome:
+        return Outcome(completed=[(prompt, finish(tokens, prompt.max_new_tokens, self.settings.eos_token_ids))])
 
     # ------------------------------------------------------------------------------------------
     # The transformers manager.
