@@ -99,7 +99,8 @@ def _cmd_plan(args) -> int:
 
 def _cmd_calibrate(args) -> int:
     from workbook.planner import calibration
-    return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile])
+    return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile,
+                             *(["--only", args.only] if args.only else [])])
 
 
 def _cmd_forecast(args) -> int:
@@ -253,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "with the planner (memory_accuracy.json + .png); without a GPU only the exact CPU checks")
     calibrate_parser.add_argument("--profile", required=True, help="the GPU profile of this machine, e.g. h200")
     calibrate_parser.add_argument("--out", help="output folder (default outputs/reference/<profile>)")
+    calibrate_parser.add_argument("--only", help="comma-separated beginnings of case names: only the first case "
+                                  "each matches (a smoke pass)")
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
 
     for name, (handler, what, params_from) in JOBS.items():

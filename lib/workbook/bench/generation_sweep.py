@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from workbook import generation, models, runtime
+from workbook import ceilings, generation, models, runtime
 from workbook.bench.counting import (
     BASELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, decode_step_cost, fractions_of_peak,
     parse_int_list, parse_strategies, peak_tflops, roofline_tokens_per_second, run_dtype, spread,
@@ -42,12 +42,15 @@ class GenerationSetup:
     prompts: list[generation.Prompt]
     device: torch.device
     dtype: str
+    ceilings: dict | None = None  # this GPU's measured copy bandwidth and matmul (None on a CPU)
 
 
 def generation_setup(params, device: torch.device | None = None) -> GenerationSetup:
     device = device or runtime.default_device()
     name = params["bench_generate_model"]
     dtype = run_dtype(params, device)
+    # Before the model: the copy needs free memory. On a CPU the tiny model is overhead-bound, no roofline.
+    measured = ceilings.measure(device).to_dict() if device.type == "cuda" else None
     loaded = models.load_model(name, dtype, device)
     model, described = loaded.model, loaded.description
     new_tokens = params["bench_max_new_tokens"]
@@ -60,7 +63,7 @@ def generation_setup(params, device: torch.device | None = None) -> GenerationSe
                          f"{context} tokens; lower one of them")
     prompts = mixed_prompts(model.config.vocab_size, params["bench_examples"], (max(1, longest // 4), longest),
                             new_tokens)
-    return GenerationSetup(model, described, name, settings, prompts, device, dtype)
+    return GenerationSetup(model, described, name, settings, prompts, device, dtype, measured)
 
 
 def mixed_prompts(vocab_size: int, count: int, lengths: tuple[int, int], max_new_tokens: int,
@@ -181,7 +184,8 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
         predicted_peak_bytes=predicted,
         decode_step={"bytes_read": cost.bytes_read, "flops": cost.flops, "context_tokens": round(mean_context)},
         roofline_tokens_per_second=roofline_tokens_per_second(cost, batch, bandwidth, peak),
-        fraction_of_peak=fractions_of_peak(achieved, cost, batch, bandwidth, peak),
+        fraction_of_peak=fractions_of_peak(achieved, cost, batch, bandwidth, peak,
+                                           setup.ceilings and setup.ceilings["copy_gb_per_second"]),
         cost=cost_figures(median_run["seconds"], median_run["generated"], tokens, params["usd_per_gpu_hour"]),
         nvml=sampler.summary(),
         # transformers' continuous batching ignores min_new_tokens (measured): its rows may end at
@@ -230,4 +234,5 @@ def generation_sweep(params, log: Callable[[str], None] = print, setup: Generati
             "max_new_tokens": setup.settings.max_new_tokens, "repeats": repeats,
             "forced_full_length": "min_new_tokens = max_new_tokens; each point's full_length_outputs says how many "
                                   "ran to it (continuous batching ignores min_new_tokens)",
-            "baseline": BASELINE, "planner_batch": planned, "points": points}
+            "baseline": BASELINE, "planner_batch": planned, "points": points,
+            "ceilings": setup.ceilings or "not measured: a CPU (the tiny model is bound by overheads, not bandwidth)"}

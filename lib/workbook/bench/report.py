@@ -91,6 +91,7 @@ def generation_rows(report: dict) -> list[dict]:
             "peak memory": format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else NOT_MEASURED,
             "planner": format_bytes(p["predicted_peak_bytes"]) if p["predicted_peak_bytes"] else NA,
             "of bandwidth roofline": _format(p["fraction_of_peak"]["bandwidth"], "{:.1%}"),
+            "of measured copy bandwidth": _format(p["fraction_of_peak"].get("bandwidth_measured"), "{:.1%}"),
             "of compute peak": _format(p["fraction_of_peak"]["compute"], "{:.2%}"),
             "speedup vs seed-after": _format(p.get("speedup_over_seed_after"), "{:.2f}x"),
             "$ / 1k examples": _format(p["cost"]["usd_per_1000_examples"], "${:.4f}"),

@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", required=True, help="output folder, e.g. outputs/reference/h200")
     parser.add_argument("--profile", required=True, help="GPU profile in params/, e.g. h200")
+    parser.add_argument("--only", help="comma-separated beginnings of case names: measure only the first case "
+                        "each matches (a smoke pass), e.g. llama-3.2-1b/generate,llama-3.2-1b/train-checkpointed")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -401,7 +403,10 @@ def main(argv: list[str] | None = None) -> int:
               f"on that GPU to write outputs/reference/<profile>/{RESULT_FILE}.")
         return 0 if cpu_checks["all_exact"] else 1
 
-    result = run_calibration(out_dir, args.profile)
+    cases = calibration_grid(args.profile)
+    if args.only:
+        cases = chosen_cases(cases, args.only.split(","))
+    result = run_calibration(out_dir, args.profile, cases)
     from workbook import plots  # the figure is for people; the JSON above is the record
     plots.memory_accuracy(result).savefig(out_dir / "memory_accuracy.png", dpi=120, bbox_inches="tight")
     summary = result["summary"]
@@ -411,6 +416,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{GOAL_MEDIAN_ABS_RELATIVE_ERROR:.1%} / {GOAL_MAX_ABS_RELATIVE_ERROR:.0%}) -> "
           f"{out_dir / RESULT_FILE}")
     return 0 if cpu_checks["all_exact"] else 1
+
+
+def chosen_cases(cases: list[CalibrationCase], beginnings: list[str]) -> list[CalibrationCase]:
+    """The first case whose name starts with each of ``beginnings``, in that order."""
+    chosen = []
+    for beginning in beginnings:
+        matches = [case for case in cases if case.name.startswith(beginning.strip())]
+        if not matches:
+            raise SystemExit(f"--only: no case of this profile's grid starts with {beginning.strip()!r}; the "
+                             f"cases: {', '.join(case.name for case in cases)}")
+        chosen.append(matches[0])
+    return chosen
 
 
 def _percent(value: float | None) -> str:

@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from workbook import models, params as params_module, runtime
+from workbook import ceilings, models, params as params_module, runtime
 from workbook.paths import OUTPUTS_DIR
 from workbook.planner import forecast
 from workbook.planner.forecast import GenerationTimings, OutputLengths, Phases, Peaks
@@ -148,23 +148,10 @@ def warm_up(model, device: torch.device, token_id: int, rows: int, length: int,
 
 
 def host_peaks(device: torch.device) -> Peaks:
-    """This machine's achievable peaks, measured (a profile without spec peaks: the cpu one): a
-    2048^3 fp32 matmul for compute and a 128 MiB copy (read + write) for bandwidth, best of 3."""
-    a = torch.randn(2048, 2048, device=device)
-    block = torch.empty(32 * 2 ** 20, device=device)  # 128 MiB of fp32
-    matmul, copy = [], []
-    for _ in range(3):
-        runtime.synchronize(device)
-        began = time.perf_counter()
-        a @ a
-        runtime.synchronize(device)
-        matmul.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        block.clone()
-        runtime.synchronize(device)
-        copy.append(time.perf_counter() - began)
-    return Peaks(2 * 2048 ** 3 / min(matmul), 2 * block.numel() * 4 / min(copy),
-                 "measured here: fp32 2048^3 matmul and a 128 MiB copy, best of 3")
+    """This machine's achievable peaks, measured (a profile without spec peaks: the cpu one): an fp32
+    2048^3 matmul for compute and a 128 MiB copy (read + write) for bandwidth, best of 3."""
+    measured = ceilings.measure(device, dtype=torch.float32, copy_bytes=128 * 2 ** 20, matmul_size=2048, repeats=3)
+    return Peaks(measured.matmul_flops_per_second, measured.copy_bytes_per_second, measured.how)
 
 
 def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float | None = None,

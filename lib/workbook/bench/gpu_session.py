@@ -1,0 +1,181 @@
+"""A lent GPU's calls, planned: each call is one command that runs a whole sweep of steps, writes
+everything under one folder and stops itself inside its time budget (the device allows 10 minutes a
+command and 30 a session), so none of the session's minutes go to typing or to a step that hangs.
+
+    PYTHONPATH=lib python3 -m workbook.bench.gpu_session --call smoke --profile h100 --out $OUT
+
+Calls, in the order a session spends them (``--list`` prints the commands):
+
+- ``smoke`` (~3 min): the measured ceilings of this GPU (a large device-to-device copy, a large
+  bf16 matmul), two calibration cases (a generation and a checkpointed training step of a 1B-shaped
+  model) and a tiny benchmark through every generation strategy and the training sweep's compile
+  and checkpointing points, so what breaks on this machine shows in the first minutes.
+- ``calibration`` (~9 min): the planner's whole calibration grid, the engine's overhead on an
+  8B-shaped model, and the generation sweep at 32, 128 and the planner's batch.
+- ``training`` (~9 min): continuous against static batching on uneven outputs (8B-shaped), the 1B
+  training sweep with each memory setting, and the 8B LoRA point.
+
+Every step runs as its own process (its output in ``<out>/<call>.log``, unbuffered), is given the
+time left (less a reserve for the summary) and is stopped when it runs out; a failed step does not
+stop the next. A step that writes a run folder under ``outputs/`` has it copied into ``<out>``.
+``<out>/<call>.json`` records each step's command, exit status, seconds and last line, and the same
+table is printed last. Models are real architectures built from their configs with random bf16
+weights on the GPU (nothing is downloaded; speed and memory do not depend on the values).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from workbook.paths import OUTPUTS_DIR, REPO_ROOT
+
+RESERVE_SECONDS = 20  # kept back from the last step: the summary and copying the results
+DEFAULT_BUDGET_SECONDS = 540  # 9 minutes: inside the device's 10-minute limit per command
+
+
+@dataclasses.dataclass
+class Step:
+    name: str
+    argv: list[str]  # after the python executable
+    needs_seconds: int  # skipped when less than this is left: a step that cannot finish measures nothing
+    budget_flag: str | None = None  # the step's own time-budget option, given the time left
+
+
+def calls(profile: str, out: Path) -> dict[str, list[Step]]:
+    """The steps of each call for ``profile`` (a GPU profile), writing under ``out``."""
+    workbook = ["-m", "workbook"]
+    bench = [*workbook, "bench", "--params", profile, "--set"]
+    on_gpu = ["--device", "cuda", "--dtype", "bf16"]
+    return {
+        "smoke": [
+            Step("ceilings", ["-m", "workbook.ceilings", "--profile", profile, "--out", str(out)], 30),
+            Step("calibration, 2 cases", [*workbook, "calibrate", "--profile", profile, "--out",
+                                          str(out / "smoke-calibration"),
+                                          "--only", "llama-3.2-1b/generate,llama-3.2-1b/train-checkpointed"], 45),
+            Step("every strategy and training path, tiny sizes", [
+                *bench, "bench_generate_model=Llama-3.2-1B", "bench_train_model=Llama-3.2-1B",
+                "bench_strategies=seed-after,static-sorted,static-compiled,continuous", "bench_batch_sizes=4",
+                "bench_examples=8", "bench_max_new_tokens=16", "bench_repeats=1", "prompt_len=256",
+                "bench_train_micro_batches=2", "bench_train_steps=3", "seq_len=512"], 90),
+        ],
+        "calibration": [
+            Step("calibration grid", [*workbook, "calibrate", "--profile", profile, "--out", str(out)], 240),
+            Step("engine overhead, 8B", ["-m", "workbook.bench.engine_overhead", "--model", "Llama-3.1-8B", *on_gpu,
+                                         "--profile", profile, "--batch-size", "32", "--out", str(out)], 90),
+            Step("generation sweep at 32, 128 and the planner's batch, 8B", [
+                *bench, "bench_strategies=seed-after,static-sorted,static-compiled,continuous",
+                "bench_batch_sizes=32,128,auto", "bench_examples=256", "bench_train_steps=0"], 150),
+        ],
+        "training": [
+            Step("continuous vs static on uneven outputs, 8B", [
+                "-m", "workbook.bench.continuous_batching", "--model", "Llama-3.1-8B", *on_gpu, "--examples", "512",
+                "--max-new-tokens", "1024", "--memory-gib", "40", "--workloads", "uneven", "--repeats", "1",
+                "--out", str(out / "continuous_batching")], 120, "--time-budget-seconds"),
+            Step("training sweep with each memory setting, 1B", [
+                *bench, "bench_strategies=seed-after", "bench_examples=32", "bench_train_model=Llama-3.2-1B",
+                "bench_train_micro_batches=4,8,16", "bench_train_steps=12",
+                "bench_train_settings=loss_chunk_tokens,precision_bf16,offload_activations,sdpa_block_mask"], 120),
+            Step("8B LoRA training point", [
+                *bench, "bench_strategies=seed-after", "bench_examples=32", "bench_train_model=Llama-3.1-8B",
+                "lora_rank=16", "bench_train_micro_batches=4", "bench_train_steps=12"], 90),
+        ],
+    }
+
+
+def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float, *, python: str = sys.executable,
+             outputs: Path = OUTPUTS_DIR, clock=time.monotonic, say=print) -> list[dict]:
+    """Run ``steps`` in order within ``budget_seconds``; returns one record per step."""
+    deadline = clock() + budget_seconds - RESERVE_SECONDS
+    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))}
+    records = []
+    with log_path.open("a") as log:
+        for step in steps:
+            left = deadline - clock()
+            argv = [python, *step.argv]
+            if step.budget_flag:
+                argv += [step.budget_flag, str(int(max(left - 5, 1)))]
+            record = {"step": step.name, "command": " ".join(["python3", *argv[1:]])}
+            if left < step.needs_seconds:
+                records.append({**record, "status": f"skipped: {left:.0f} s left of the budget, it needs "
+                                                     f"{step.needs_seconds} s", "seconds": 0.0, "last_line": ""})
+                say(f"[{step.name}] {records[-1]['status']}")
+                continue
+            log.write(f"\n===== {step.name}: {record['command']}\n")
+            log.flush()
+            before = _run_folders(outputs)
+            began = clock()
+            status, last_line = _run(argv, env, log, log_path, timeout=left)
+            records.append({**record, "status": status, "seconds": round(clock() - began, 1), "last_line": last_line,
+                            "run_folders": [str(folder) for folder in _copy_new_folders(outputs, before, out)]})
+            say(f"[{step.name}] {status} in {records[-1]['seconds']:.0f} s: {last_line}")
+    return records
+
+
+def _run(argv: list[str], env: dict, log, log_path: Path, timeout: float) -> tuple[str, str]:
+    start = log.tell()
+    try:
+        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, timeout=timeout)
+        status = "ok" if done.returncode == 0 else f"failed (exit {done.returncode})"
+    except subprocess.TimeoutExpired:
+        status = f"stopped: the budget ran out after {timeout:.0f} s"
+    log.flush()
+    with log_path.open() as text:
+        text.seek(start)
+        lines = [line.strip() for line in text.read().replace("\r", "\n").splitlines() if line.strip()]
+    return status, (lines[-1][:200] if lines else "")
+
+
+def _run_folders(outputs: Path) -> set[Path]:
+    return {path for path in outputs.iterdir() if path.is_dir()} if outputs.is_dir() else set()
+
+
+def _copy_new_folders(outputs: Path, before: set[Path], out: Path) -> list[Path]:
+    """Run folders the step made under ``outputs`` (a benchmark's), copied into ``out``."""
+    copied = []
+    for folder in sorted(_run_folders(outputs) - before):
+        target = out / folder.name
+        shutil.copytree(folder, target, dirs_exist_ok=True)
+        copied.append(target)
+    return copied
+
+
+def table(call: str, records: list[dict]) -> str:
+    lines = [f"| {call}: step | status | seconds | last line |", "|---|---|---|---|"]
+    lines += [f"| {r['step']} | {r['status']} | {r['seconds']:.0f} | {r['last_line'].replace('|', '/')} |"
+              for r in records]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbook.bench.gpu_session", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--call", choices=("smoke", "calibration", "training"), required=True)
+    parser.add_argument("--profile", required=True, help="the lent GPU's profile: h100 or h200")
+    parser.add_argument("--out", required=True, help="results folder ($OUT on the device)")
+    parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
+    parser.add_argument("--list", action="store_true", help="print the call's commands and stop")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    steps = calls(args.profile, out)[args.call]
+    if args.list:
+        print("\n".join(f"{step.name}: python3 {' '.join(step.argv)}" for step in steps))
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    records = run_call(steps, out, out / f"{args.call}.log", args.budget_seconds)
+    (out / f"{args.call}.json").write_text(json.dumps({"call": args.call, "profile": args.profile,
+                                                       "budget_seconds": args.budget_seconds, "steps": records},
+                                                      indent=2) + "\n")
+    print(table(args.call, records))
+    return 0 if all(record["status"] == "ok" for record in records) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,106 @@
+"""The lent GPU's planned calls: a step that overruns is stopped inside the budget, a failed step
+does not stop the next, a step that cannot finish is skipped, results in outputs/ are kept; and
+every command of every call names options and params keys that exist, so a typo fails here and
+not in the GPU's minutes. The measured ceilings run on this CPU."""
+
+import json
+import re
+
+import pytest
+import torch
+
+from workbook import ceilings, params
+from workbook.bench import gpu_session
+from workbook.paths import REPO_ROOT
+from workbook.planner import calibration
+
+
+def python_step(name: str, code: str, needs: int = 0, budget_flag=None) -> gpu_session.Step:
+    return gpu_session.Step(name, ["-c", code], needs, budget_flag)
+
+
+def test_a_call_keeps_to_its_budget_and_runs_every_step_it_can(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_session, "RESERVE_SECONDS", 0)
+    outputs = tmp_path / "outputs"
+    outputs.mkdir()
+    steps = [
+        python_step("fails", "import sys; print('broken'); sys.exit(4)"),
+        python_step("writes a run folder", f"import pathlib; p = pathlib.Path({str(outputs)!r}) / 'bench-run'; "
+                                           "p.mkdir(); (p / 'benchmark.json').write_text('{}'); print('done')"),
+        python_step("told its budget", "import sys; print('budget', sys.argv[-1])", budget_flag="--time-budget-seconds"),
+        python_step("overruns", "import time; print('started', flush=True); time.sleep(60)"),
+        python_step("needs more than is left", "print('never')", needs=1000),
+    ]
+    out = tmp_path / "out"
+    out.mkdir()
+    records = gpu_session.run_call(steps, out, out / "call.log", budget_seconds=8, outputs=outputs, say=lambda line: None)
+
+    statuses = [record["status"] for record in records]
+    assert statuses[:3] == ["failed (exit 4)", "ok", "ok"]
+    assert records[0]["last_line"] == "broken"
+    assert (out / "bench-run" / "benchmark.json").is_file()  # the step's run folder, copied into the results
+    assert records[1]["run_folders"] == [str(out / "bench-run")]
+    budget_given = int(records[2]["last_line"].split()[-1])
+    assert 0 < budget_given <= 8
+    assert statuses[3].startswith("stopped: the budget ran out") and records[3]["seconds"] < 9
+    assert statuses[4].startswith("skipped") and "it needs 1000 s" in statuses[4]
+    log = (out / "call.log").read_text()
+    assert "===== overruns" in log and "started" in log and "never" not in log
+    assert "| fails | failed (exit 4) |" in gpu_session.table("smoke", records)
+
+
+@pytest.mark.parametrize("profile", ["h100", "h200"])
+def test_every_command_of_every_call_names_options_and_keys_that_exist(profile, tmp_path):
+    cli_source = (REPO_ROOT / "lib/workbook/cli.py").read_text()
+    profile_params = params.load(params.profile_path(profile))
+    for call, steps in gpu_session.calls(profile, tmp_path).items():
+        for step in steps:
+            assert step.argv[0] == "-m", step.name
+            module = step.argv[1]
+            source = cli_source if module == "workbook" else \
+                (REPO_ROOT / "lib" / (module.replace(".", "/") + ".py")).read_text()
+            for flag in [a for a in step.argv if a.startswith("--")] + ([step.budget_flag] if step.budget_flag else []):
+                assert f'"{flag}"' in source, f"{call}/{step.name}: {module} has no option {flag}"
+            if "--set" in step.argv:  # the overrides are valid keys and values of this profile
+                overrides = params.parse_overrides(step.argv[step.argv.index("--set") + 1:])
+                params.apply_overrides(profile_params, overrides)
+            if "--only" in step.argv:  # the smoke cases exist in this GPU's grid
+                beginnings = step.argv[step.argv.index("--only") + 1].split(",")
+                chosen = calibration.chosen_cases(calibration.calibration_grid(profile), beginnings)
+                assert [case.mode for case in chosen] == ["generate", "train"]
+
+
+def test_the_session_lists_its_commands_without_running_them(capsys, tmp_path):
+    assert gpu_session.main(["--call", "smoke", "--profile", "h100", "--out", str(tmp_path / "out"), "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "python3 -m workbook.ceilings --profile h100" in listed
+    assert not (tmp_path / "out").exists()
+
+
+def test_calibration_only_refuses_a_case_name_the_grid_lacks():
+    with pytest.raises(SystemExit, match="no case of this profile's grid starts with 'llama-9b'"):
+        calibration.chosen_cases(calibration.calibration_grid("h100"), ["llama-9b/generate"])
+
+
+def test_ceilings_are_measured_and_set_beside_the_datasheet(tmp_path):
+    measured = ceilings.measure(torch.device("cpu"), copy_bytes=8 * 2 ** 20, matmul_size=256, repeats=2)
+    assert measured.copy_bytes_per_second > 1e8 and measured.matmul_flops_per_second > 1e8
+    assert "8 MiB device-to-device copy" in measured.how and "256^3 float32 matmul, best of 2" in measured.how
+    cpu = ceilings.against_datasheet(measured, params.load(params.profile_path("cpu")))
+    assert cpu["copy_share_of_datasheet"] is None  # the cpu profile states no datasheet figure
+    h100 = params.load(params.profile_path("h100"))
+    fake_bf16 = ceilings.Ceilings(3.0e12, 800e12, "bfloat16", 2 ** 31, 8192, 5, "H100")
+    shares = ceilings.against_datasheet(fake_bf16, h100)
+    assert shares["copy_share_of_datasheet"] == pytest.approx(3000 / h100["memory_bandwidth_gbs"])
+    assert shares["matmul_share_of_datasheet"] == pytest.approx(800 / h100["peak_bf16_tflops"])
+
+
+def test_the_ceilings_command_writes_its_record(tmp_path):
+    assert ceilings.main(["--profile", "cpu", "--out", str(tmp_path), "--copy-mib", "8", "--matmul-size", "256",
+                          "--repeats", "2"]) == 0
+    record = json.loads((tmp_path / "ceilings.json").read_text())
+    assert record["command"] == "python -m workbook.ceilings --profile cpu --out " + str(tmp_path) + \
+        " --copy-mib 8 --matmul-size 256 --repeats 2"
+    assert record["measured"]["copy_gb_per_second"] > 0.1 and record["hardware"]
+    assert ceilings.load(tmp_path) == record
+    assert re.search(r"\| copy bandwidth \(read \+ write\) \| [\d,]+ GB/s \| n/a GB/s \| n/a", (tmp_path / "ceilings.md").read_text())
