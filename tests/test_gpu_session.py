@@ -78,7 +78,7 @@ def test_the_session_lists_its_commands_without_running_them(capsys, tmp_path):
 
 
 def test_calibration_only_refuses_a_case_name_the_grid_lacks():
-    with pytest.raises(SystemExit, match="no case of this profile's grid starts with 'llama-9b'"):
+    with pytest.raises(SystemExit, match="no case of this profile's grid starts with 'llama-9b/generate'"):
         calibration.chosen_cases(calibration.calibration_grid("h100"), ["llama-9b/generate"])
 
 
