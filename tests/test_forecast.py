@@ -70,6 +70,21 @@ def test_fitted_timings_predict_batches_the_pilot_did_not_run():
     assert predicted.seconds == pytest.approx(unseen.seconds, rel=1e-6)
 
 
+def test_a_noisy_pilot_fit_never_goes_negative_and_keeps_the_pilots_total_time():
+    """One slow batch at the longest prompts tilts the least-squares line below 0 at the origin;
+    clipping that alone kept the tilted slope and overstated the job (the pilot's own prefill by
+    27% in a measured CPU pilot). The fit must keep the total time the pilot measured."""
+    tokens = [5920, 4600, 3460, 2620, 1860, 1220, 800, 540, 510]  # 32 rows x the longest prompt
+    seconds = [0.84, 0.49, 0.27, 0.20, 0.14, 0.088, 0.060, 0.043, 0.042]  # the first batch slow
+    intercept, slope = forecast.fit_line(tokens, seconds)
+    assert intercept == 0.0 and slope > 0
+    assert intercept * len(tokens) + slope * sum(tokens) == pytest.approx(sum(seconds))
+    # A line the data supports is left as least squares gives it (positive fixed cost).
+    assert forecast.fit_line([100, 200, 300], [1.5, 2.5, 3.5]) == pytest.approx((0.5, 0.01))
+    # Time that falls with more work is noise: no slope, the mean as a fixed cost.
+    assert forecast.fit_line([100, 200, 300], [3.0, 2.0, 1.0]) == pytest.approx((2.0, 0.0))
+
+
 class FakeClock:
     def __init__(self):
         self.now = 0.0
