@@ -69,3 +69,10 @@ def test_the_trainer_loads_it_and_trains_on_the_shipped_sample(random_model, tmp
     assert result["status"] == "finished" and result["steps"]["reached"] == 2
     assert result["model_description"].startswith(f"{random_model}: weights from {random_model}")
     assert not result["data"]["formatting"].get("synthetic")  # real examples, tokenized by the tiny tokenizer
+
+
+def test_the_command_prints_what_it_built_as_its_last_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(presets.PRESETS, "Small-Llama", SMALL_LLAMA)
+    assert random_weights.main(["--preset", "Small-Llama", "--out", str(tmp_path / "m"), "--device", "cpu"]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # what forecast_check reads
+    assert printed["preset"] == "Small-Llama" and printed["dtype"] == "bf16" and printed["parameters"] > 0
