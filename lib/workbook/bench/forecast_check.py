@@ -317,7 +317,7 @@ def markdown(result: dict) -> str:
                 f"{load['start']} at the start, {load['end']} at the end.", ""]
                if (load := result.get("load_average_1_5_15_min")) else []),
              *[f"{model}: random {built['dtype']} weights ({built['parameters']:,} parameters) built on "
-               f"{built['built_on']} in {built['command_seconds']:.0f} s, the tiny model's tokenizer." for model, built in
+               f"{built['built_on']} in {built['command_seconds']:.0f} s, the tiny model's tokenizer.\n" for model, built in
                result.get("models_built", {}).items()],
              "| case | seconds of | pilot | forecast (s), median | measured (s), median | error of each trial | "
              "median error | trials within goal | trials in range | the job's own spread |",
@@ -335,8 +335,7 @@ def markdown(result: dict) -> str:
     unfinished = [f"- {row['case']}, trial {stopped['trial']}: {stopped['reason'].splitlines()[0]}"
                   + (f" (its forecast: {stopped['forecast']['predicted_seconds']:.1f} s)" if stopped["forecast"] else "")
                   for row in result["cases"] if (stopped := row.get("not_finished"))]
-    lines += ["", "Not finished (nothing of theirs is in the table but what the trials before measured):", *unfinished] \
-        if unfinished else []
+    lines += ["", "Not finished (the table holds only the trials that finished before):", *unfinished] if unfinished else []
     if "seed_000" in result:
         lines += projection_lines(result)
     return "\n".join(lines) + "\n"
@@ -349,24 +348,24 @@ def _cores(hardware: dict):
 def projection_lines(result: dict) -> list[str]:
     """The generation case's forecast projected to every profile, beside seed 000's claims for its own
     job, and the same projection scaled to the seed's job by output tokens (labelled as such)."""
-    row = next((row for row in result["cases"] if row["mode"] == "generate"), None)
-    forecast = row and ({"job": row["trials"][0]["job"], "profiles": row["trials"][0]["profiles"]} if row["trials"]
-                        else (row.get("not_finished") or {}).get("forecast"))
-    if not forecast:
+    row = next((row for row in result["cases"] if row["mode"] == "generate"), {"trials": []})
+    first = row["trials"][0] if row["trials"] else (row.get("not_finished") or {}).get("forecast")
+    if not first:
         return ["", "No projection to the other profiles: the generation case made no forecast."]
-    seed, claims, job = result["seed_000"]["job"], result["seed_000"]["claims"], forecast["job"]
+    seed, claims, job = result["seed_000"]["job"], result["seed_000"]["claims"], first["job"]
     scale = seed["prompts"] * seed["max_new_tokens"] / (job["prompts"] * job["max_new_tokens"])
     lines = ["", f"Projection of this check's generation job ({job['prompts']:,} prompts x {job['max_new_tokens']} new "
              f"tokens, {job['model']}, batch {job['batch_size']}, {job['backend']}) from its forecast on "
              f"{result['profile']} to every profile (the forecast's `profiles`), "
              f"beside seed 000's claims for its own job: {seed['what']}. The column 'scaled to the seed's size' "
              f"multiplies this job's projection by the ratio of output tokens ({seed['prompts']:,} x "
-             f"{seed['max_new_tokens']:,} over {job['prompts']:,} x {job['max_new_tokens']}, x{scale:.0f}), as if every "
-             "output ran to its cap at this job's batch: longer contexts make each token dearer and fit smaller "
-             "batches, so read it as a floor for the workbook running the seed's job, not as the seed script's time.",
+             f"{seed['max_new_tokens']:,} over {job['prompts']:,} x {job['max_new_tokens']}, x{scale:.0f}): a rough "
+             f"scale, not a measurement. It assumes every output runs to the {seed['max_new_tokens']:,} cap (outputs "
+             "that end earlier make the job shorter) at this job's cost per token (longer contexts make each token dearer and fit smaller batches: "
+             "longer); and it is the workbook at the planner's batch, not the seed's script at its own.",
              "", "| profile | this job: wall | this job: USD | basis | scaled to the seed's size: wall | USD | "
              "seed 000's claim (its job) |", "|---|---|---|---|---|---|---|"]
-    for entry in forecast["profiles"]:
+    for entry in first["profiles"]:
         wall, usd = entry["wall_seconds"], entry["usd"]
         this_job, scaled = (("- | -", "- | -") if wall is None else
                             (f"{units_seconds(wall)} | ${usd:.4f}", f"{units_seconds(wall * scale)} | ${usd * scale:,.2f}"))
