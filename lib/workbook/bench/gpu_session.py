@@ -43,12 +43,13 @@ from workbook.paths import OUTPUTS_DIR, REPO_ROOT
 
 RESERVE_SECONDS = 20  # kept back from the last step: the summary and copying the results
 DEFAULT_BUDGET_SECONDS = 540  # 9 minutes: inside the device's 10-minute limit per command
-# The forecast call's 8B generation job, sized from bandwidth for about 2 minutes of an H100. The planner's
-# batch there is 505 (prompt_len 512, 256 new tokens), so 5,000 prompts make 10 static batches (the pilot's
-# one batch is 10% of the job) of 256 decode steps each: 2,560 steps. A step reads the 16 GB of bf16 weights
-# and the KV cache (505 rows x ~200 positions x 128 KiB = 13 GB): ~9 ms at 3.35 TB/s, ~26 s in all as a
-# floor; the cache's copy each step, 8 TFLOP of matmuls and the host's launches make it 2-4x that.
-FORECAST_PROMPTS = 5000
+# The forecast call's 8B generation job, sized from bandwidth for about 2 minutes. The planner's batch is
+# 505 on an H100 and 995 on an H200 (prompt_len 512, 256 new tokens), so 5,000 and 10,000 prompts make 10
+# static batches (the pilot's one batch is 10% of the job) of 256 decode steps each: 2,560 steps. On an
+# H100 a step reads the 16 GB of bf16 weights and the KV cache (505 rows x ~200 positions x 128 KiB =
+# 13 GB): ~9 ms at 3.35 TB/s, ~23 s in all as a floor; the cache's copy each step, 8 TFLOP of matmuls and
+# the host's launches make it 2-4x that. An H200 reads twice the cache at 4.8 TB/s: about the same.
+FORECAST_PROMPTS = {"h100": 5000, "h200": 10000}
 FORECAST_NEW_TOKENS = 256
 
 
@@ -101,7 +102,7 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
         "forecast": [
             Step("forecast against the whole run: 8B generation, 1B training", [
                 "-m", "workbook.bench.forecast_check", "--profile", profile, "--generate-model", "Llama-3.1-8B",
-                "--train-model", "Llama-3.2-1B", "--mixed-prompts", str(FORECAST_PROMPTS), "--max-new-tokens",
+                "--train-model", "Llama-3.2-1B", "--mixed-prompts", str(FORECAST_PROMPTS.get(profile, 5000)), "--max-new-tokens",
                 str(FORECAST_NEW_TOKENS), "--train-steps", "300", "--train-micro-batch", "16", "--repeats", "1",
                 "--out", str(out / "forecast")], 240, "--time-budget-seconds"),
         ],
