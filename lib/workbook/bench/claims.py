@@ -11,6 +11,15 @@ from workbook.bench.counting import BASELINE, NA
 from workbook.planner import kv_cache_bytes
 
 
+# Seed 000's own job and what it promised per GPU (../shared/seeds/000_*.txt, "Hardware-Specific Settings"
+# and "Cost Estimate"), set beside the forecast check's projection to the same profiles.
+SEED_000_JOB = {"prompts": 53597, "max_new_tokens": 2048,
+                "what": "53,597 prompts to an 8B model, up to 2,048 new tokens each (sampled at temperature 0.7), "
+                        "static batches of 32 (H200), 16 (H100), 8 (A100 40GB), 10 (A6000)"}
+SEED_000_CLAIMS = {"h200": "~2-3 h; $1.00-2.40 at $0.50-0.80/h (Vast.ai)", "h100": "~3-4 h",
+                   "a100-40gb": "~5-6 h", "a6000": "~6-7 h"}
+
+
 def tf32_matmul_speedup(device: torch.device, size: int = 8192, repeats: int = 10) -> dict | None:
     """fp32 matmul TFLOP/s with TF32 off and on, and bf16, on a GPU; None on CPU (no TF32)."""
     if device.type != "cuda":

@@ -2,33 +2,54 @@
 ``forecast.json`` and ``forecast.md``.
 
     python -m workbook.bench.forecast_check --out outputs/reference/cpu
+    python -m workbook.bench.forecast_check --profile h100 --generate-model Llama-3.1-8B \
+        --train-model Llama-3.2-1B --repeats 1 --time-budget-seconds 500 --out $OUT/forecast
 
 Each case runs `workbook forecast --json` (a pilot of at most 10% of the job) and then the whole job
 as a fresh run into another output, each command in its own process as a user would run it, and
 compares the forecast's ``predicted_wall_seconds`` with the job's measured wall time (process
-start to exit). Cases: the tiny model over the shipped prompts; a generated set of mixed-length
-prompts with outputs that end at end of sequence, and the same cut at a fixed length; a training
-run of a few hundred steps. Sized to take about 10 minutes of a 2-core CPU in all.
+start to exit). Cases on the cpu profile (the tiny model): the shipped prompts; a generated set of
+mixed-length prompts with outputs that end at end of sequence, and the same cut at a fixed length;
+a training run of a few hundred steps, in all about 10 minutes of a 2-core CPU. On a GPU profile:
+the mixed-length prompts at a fixed output length (``--max-new-tokens``: random weights rarely end
+a sequence) and the training run; the markdown adds the generation forecast's projection to every
+profile beside seed 000's claims for its own job.
+
+A preset model name (``--generate-model``, ``--train-model``) is built first as a local directory
+with random weights on this machine's device (``workbook.random_weights``), since the generation job
+loads only directories. ``--time-budget-seconds`` ends every command by its deadline: a job whose
+forecast does not fit in the time left is not run, and a case stopped or not run is recorded as not
+finished, with whatever it measured (its forecast, when it got that far).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
 import resource
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
-from workbook import gpu
+from workbook import gpu, models, params as params_module
+from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 from workbook.paths import REPO_ROOT
+from workbook.planner.forecast_command import units_seconds
 
 GOAL = 0.10  # |forecast - measured| / measured
+RESERVE_SECONDS = 15  # kept back from --time-budget-seconds: stopping a command and writing the results
+# The options a GPU check adds, with their defaults: the recorded command names one only when it differs,
+# so the cpu reference's command reads (and reproduces) as before.
+GPU_OPTIONS = {"profile": "cpu", "generate_model": "tiny", "train_model": "tiny", "max_new_tokens": 256,
+               "time_budget_seconds": None}
 
 
 def mixed_prompts(path: Path, count: int, seed: int = 0) -> Path:
@@ -45,16 +66,60 @@ def mixed_prompts(path: Path, count: int, seed: int = 0) -> Path:
     return path
 
 
-def workbook(args: list[str], env: dict) -> tuple[float, float, subprocess.CompletedProcess]:
-    """Run ``python -m workbook ...`` in a fresh process: (wall seconds, its CPU seconds (user +
-    system), the completed process)."""
+class NotFinished(Exception):
+    """A command stopped at the time budget's deadline, not started for lack of time, or failed;
+    ``forecast``: what its trial had measured before (the forecast), if it got that far."""
+
+    def __init__(self, reason: str, forecast: dict | None = None):
+        super().__init__(reason)
+        self.forecast = forecast
+
+
+@dataclasses.dataclass
+class Session:
+    """What every command of a check shares."""
+
+    env: dict
+    profile: str
+    device: str = "cpu"  # where a preset's random weights are built: the profile's GPU, else the CPU
+    # Wall and CPU seconds on the cpu profile; a GPU job's CPU seconds are only its host's part: wall alone.
+    clocks: tuple[str, ...] = ("wall", "cpu")
+    deadline: float | None = None  # time.monotonic() by which every command has ended; None: no budget
+    projects: bool = False  # record each forecast's projection to the other profiles (GPU profiles)
+    log: Callable[[str], None] = print
+
+    def seconds_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+
+def command(argv: list[str], session: Session) -> tuple[float, float, subprocess.CompletedProcess]:
+    """Run ``python <argv>`` in a fresh process: (wall seconds, its CPU seconds (user + system), the
+    completed process). Its own process group, so that a stop at the deadline ends its children too.
+    Raises NotFinished at the deadline or when it fails."""
+    left = session.seconds_left()
+    if left is not None and left <= 0:
+        raise NotFinished(f"no time left in the budget to start python {' '.join(argv[:3])}")
     began, cpu_began = time.perf_counter(), _children_cpu_seconds()
-    done = subprocess.run([sys.executable, "-m", "workbook", *args], capture_output=True, text=True, env=env,
-                          cwd=REPO_ROOT)
+    process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=session.env, cwd=REPO_ROOT, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=left)
+    except BaseException as stop:  # the deadline, or Ctrl-C, which no longer reaches the command's own group
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        if not isinstance(stop, subprocess.TimeoutExpired):
+            raise
+        raise NotFinished(f"python {' '.join(argv[:3])} stopped at the time budget's deadline after "
+                          f"{time.perf_counter() - began:.0f} s") from None
     seconds, cpu_seconds = time.perf_counter() - began, _children_cpu_seconds() - cpu_began
-    if done.returncode not in (0, 1):
-        raise RuntimeError(f"workbook {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return seconds, cpu_seconds, done
+    if process.returncode not in (0, 1):
+        raise NotFinished(f"python {' '.join(argv)} failed ({process.returncode}):\n{stderr[-3000:]}")
+    return seconds, cpu_seconds, subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def workbook(args: list[str], session: Session) -> tuple[float, float, subprocess.CompletedProcess]:
+    """``python -m workbook ...`` in a fresh process (``command``)."""
+    return command(["-m", "workbook", *args], session)
 
 
 def _children_cpu_seconds() -> float:
@@ -62,15 +127,42 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def check(name: str, mode: str, settings: list[str], fresh: list[str], env: dict, log, repeats: int = 1) -> dict:
-    """``repeats`` trials back to back, each a forecast with ``settings`` (pilot output there) once in
-    wall seconds and once in CPU seconds, then the whole job fresh with ``fresh``, measured both
-    ways. Each forecast is compared with the run that follows it; the trials show how much the
-    machine itself moves the same job's time."""
-    trials = [_trial(name, mode, _tagged(settings, str(trial)), _tagged(fresh, str(trial)), env, log)
-              for trial in range(repeats)]
+def model_directory(model: str, work: Path, session: Session, dtype: str, built: dict) -> str:
+    """``model`` as the jobs load it: 'tiny' or a directory as is; a preset is first built under
+    ``work`` as a directory of random ``dtype`` weights on this profile's device (once; recorded in
+    ``built``), since the generation job loads only directories."""
+    if not models.is_preset(model):
+        return model
+    if model not in built:
+        directory = work / f"{model}-random-{dtype}"
+        seconds, _, done = command(["-m", "workbook.random_weights", "--preset", model, "--out", str(directory),
+                                    "--dtype", dtype, "--device", session.device], session)
+        built[model] = {**json.loads(done.stdout.strip().splitlines()[-1]), "directory": str(directory),
+                        "command_seconds": round(seconds, 1)}
+        session.log(f"{model}: random {dtype} weights built on {session.device} into {directory} in {seconds:.0f} s")
+    return built[model]["directory"]
+
+
+def check(name: str, mode: str, settings: list[str], fresh: list[str], session: Session, repeats: int = 1) -> dict:
+    """``repeats`` trials back to back, each a forecast with ``settings`` (pilot output there) once per
+    clock (wall seconds, CPU seconds), then the whole job fresh with ``fresh``, measured both ways.
+    Each forecast is compared with the run that follows it; the trials show how much the machine
+    itself moves the same job's time. A trial that does not finish ends the case (``not_finished``);
+    the figures are those of the trials that did."""
+    trials, not_finished = [], None
+    for trial in range(repeats):
+        try:
+            trials.append(_trial(name, mode, _tagged(settings, str(trial)), _tagged(fresh, str(trial)), session))
+        except NotFinished as stopped:
+            session.log(f"{name}: trial {trial + 1} of {repeats} not finished: {stopped}")
+            not_finished = {"trial": trial + 1, "reason": str(stopped), "forecast": stopped.forecast}
+            break
     row = {"case": name, "mode": mode, "settings": settings, "trials": trials}
-    for clock in ("wall", "cpu"):
+    if not_finished:
+        row["not_finished"] = not_finished
+    if not trials:
+        return row
+    for clock in session.clocks:
         entries = [trial[clock] for trial in trials]
         measured = [entry["measured_seconds"] for entry in entries]
         errors = [entry["error"] for entry in entries]
@@ -93,14 +185,22 @@ def _tagged(settings: list[str], tag: str) -> list[str]:
             for item in settings]
 
 
-def _trial(name: str, mode: str, settings: list[str], fresh: list[str], env: dict, log) -> dict:
+def _trial(name: str, mode: str, settings: list[str], fresh: list[str], session: Session) -> dict:
     forecasts = {}
-    for clock in ("wall", "cpu"):
-        seconds, _, done = workbook(["forecast", "--params", "cpu", "--mode", mode, "--json", "--clock", clock,
-                                     "--set", *_tagged(settings, clock)], env)
+    for clock in session.clocks:
+        seconds, _, done = workbook(["forecast", "--params", session.profile, "--mode", mode, "--json", "--clock", clock,
+                                     "--set", *_tagged(settings, clock)], session)
         forecasts[clock] = (json.loads(done.stdout), seconds)
-    measured = dict(zip(("wall", "cpu"), workbook(["generate" if mode == "generate" else "train", "--params", "cpu",
-                                                    "--set", *fresh], env)[:2]))
+    forecast = _forecast_summary(forecasts["wall"][0])
+    left = session.seconds_left()
+    if left is not None and forecast["predicted_seconds"] > left:  # it would be stopped: keep the time for the next case
+        raise NotFinished(f"the whole job was not run: its forecast, {forecast['predicted_seconds']:.0f} s, is more "
+                          f"than the {left:.0f} s left of the time budget", forecast)
+    try:
+        measured = dict(zip(("wall", "cpu"), workbook(["generate" if mode == "generate" else "train", "--params",
+                                                        session.profile, "--set", *fresh], session)[:2]))
+    except NotFinished as stopped:
+        raise NotFinished(str(stopped), forecast) from None
     trial = {}
     for clock, (result, seconds) in forecasts.items():
         predicted, (low, high) = result["predicted_wall_seconds"], result["predicted_wall_seconds_range"]
@@ -111,65 +211,119 @@ def _trial(name: str, mode: str, settings: list[str], fresh: list[str], env: dic
                         "pilot": {k: result["pilot"].get(k) for k in ("batches", "prompts", "steps", "seconds",
                                                                       "share_of_job_batches", "share_of_job_steps")},
                         "timings": result["timings"]}
-        log(f"{name} [{clock}]: forecast {predicted:.1f} s ({low:.1f}-{high:.1f}), measured {measured[clock]:.1f} s, "
-            f"error {error:+.1%}")
-    trial["job"] = {k: v for k, v in forecasts["wall"][0]["job"].items() if k != "batch_seconds_planned"}
+        session.log(f"{name} [{clock}]: forecast {predicted:.1f} s ({low:.1f}-{high:.1f}), measured {measured[clock]:.1f} s, "
+                    f"error {error:+.1%}")
+    trial["job"] = forecast["job"]
+    if session.projects:
+        trial["profiles"] = forecast["profiles"]
     return trial
+
+
+def _forecast_summary(result: dict) -> dict:
+    """A forecast's figures the check keeps: the prediction, the job it is for, its projection to the profiles."""
+    return {"predicted_seconds": result["predicted_wall_seconds"], "range": result["predicted_wall_seconds_range"],
+            "job": {k: v for k, v in result["job"].items() if k != "batch_seconds_planned"},
+            "profiles": result["profiles"]}
 
 
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def run(args, work: Path, log=say) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib"), "OMP_NUM_THREADS": str(args.threads)}
-    load_at_start = os.getloadavg()  # the neighbours' work: what stretches the wall times
+def cases(args, work: Path, on_gpu: bool) -> list[tuple[str, str, list[str]]]:
+    """(name, mode, settings) of each case, the training run last. The cpu profile's tiny model ends
+    its outputs at end of sequence; random weights (a GPU check's presets) rarely do, so a GPU's
+    generation case is the mixed-length prompts at a fixed output length."""
     shipped = ["verifier=final_number"]
     mixed = mixed_prompts(work / "mixed.jsonl", args.mixed_prompts)
-    cases = [
-        ("shipped prompts (300), EOS-ended", "generate", shipped),
-        (f"{args.mixed_prompts} mixed-length prompts, EOS-ended", "generate",
-         [f"prompts_path={mixed}", "verifier=", "max_new_tokens=8"]),
-        (f"{args.mixed_prompts} mixed-length prompts, fixed length (cut at max_new_tokens 3)", "generate",
-         [f"prompts_path={mixed}", "verifier=", "max_new_tokens=3"]),
-    ]
-    rows = []
-    for index, (name, mode, settings) in enumerate(cases):
-        rows.append(check(name, mode, settings + [f"output_path={work / f'pilot-{index}.jsonl'}"],
-                          settings + [f"output_path={work / f'fresh-{index}.jsonl'}"], env, log, args.repeats))
-        if args.only_first:
-            break
+    if on_gpu:
+        generation = [(f"{args.mixed_prompts} mixed-length prompts, fixed length (max_new_tokens {args.max_new_tokens})",
+                       "generate", [f"prompts_path={mixed}", "verifier=", f"max_new_tokens={args.max_new_tokens}"])]
+    else:
+        generation = [
+            ("shipped prompts (300), EOS-ended", "generate", shipped),
+            (f"{args.mixed_prompts} mixed-length prompts, EOS-ended", "generate",
+             [f"prompts_path={mixed}", "verifier=", "max_new_tokens=8"]),
+            (f"{args.mixed_prompts} mixed-length prompts, fixed length (cut at max_new_tokens 3)", "generate",
+             [f"prompts_path={mixed}", "verifier=", "max_new_tokens=3"]),
+        ]
     train = [f"max_steps={args.train_steps}", "save_every_steps=0", f"micro_batch_size={args.train_micro_batch}"]
-    rows.append(check(f"training, {args.train_steps} steps (shipped sample, micro-batch {args.train_micro_batch})", "train",
-                      train + [f"train_output_dir={work / 'pilot-train'}"],
-                      train + [f"train_output_dir={work / 'fresh-train'}"], env, log, args.repeats))
-    return {"what": "workbook forecast (pilot of at most 10% of the job) against the measured wall time of the "
-                    "whole job run fresh (process start to exit), tiny model, cpu profile",
-            "command": f"PYTHONPATH=lib python -m workbook.bench.forecast_check --out {args.out} --mixed-prompts "
-                       f"{args.mixed_prompts} --train-steps {args.train_steps} --train-micro-batch {args.train_micro_batch} "
-                       f"--threads {args.threads} --repeats {args.repeats}",
-            "goal": f"|error| <= {GOAL:.0%}", "threads": args.threads, "hardware": gpu.cpu_facts(),
-            "machine_note": "a 2-core virtual machine on a shared host: back-to-back runs of the same job differ in "
-                            "wall and in CPU seconds alike (the job's own spread over the trials, max - min over "
-                            "the median), which no forecast made before the run can see; so each case runs several "
-                            "trials, each forecast is compared with the run right after it, and the goal is judged "
-                            "on the median error, every trial's error listed",
-            "load_average_1_5_15_min": {"start": [round(x, 2) for x in load_at_start],
-                                        "end": [round(x, 2) for x in os.getloadavg()]},
-            "cases": rows}
+    return [*generation[:1 if args.only_first else None],
+            (f"training, {args.train_steps} steps (shipped sample, micro-batch {args.train_micro_batch})", "train", train)]
+
+
+def run(args, work: Path, log=say) -> dict:
+    load_at_start = os.getloadavg()  # the neighbours' work: what stretches the wall times
+    profile = params_module.load(params_module.profile_path(args.profile))
+    on_gpu = profile["gpu_count"] > 0
+    deadline = time.monotonic() + args.time_budget_seconds - RESERVE_SECONDS if args.time_budget_seconds else None
+    session = Session({**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib"), "OMP_NUM_THREADS": str(args.threads)},
+                      args.profile, "cuda" if on_gpu else "cpu", ("wall",) if on_gpu else ("wall", "cpu"), deadline,
+                      projects=on_gpu, log=log)
+    built, rows = {}, []
+    for index, (name, mode, settings) in enumerate(cases(args, work, on_gpu)):
+        model = args.generate_model if mode == "generate" else args.train_model
+        if model != profile["model"]:
+            name = f"{model}, {name}"
+            try:
+                settings = [f"model={model_directory(model, work, session, profile['dtype'], built)}", *settings]
+            except NotFinished as stopped:
+                log(f"{name}: not run: {stopped}")
+                rows.append({"case": name, "mode": mode, "settings": settings, "trials": [],
+                             "not_finished": {"trial": 1, "reason": f"its model was not built: {stopped}",
+                                              "forecast": None}})
+                continue
+        pilot, fresh = ((f"output_path={work / f'pilot-{index}.jsonl'}", f"output_path={work / f'fresh-{index}.jsonl'}")
+                        if mode == "generate" else
+                        (f"train_output_dir={work / 'pilot-train'}", f"train_output_dir={work / 'fresh-train'}"))
+        rows.append(check(name, mode, settings + [pilot], settings + [fresh], session, args.repeats))
+    models_named = ("tiny model" if args.generate_model == args.train_model == "tiny" else
+                    f"generation: {args.generate_model}, training: {args.train_model}")
+    result = {"what": "workbook forecast (pilot of at most 10% of the job) against the measured wall time of the "
+                      f"whole job run fresh (process start to exit), {models_named}, {args.profile} profile",
+              "command": command_line(args), "goal": f"|error| <= {GOAL:.0%}", "threads": args.threads,
+              "hardware": {"cpu": gpu.cpu_facts(), "gpus": gpu.detect()["gpus"]} if on_gpu else gpu.cpu_facts(),
+              "machine_note": (f"one {args.profile} GPU, lent for a session that allows 10 minutes a command: "
+                               f"{args.repeats} trial(s) per case, so the job's own spread between runs is "
+                               "measured only with more than one" if on_gpu else
+                               "a 2-core virtual machine on a shared host: back-to-back runs of the same job differ in "
+                               "wall and in CPU seconds alike (the job's own spread over the trials, max - min over "
+                               "the median), which no forecast made before the run can see; so each case runs several "
+                               "trials, each forecast is compared with the run right after it, and the goal is judged "
+                               "on the median error, every trial's error listed"),
+              "load_average_1_5_15_min": {"start": [round(x, 2) for x in load_at_start],
+                                          "end": [round(x, 2) for x in os.getloadavg()]},
+              "cases": rows}
+    if built:
+        result["models_built"] = built
+    if on_gpu:
+        result.update(profile=args.profile, seed_000={"job": SEED_000_JOB, "claims": SEED_000_CLAIMS})
+    return result
+
+
+def command_line(args) -> str:
+    """The command that reproduces this check; an option a GPU check adds only where it differs from its default."""
+    changed = [f"--{key.replace('_', '-')} {value:g}" if isinstance(value, float) else f"--{key.replace('_', '-')} {value}"
+               for key, default in GPU_OPTIONS.items() if (value := getattr(args, key)) != default]
+    return " ".join([f"PYTHONPATH=lib python -m workbook.bench.forecast_check --out {args.out} --mixed-prompts "
+                     f"{args.mixed_prompts} --train-steps {args.train_steps} --train-micro-batch {args.train_micro_batch} "
+                     f"--threads {args.threads} --repeats {args.repeats}", *changed])
 
 
 def markdown(result: dict) -> str:
     lines = [f"`{result['command']}`", "", result["what"] + f"; goal {result['goal']}. "
              f"OMP_NUM_THREADS={result['threads']}; {result['machine_note']}.", "",
-             *([f"Load average (1, 5, 15 min) of the {result['hardware'].get('logical_cores', '?')}-core machine: "
+             *([f"Load average (1, 5, 15 min) of the {_cores(result['hardware'])}-core machine: "
                 f"{load['start']} at the start, {load['end']} at the end.", ""]
                if (load := result.get("load_average_1_5_15_min")) else []),
+             *[f"{model}: random {built['dtype']} weights ({built['parameters']:,} parameters) built on "
+               f"{built['built_on']} in {built['command_seconds']:.0f} s, the tiny model's tokenizer.\n" for model, built in
+               result.get("models_built", {}).items()],
              "| case | seconds of | pilot | forecast (s), median | measured (s), median | error of each trial | "
              "median error | trials within goal | trials in range | the job's own spread |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["cases"]:
-        for clock in ("wall", "cpu"):
+        for clock in [clock for clock in ("wall", "cpu") if clock in row]:
             entry, pilot = row[clock], row[clock]["pilot"]
             size = (f"{pilot['batches']} batches, {pilot['share_of_job_batches']:.0%}" if row["mode"] == "generate"
                     else f"{pilot['steps']} steps, {pilot['share_of_job_steps']:.0%}")
@@ -178,11 +332,50 @@ def markdown(result: dict) -> str:
                          f"{entry['measured_seconds_median']:.1f} | {', '.join(f'{e:+.1%}' for e in entry['errors'])} | "
                          f"{entry['median_error']:+.1%} | {entry['trials_within_goal']} of {trials} | "
                          f"{entry['trials_in_range']} of {trials} | {entry['job_spread']:.1%} |")
+    unfinished = [f"- {row['case']}, trial {stopped['trial']}: {stopped['reason'].splitlines()[0]}"
+                  + (f" (its forecast: {stopped['forecast']['predicted_seconds']:.1f} s)" if stopped["forecast"] else "")
+                  for row in result["cases"] if (stopped := row.get("not_finished"))]
+    lines += ["", "Not finished (the table holds only the trials that finished before):", *unfinished] if unfinished else []
+    if "seed_000" in result:
+        lines += projection_lines(result)
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def _cores(hardware: dict):
+    return hardware.get("cpu", hardware).get("logical_cores", "?")
+
+
+def projection_lines(result: dict) -> list[str]:
+    """The generation case's forecast projected to every profile, beside seed 000's claims for its own
+    job, and the same projection scaled to the seed's job by output tokens (labelled as such)."""
+    row = next((row for row in result["cases"] if row["mode"] == "generate"), {"trials": []})
+    first = row["trials"][0] if row["trials"] else (row.get("not_finished") or {}).get("forecast")
+    if not first:
+        return ["", "No projection to the other profiles: the generation case made no forecast."]
+    seed, claims, job = result["seed_000"]["job"], result["seed_000"]["claims"], first["job"]
+    scale = seed["prompts"] * seed["max_new_tokens"] / (job["prompts"] * job["max_new_tokens"])
+    lines = ["", f"Projection of this check's generation job ({job['prompts']:,} prompts x {job['max_new_tokens']} new "
+             f"tokens, {job['model']}, batch {job['batch_size']}, {job['backend']}) from its forecast on "
+             f"{result['profile']} to every profile (the forecast's `profiles`), "
+             f"beside seed 000's claims for its own job: {seed['what']}. The column 'scaled to the seed's size' "
+             f"multiplies this job's projection by the ratio of output tokens ({seed['prompts']:,} x "
+             f"{seed['max_new_tokens']:,} over {job['prompts']:,} x {job['max_new_tokens']}, x{scale:.0f}): a rough "
+             f"scale, not a measurement. It assumes every output runs to the {seed['max_new_tokens']:,} cap (outputs "
+             "that end earlier make the job shorter) at this job's cost per token (longer contexts make each token dearer and fit smaller batches: "
+             "longer); and it is the workbook at the planner's batch, not the seed's script at its own.",
+             "", "| profile | this job: wall | this job: USD | basis | scaled to the seed's size: wall | USD | "
+             "seed 000's claim (its job) |", "|---|---|---|---|---|---|---|"]
+    for entry in first["profiles"]:
+        wall, usd = entry["wall_seconds"], entry["usd"]
+        this_job, scaled = (("- | -", "- | -") if wall is None else
+                            (f"{units_seconds(wall)} | ${usd:.4f}", f"{units_seconds(wall * scale)} | ${usd * scale:,.2f}"))
+        lines.append(f"| {entry['profile']} | {this_job} | {entry['basis']} | {scaled} | "
+                     f"{claims.get(entry['profile'], '-')} |")
+    return lines
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m workbook.bench.forecast_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/reference/cpu")
     parser.add_argument("--mixed-prompts", type=int, default=1000)
     parser.add_argument("--train-steps", type=int, default=150)
@@ -191,7 +384,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="trials per case, back to back: the machine's own "
                         "spread between runs of the same job is part of the answer")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of the measured processes")
-    args = parser.parse_args(argv)
+    parser.add_argument("--profile", default=GPU_OPTIONS["profile"], choices=params_module.profile_names(),
+                        help="the params profile every command runs with; a GPU profile runs the GPU cases")
+    parser.add_argument("--generate-model", default=GPU_OPTIONS["generate_model"],
+                        help="'tiny', a local model directory, or a preset (built first with random weights)")
+    parser.add_argument("--train-model", default=GPU_OPTIONS["train_model"], help="as --generate-model")
+    parser.add_argument("--max-new-tokens", type=int, default=GPU_OPTIONS["max_new_tokens"],
+                        help="the fixed output length of a GPU profile's generation case")
+    parser.add_argument("--time-budget-seconds", type=float, default=GPU_OPTIONS["time_budget_seconds"],
+                        help="end every command within this many seconds of the start (model building included) "
+                             "and write what was measured; exit 3 when a case did not finish")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="forecast-check-") as work:
         result = run(args, Path(work))
     out = Path(args.out)
@@ -199,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "forecast.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "forecast.md").write_text(markdown(result))
     print(markdown(result))
-    return 0
+    return 3 if any("not_finished" in row for row in result["cases"]) else 0
 
 
 if __name__ == "__main__":

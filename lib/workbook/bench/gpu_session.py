@@ -14,6 +14,10 @@ Calls, in the order a session spends them (``--list`` prints the commands):
   8B-shaped model, and the generation sweep at 32, 128 and the planner's batch.
 - ``training`` (~9 min): continuous against static batching on uneven outputs (8B-shaped), the 1B
   training sweep with each memory setting, and the 8B LoRA point.
+- ``forecast`` (~8 min): the forecast against the whole run it forecast (``forecast_check``) for an
+  8B-shaped generation job and a 1B-shaped training run, each model a local directory of random bf16
+  weights built first, and the generation forecast's projection to every profile beside seed 000's
+  claims; it stops itself inside the budget and records a case it could not finish.
 
 Every step runs as its own process (its output in ``<out>/<call>.log``, unbuffered), is given the
 time left (less a reserve for the summary) and is stopped when it runs out; a failed step does not
@@ -39,6 +43,14 @@ from workbook.paths import OUTPUTS_DIR, REPO_ROOT
 
 RESERVE_SECONDS = 20  # kept back from the last step: the summary and copying the results
 DEFAULT_BUDGET_SECONDS = 540  # 9 minutes: inside the device's 10-minute limit per command
+# The forecast call's 8B generation job, sized from bandwidth for about 2 minutes. The planner's batch is
+# 505 on an H100 and 995 on an H200 (prompt_len 512, 256 new tokens), so 5,000 and 10,000 prompts make 10
+# static batches (the pilot's one batch is 10% of the job) of 256 decode steps each: 2,560 steps. On an
+# H100 a step reads the 16 GB of bf16 weights and the KV cache (505 rows x ~200 positions x 128 KiB =
+# 13 GB): ~9 ms at 3.35 TB/s, ~23 s in all as a floor; the cache's copy each step, 8 TFLOP of matmuls and
+# the host's launches make it 2-4x that. An H200 reads twice the cache at 4.8 TB/s: about the same.
+FORECAST_PROMPTS = {"h100": 5000, "h200": 10000}
+FORECAST_NEW_TOKENS = 256
 
 
 @dataclasses.dataclass
@@ -86,6 +98,13 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
             Step("8B LoRA training point", [
                 *bench, "bench_strategies=seed-after", "bench_examples=32", "bench_train_model=Llama-3.1-8B",
                 "lora_rank=16", "bench_train_micro_batches=4", "bench_train_steps=12"], 90),
+        ],
+        "forecast": [
+            Step("forecast against the whole run: 8B generation, 1B training", [
+                "-m", "workbook.bench.forecast_check", "--profile", profile, "--generate-model", "Llama-3.1-8B",
+                "--train-model", "Llama-3.2-1B", "--mixed-prompts", str(FORECAST_PROMPTS.get(profile, 5000)), "--max-new-tokens",
+                str(FORECAST_NEW_TOKENS), "--train-steps", "300", "--train-micro-batch", "16", "--repeats", "1",
+                "--out", str(out / "forecast")], 240, "--time-budget-seconds"),
         ],
     }
 
@@ -157,7 +176,7 @@ def table(call: str, records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbook.bench.gpu_session", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--call", choices=("smoke", "calibration", "training"), required=True)
+    parser.add_argument("--call", choices=("smoke", "calibration", "training", "forecast"), required=True)
     parser.add_argument("--profile", required=True, help="the lent GPU's profile: h100 or h200")
     parser.add_argument("--out", required=True, help="results folder ($OUT on the device)")
     parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)

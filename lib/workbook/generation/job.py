@@ -93,7 +93,9 @@ def load_model(model: str, dtype: str, device, sharding: dict | None = None) -> 
         if models.is_preset(model):
             raise GenerationError(f"model {model!r} is a preset architecture (random weights, no tokenizer): the "
                                   "generation job writes text, so point model at a local Hugging Face directory or "
-                                  "use 'tiny'. The benchmark (workbook bench) times presets.")
+                                  "use 'tiny'. The benchmark (workbook bench) times presets; to time this job on the "
+                                  f"architecture, save it with random weights first: python -m workbook.random_weights "
+                                  f"--preset {model} --out <dir>, then model=<dir>.")
         loaded = models.load_model(model, dtype, device, sharding=sharding)
         return loaded.model, models.load_tokenizer(model)
     except ValueError as error:  # an unknown name: neither a preset nor a directory
