@@ -142,11 +142,10 @@ def goals_table(generation: dict | None, training: dict | None) -> list[dict]:
     # Over this GPU's measured copy bandwidth where the run measured it: the datasheet's peak is never
     # reached, so a fraction of it mixes the hardware's shortfall with the engine's.
     fractions = best["fraction_of_peak"] if best else {}
-    measured = fractions.get("bandwidth_measured")
-    bandwidth = measured if measured is not None else fractions.get("bandwidth")
-    over = (" of the measured copy bandwidth" + (f"; {fractions['bandwidth']:.1%} of the datasheet's"
-                                                 if fractions.get("bandwidth") is not None else "")
-            if measured is not None else " of the datasheet bandwidth")
+    bandwidth, over = fractions.get("bandwidth"), " of the datasheet bandwidth"
+    if fractions.get("bandwidth_measured") is not None:
+        over = " of the measured copy bandwidth" + (f"; {bandwidth:.1%} of the datasheet's" if bandwidth is not None else "")
+        bandwidth = fractions["bandwidth_measured"]
     speedup = best and best.get("speedup_over_seed_after")
     mfus = [p["mfu"] for p in (training or {}).get("points", []) if p.get("mfu") is not None]
 

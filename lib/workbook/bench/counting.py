@@ -76,10 +76,11 @@ def fractions_of_peak(tokens_per_second: float | None, cost: StepCost, batch_siz
     where there is one) and achieved FLOP/s / peak; None where there is no peak."""
     if not tokens_per_second:
         return {"bandwidth": None, "bandwidth_measured": None, "compute": None}
-    traffic = tokens_per_second / batch_size * cost.bytes_read
+    steps_per_second = tokens_per_second / batch_size
+    traffic = steps_per_second * cost.bytes_read
     return {"bandwidth": traffic / (bandwidth_gbs * 1e9) if bandwidth_gbs else None,
             "bandwidth_measured": traffic / (measured_bandwidth_gbs * 1e9) if measured_bandwidth_gbs else None,
-            "compute": tokens_per_second / batch_size * cost.flops / (peak_tflops_value * 1e12) if peak_tflops_value else None}
+            "compute": steps_per_second * cost.flops / (peak_tflops_value * 1e12) if peak_tflops_value else None}
 
 
 def cost_figures(seconds: float, examples: int, output_tokens: int, usd_per_gpu_hour: float, gpus: int = 1) -> dict:

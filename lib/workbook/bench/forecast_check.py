@@ -303,7 +303,7 @@ def run(args, work: Path, log=say) -> dict:
 
 def command_line(args) -> str:
     """The command that reproduces this check; an option a GPU check adds only where it differs from its default."""
-    changed = [f"--{key.replace('_', '-')} {value:g}" if isinstance(value, float) else f"--{key.replace('_', '-')} {value}"
+    changed = [f"--{key.replace('_', '-')} {f'{value:g}' if isinstance(value, float) else value}"
                for key, default in GPU_OPTIONS.items() if (value := getattr(args, key)) != default]
     return " ".join([f"PYTHONPATH=lib python -m workbook.bench.forecast_check --out {args.out} --mixed-prompts "
                      f"{args.mixed_prompts} --train-steps {args.train_steps} --train-micro-batch {args.train_micro_batch} "

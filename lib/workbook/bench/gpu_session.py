@@ -176,7 +176,7 @@ def table(call: str, records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbook.bench.gpu_session", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--call", choices=("smoke", "calibration", "training", "forecast"), required=True)
+    parser.add_argument("--call", choices=list(calls("", Path())), required=True)
     parser.add_argument("--profile", required=True, help="the lent GPU's profile: h100 or h200")
     parser.add_argument("--out", required=True, help="results folder ($OUT on the device)")
     parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
