@@ -5,7 +5,9 @@
 
 Generation sweep (``generation_sweep``, which lists the strategies): the seeds' one-at-a-time
 "before" and static-batch-32 "after", length-sorted static, static-compiled and continuous
-batching, every strategy on the same prompts.
+batching, every strategy on the same prompts; beside them Hugging Face's
+``pipeline("text-generation")`` (``hf-pipeline``), the tool users know, with the workbook's best
+over it at each batch size.
 
 Each point: one warm-up batch, then ``bench_repeats`` timed runs with the device synchronized; the
 median counts and the spread (min, max) is kept. Reported per point: output tokens/s, examples/min,
@@ -22,31 +24,34 @@ NVML's utilization is the share of time some kernel ran, not how much of the chi
 reported under that name, and efficiency is judged by the roofline fractions instead.
 
 Where each part lives: ``counting`` (bytes and FLOPs per step, rooflines, peaks, cost), ``sampler``
-(NVML), ``generation_sweep``, ``training_sweep``, ``claims`` (the seeds' claims and the goals),
-``report`` (the whole benchmark, its tables, ``workbook bench``), ``engine_overhead`` (the engine
-against a bare ``generate`` loop) and ``review`` (every run side by side, notebook 05).
+(NVML), ``generation_sweep``, ``hf_pipeline`` (the pipeline strategy), ``training_sweep``,
+``claims`` (the seeds' claims and the goals), ``report`` (the whole benchmark, its tables,
+``workbook bench``), ``engine_overhead`` (the engine against a bare ``generate`` loop) and
+``review`` (every run side by side, notebook 05).
 """
 
 from workbook.bench.claims import GOALS, claims_table, goals_table
 from workbook.bench.counting import (
-    BASELINE, NA, NOT_MEASURED, STRATEGIES, BenchError, StepCost, cost_figures, decode_step_cost, fractions_of_peak,
-    parse_int_list, parse_strategies, peak_tflops, roofline_tokens_per_second, run_dtype,
+    BASELINE, HF_PIPELINE, NA, NOT_MEASURED, STRATEGIES, BenchError, StepCost, cost_figures, decode_step_cost,
+    fractions_of_peak, parse_int_list, parse_strategies, peak_tflops, roofline_tokens_per_second, run_dtype,
 )
 from workbook.bench.generation_sweep import (
     GenerationSetup, generation_point, generation_setup, generation_sweep, mixed_prompts, planner_batch,
     same_greedy_tokens, sweep_points,
 )
 from workbook.bench.report import (
-    PARAMS_USED, cli_main, generation_rows, gpu_capacity_bytes, nvml_rows, run_benchmark, training_rows,
+    PARAMS_USED, cli_main, generation_rows, gpu_capacity_bytes, hardware_text, nvml_rows, pipeline_comparison_lines,
+    run_benchmark, training_rows,
 )
 from workbook.bench.sampler import NvmlSampler
 from workbook.bench.training_sweep import training_point, training_points, training_sweep
 
 __all__ = [
-    "BASELINE", "GOALS", "NA", "NOT_MEASURED", "PARAMS_USED", "STRATEGIES", "BenchError", "GenerationSetup",
-    "NvmlSampler", "StepCost", "claims_table", "cli_main", "cost_figures", "decode_step_cost", "fractions_of_peak",
-    "generation_point", "generation_rows", "generation_setup", "generation_sweep", "goals_table",
-    "gpu_capacity_bytes", "mixed_prompts", "nvml_rows", "parse_int_list", "parse_strategies", "peak_tflops",
-    "planner_batch", "roofline_tokens_per_second", "run_benchmark", "run_dtype", "same_greedy_tokens", "sweep_points",
-    "training_point", "training_points", "training_rows", "training_sweep",
+    "BASELINE", "GOALS", "HF_PIPELINE", "NA", "NOT_MEASURED", "PARAMS_USED", "STRATEGIES", "BenchError",
+    "GenerationSetup", "NvmlSampler", "StepCost", "claims_table", "cli_main", "cost_figures", "decode_step_cost",
+    "fractions_of_peak", "generation_point", "generation_rows", "generation_setup", "generation_sweep", "goals_table",
+    "gpu_capacity_bytes", "hardware_text", "mixed_prompts", "nvml_rows", "parse_int_list", "parse_strategies",
+    "peak_tflops", "pipeline_comparison_lines", "planner_batch", "roofline_tokens_per_second", "run_benchmark",
+    "run_dtype", "same_greedy_tokens", "sweep_points", "training_point", "training_points", "training_rows",
+    "training_sweep",
 ]

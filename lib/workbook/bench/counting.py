@@ -13,7 +13,8 @@ from workbook.params import AUTO
 from workbook.planner import BITS_PER_PARAMETER, canonical_dtype, kv_cache_bytes_per_token, model_shape
 
 SEED_BATCH_SIZE = 32  # the seeds' "after": static batches of 32 in file order
-STRATEGIES = ("seed-before", "seed-after", "static-sorted", "static-compiled", "continuous")
+HF_PIPELINE = "hf-pipeline"  # Hugging Face's pipeline("text-generation"): the tool users know, measured beside ours
+STRATEGIES = ("seed-before", "seed-after", "static-sorted", "static-compiled", "continuous", HF_PIPELINE)
 BASELINE = "seed-after"
 NOT_MEASURED = "not measured"
 NA = "n/a"

@@ -10,7 +10,10 @@ Prompts are random token ids, lengths uniform in [prompt_len / 4, prompt_len], e
 - ``static-sorted``: static batches sorted longest first (the job's default), per batch size;
 - ``static-compiled``: static KV cache + torch.compile, per batch size (skipped on CPU: it compiles
   again for every batch size, minutes of compiling for seconds of decoding);
-- ``continuous``: transformers' continuous batching, per batch size.
+- ``continuous``: transformers' continuous batching, per batch size;
+- ``hf-pipeline``: Hugging Face's ``pipeline("text-generation")`` on the same model, prompts and
+  decoding, per batch size (``hf_pipeline``): not ours, the tool users know, measured beside ours;
+  each of its points carries the workbook's best at that batch size over it.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from typing import Callable
 import torch
 
 from workbook import ceilings, generation, models, runtime
+from workbook.bench import hf_pipeline
 from workbook.bench.counting import (
-    BASELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, decode_step_cost, fractions_of_peak,
+    BASELINE, HF_PIPELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, decode_step_cost, fractions_of_peak,
     parse_int_list, parse_strategies, peak_tflops, roofline_tokens_per_second, run_dtype, spread,
 )
 from workbook.bench.sampler import NvmlSampler
@@ -101,9 +105,11 @@ def sweep_points(params, device: torch.device, planned: dict | None = None) -> l
         elif strategy == "seed-after":
             points.append({"strategy": strategy, "batch_size": SEED_BATCH_SIZE, "backend": "static", "sort": False})
         else:
-            backend = {"static-sorted": "static"}.get(strategy, strategy)
+            # The pipeline's batch is one left-padded ``generate`` call: the static plan counts it.
+            backend = {"static-sorted": "static", HF_PIPELINE: "static"}.get(strategy, strategy)
             for batch in batch_sizes:
-                point = {"strategy": strategy, "batch_size": batch, "backend": backend, "sort": True}
+                point = {"strategy": strategy, "batch_size": batch, "backend": backend,
+                         "sort": strategy != HF_PIPELINE}  # the pipeline batches in input order
                 if batch == auto:
                     point["planner_batch"] = planned["note"]
                 if strategy == "static-compiled" and device.type != "cuda":
@@ -135,6 +141,14 @@ def _run_strategy(setup: GenerationSetup, backend, sort: bool) -> dict:
     return summary
 
 
+def _engine_pass(setup: GenerationSetup, point: dict) -> tuple[Callable[[], dict], dict]:
+    """The workbook's backend for one point, warmed up on one batch: (one timed pass, no extra facts)."""
+    backend = generation.make_backend(point["backend"], setup.model, setup.settings, point["batch_size"])
+    ordered = generation.sort_longest_first(setup.prompts) if point["sort"] else setup.prompts
+    generation.generate_with_split(backend, ordered[:backend.prompts_per_call], log=lambda line: None)  # warm-up
+    return (lambda: _run_strategy(setup, backend, point["sort"])), {}
+
+
 def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
                      log: Callable[[str], None] = print) -> dict:
     """Warm up, then time ``repeats`` passes of one strategy at one batch size."""
@@ -143,16 +157,23 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
         return result
     batch = point["batch_size"]
     dtype = setup.dtype
-    backend = generation.make_backend(point["backend"], setup.model, setup.settings, batch)
     runtime.reset_peak_memory(setup.device)
-    ordered = generation.sort_longest_first(setup.prompts) if point["sort"] else setup.prompts
-    generation.generate_with_split(backend, ordered[:backend.prompts_per_call], log=lambda line: None)  # warm-up
+    prepare = hf_pipeline.prepare if point["strategy"] == HF_PIPELINE else _engine_pass
     runs = []
-    with NvmlSampler() as sampler:
-        for repeat in range(repeats):
-            runs.append(_run_strategy(setup, backend, point["sort"]))
-            log(f"{point['strategy']} batch {batch}: run {repeat + 1}/{repeats}: {runs[-1]['seconds']:.2f} s, "
-                f"{runs[-1]['output_tokens_per_second']} output tokens/s")
+    try:
+        one_pass, facts = prepare(setup, point)
+        result.update(facts)
+        with NvmlSampler() as sampler:
+            for repeat in range(repeats):
+                runs.append(one_pass())
+                log(f"{point['strategy']} batch {batch}: run {repeat + 1}/{repeats}: {runs[-1]['seconds']:.2f} s, "
+                    f"{runs[-1]['output_tokens_per_second']} output tokens/s")
+    except torch.cuda.OutOfMemoryError as error:
+        if point["strategy"] != HF_PIPELINE:  # the engine splits a batch that does not fit; the pipeline cannot
+            raise
+        runtime.reset_peak_memory(setup.device)  # frees what the failed batch left cached, for the next point
+        return {**result, "skipped": f"ran out of GPU memory at batch {batch} (the pipeline has no fallback; the "
+                                     f"workbook's engine splits such a batch): {str(error)[:200]}"}
     seconds = [run["seconds"] for run in runs]
     median_run = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
     tokens = median_run["output_tokens"]
@@ -221,12 +242,20 @@ def generation_sweep(params, log: Callable[[str], None] = print, setup: Generati
     baseline = next((p for p in points if p["strategy"] == BASELINE and "seconds" in p), None)
     for point in points:
         completions = point.pop("completions", None)
+        # hf-pipeline: only prompts it ran with the sweep's own ids can be compared.
+        comparable = point.pop("comparable_prompts", None)
         if completions is not None and reference is not None:
+            kept = reference.keys() if comparable is None else set(comparable)
+            compared = {i: c for i, c in reference.items() if i in kept}
             point["identical_to_one_at_a_time"] = sum(
-                same_greedy_tokens(completions.get(i), completion) for i, completion in reference.items())
+                same_greedy_tokens(completions.get(i), completion) for i, completion in compared.items())
+            point["compared_with_one_at_a_time"] = len(compared)
         if baseline is not None and "output_tokens_per_second" in point:
             point["speedup_over_seed_after"] = (point["output_tokens_per_second"]["median"]
                                                 / baseline["output_tokens_per_second"]["median"])
+    for point in points:
+        if point["strategy"] == HF_PIPELINE and "output_tokens_per_second" in point:
+            point["workbook_best_over_pipeline"] = hf_pipeline.best_workbook_ratio(point, points)
     lengths = [len(p.token_ids) for p in setup.prompts]
     return {"model": setup.description, "model_name": setup.model_name, "device": str(setup.device),
             "dtype": setup.dtype,
@@ -235,4 +264,5 @@ def generation_sweep(params, log: Callable[[str], None] = print, setup: Generati
             "forced_full_length": "min_new_tokens = max_new_tokens; each point's full_length_outputs says how many "
                                   "ran to it (continuous batching ignores min_new_tokens)",
             "baseline": BASELINE, "planner_batch": planned, "points": points,
+            "hf_pipeline": hf_pipeline.HOW if any(p["strategy"] == HF_PIPELINE for p in points) else None,
             "ceilings": setup.ceilings or "not measured: a CPU (the tiny model is bound by overheads, not bandwidth)"}

@@ -17,7 +17,7 @@ import torch
 
 from workbook import gpu, notebook, params as params_module, runner, runtime
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
-from workbook.bench.counting import NA, NOT_MEASURED, BenchError, peak_tflops, run_dtype
+from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, peak_tflops, run_dtype
 from workbook.bench.generation_sweep import generation_sweep
 from workbook.bench.training_sweep import training_sweep
 from workbook.generation import GenerationError
@@ -75,6 +75,9 @@ def _format(value, pattern: str = "{:,.1f}", missing: str = NA) -> str:
 
 
 def generation_rows(report: dict) -> list[dict]:
+    """One row per point; with hf-pipeline points, each row's tokens/s over the pipeline's at its batch size."""
+    pipeline = {p["batch_size"]: p["output_tokens_per_second"]["median"] for p in report["generation"]["points"]
+                if p["strategy"] == HF_PIPELINE and "output_tokens_per_second" in p}
     rows = []
     for p in report["generation"]["points"]:
         batch = f"{p['batch_size']}" + (" (planner)" if p.get("planner_batch") else "")
@@ -94,9 +97,54 @@ def generation_rows(report: dict) -> list[dict]:
             "of measured copy bandwidth": _format(p["fraction_of_peak"].get("bandwidth_measured"), "{:.1%}"),
             "of compute peak": _format(p["fraction_of_peak"]["compute"], "{:.2%}"),
             "speedup vs seed-after": _format(p.get("speedup_over_seed_after"), "{:.2f}x"),
+            **({"vs hf-pipeline, same batch": _format(tps["median"] / pipeline[p["batch_size"]]
+                                                      if p["batch_size"] in pipeline else None, "{:.2f}x")}
+               if pipeline else {}),
             "$ / 1k examples": _format(p["cost"]["usd_per_1000_examples"], "${:.4f}"),
         })
     return rows
+
+
+def hardware_text(report: dict) -> str:
+    """The machine in a few words: its GPUs, else its CPU and the threads torch used."""
+    gpus = report["hardware"]["gpus"]
+    if gpus:
+        return f"{len(gpus)} x {gpus[0]['name']}"
+    return f"{report['hardware']['cpu']['model']} (CPU, {report['threads']} torch threads)"
+
+
+def pipeline_comparison_lines(report: dict) -> list[str]:
+    """What the hf-pipeline rows measured, how and on what hardware, then per batch size the
+    workbook's fastest strategy over the pipeline and whether their outputs were compared."""
+    generation = report["generation"]
+    measured = [p for p in generation["points"] if "workbook_best_over_pipeline" in p]
+    if not measured:
+        return []
+    lines = [f"hf-pipeline: {generation['hf_pipeline']}. Measured in this run beside the workbook's strategies: "
+             f"{generation['model']}, {generation['examples']} prompts, {generation['max_new_tokens']} new tokens "
+             f"each, median of {generation['repeats']} timed runs after a warm-up batch; transformers "
+             f"{report['versions']['transformers']}, torch {report['versions']['torch']}, on {hardware_text(report)}."]
+    for p in measured:
+        ratio, prompts, compared = p["workbook_best_over_pipeline"], p["pipeline_prompts"], \
+            p.get("compared_with_one_at_a_time")
+        if ratio["ratio"] is None:
+            lines.append(f"- batch {p['batch_size']}: {ratio['note']}")
+            continue
+        if compared is None:
+            equality = "not compared with one-at-a-time output (needs seed-before in bench_strategies)"
+        elif compared == 0:
+            equality = "not compared with one-at-a-time output: the pipeline ran other token ids than the sweep's"
+        else:
+            equality = (f"{p['identical_to_one_at_a_time']} of {compared} outputs identical to one-at-a-time "
+                        "greedy output")
+        lines.append(f"- batch {p['batch_size']}: workbook best / hf-pipeline = **{ratio['ratio']:.2f}x** "
+                     f"({ratio['strategy']} {ratio['workbook_tokens_per_second']:,.1f} vs hf-pipeline "
+                     f"{p['output_tokens_per_second']['median']:,.1f} output tok/s); "
+                     f"{prompts['prompts_with_the_sweeps_ids']} of {generation['examples']} prompts ran the sweep's "
+                     f"token ids ({prompts['prompt_tokens_run']:,} prompt tokens, the sweep's "
+                     f"{prompts['sweep_prompt_tokens']:,}); {equality}; {p['full_length_outputs']} of {p['examples']} "
+                     "outputs ran to full length, counted from the returned ids")
+    return lines
 
 
 def training_rows(report: dict) -> list[dict]:
@@ -162,7 +210,13 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     from workbook import plots  # matplotlib only for the figures
     for name, figure in plots.benchmark_figures(report, gpu_capacity_bytes(params)).items():
         figure.savefig(run_dir / name, dpi=120, bbox_inches="tight")
-    text = "\n\n".join(f"## {title}\n\n{notebook.markdown_table(rows)}" for title, rows in (
+    notes = {"Generation": pipeline_comparison_lines(report)}  # lines under a section's table
+
+    def section(title: str, rows: list[dict]) -> str:
+        lines = notes.get(title)
+        return f"## {title}\n\n{notebook.markdown_table(rows)}" + ("\n\n" + "\n".join(lines) if lines else "")
+
+    text = "\n\n".join(section(title, rows) for title, rows in (
         ("Generation", generation_rows(report)), ("Training", training_rows(report)),
         ("Seed claims", report["claims"]), ("Goals", report["goals"]),
         ("NVML (share of time a kernel ran, not efficiency)", nvml_rows(report))))
