@@ -173,7 +173,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_train_model", str, "model of the training sweep: 'tiny', a local dir, or a preset (random weights, "
         "synthetic sequences of seq_len tokens)"),
     Key("bench_strategies", str, "comma-separated generation strategies: seed-before, seed-after, static-sorted, "
-        "static-compiled, continuous"),
+        "static-compiled, continuous, and hf-pipeline (Hugging Face's pipeline('text-generation') on the same model "
+        "and prompts, measured beside ours)"),
     Key("bench_batch_sizes", str, "comma-separated batch sizes of the per-batch strategies, e.g. '8,32,auto' "
         "('auto': the planner's largest batch for the benchmark's longest prompt)", int_list=True, auto=True),
     Key("bench_examples", int, "prompts every generation point runs", minimum=1),

@@ -11,7 +11,8 @@ Calls, in the order a session spends them (``--list`` prints the commands):
   model) and a tiny benchmark through every generation strategy and the training sweep's compile
   and checkpointing points, so what breaks on this machine shows in the first minutes.
 - ``calibration`` (~9 min): the planner's whole calibration grid, the engine's overhead on an
-  8B-shaped model, and the generation sweep at 32, 128 and the planner's batch.
+  8B-shaped model, and the generation sweep at 32, 128 and the planner's batch, Hugging Face's
+  ``pipeline("text-generation")`` measured beside it at each.
 - ``training`` (~9 min): continuous against static batching on uneven outputs (8B-shaped), the 1B
   training sweep with each memory setting, and the 8B LoRA point.
 - ``forecast`` (~8 min): the forecast against the whole run it forecast (``forecast_check``) for an
@@ -82,8 +83,8 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
             Step("calibration grid", [*workbook, "calibrate", "--profile", profile, "--out", str(out)], 240),
             Step("engine overhead, 8B", ["-m", "workbook.bench.engine_overhead", "--model", "Llama-3.1-8B", *on_gpu,
                                          "--profile", profile, "--batch-size", "32", "--out", str(out)], 90),
-            Step("generation sweep at 32, 128 and the planner's batch, 8B", [
-                *bench, "bench_strategies=seed-after,static-sorted,static-compiled,continuous",
+            Step("generation sweep at 32, 128 and the planner's batch, 8B, beside Hugging Face's pipeline", [
+                *bench, "bench_strategies=seed-after,static-sorted,static-compiled,continuous,hf-pipeline",
                 "bench_batch_sizes=32,128,auto", "bench_examples=256", "bench_train_steps=0"], 150),
         ],
         "training": [
