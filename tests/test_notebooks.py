@@ -103,6 +103,9 @@ def test_memory_planning_notebook_writes_plans_tables_and_the_proof(cpu_run):
     generate = data["plans"]["generate"]
     assert generate["batch_size"] == cpu.batch_size and generate["fits"]
     assert sum(term["bytes"] for term in generate["breakdown"]) == generate["total_bytes"]
+    beside = data["accelerate_estimate_memory"]  # the command users know, beside each plan
+    assert beside["generate"]["planner_bytes"] == generate["total_bytes"]
+    assert beside["train"]["bytes"] == beside["train"]["training_bytes"] > beside["generate"]["bytes"]
     rows = data["max_batch_tables"]["generate"]
     assert {"Llama-3.1-8B", "Qwen2.5-0.5B"} <= {row["model"] for row in rows}
     assert all(set(row) >= {"h200", "h100", "a100-40gb", "v100"} for row in rows)

@@ -84,11 +84,14 @@ def _cmd_plan(args) -> int:
     if result.mode == "train" and not result.fits:
         from workbook.planner import fit
         options = fit.ways_to_fit(profile, batch_size=args.batch_size, **overrides)
+    from workbook.planner import accelerate_estimate
+    beside = accelerate_estimate.beside_plan(result, args.model or profile["model"])
     if args.json:
         print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice(),
-                          "ways_to_fit": options}, indent=2, default=str))
+                          "ways_to_fit": options, "accelerate_estimate_memory": beside}, indent=2, default=str))
     else:
         print(planner_profile.plan_text(result, profile["profile"]))
+        print(accelerate_estimate.comparison_line(beside))
         if options:
             print("\n".join(fit.ways_to_fit_lines(options)))
     if result.max_batch_size == 0:

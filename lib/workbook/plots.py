@@ -139,10 +139,15 @@ def memory_accuracy(result: dict):
         points = [r for r in measured if r["case"]["mode"] == mode]
         scatter_axis.scatter([r["measured_bytes"] / GiB for r in points], [r["predicted_bytes"] / GiB for r in points],
                              label=mode, s=25)
+    beside = [r for r in measured if r.get("accelerate_estimate_bytes")]
+    if beside:  # the command users know, on the same cases
+        scatter_axis.scatter([r["measured_bytes"] / GiB for r in beside],
+                             [r["accelerate_estimate_bytes"] / GiB for r in beside],
+                             label="accelerate estimate-memory", s=25, marker="x", color="gray")
     top = max([r["measured_bytes"] / GiB for r in measured] + [1.0]) * 1.05
     scatter_axis.plot([0, top], [0, top], color="black", linewidth=1, label="prediction = measurement")
     scatter_axis.set_xlabel("measured peak, GiB (max_memory_reserved + non-PyTorch)")
-    scatter_axis.set_ylabel("predicted peak, GiB (planner)")
+    scatter_axis.set_ylabel("predicted peak, GiB (planner; x: accelerate estimate-memory)")
     scatter_axis.legend(fontsize=8)
     scatter_axis.grid(alpha=0.3)
     names = [r["case"]["name"] for r in measured]

@@ -31,7 +31,7 @@ import torch
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from workbook import gpu, models, params, presets
-from workbook.planner import exact_checks, probes
+from workbook.planner import accelerate_estimate, exact_checks, probes
 from workbook.planner.finder import ProbeMeasurement, error_summary
 from workbook.planner.generation import plan_generate
 from workbook.planner.plans import DEFAULT_OVERHEAD_BYTES, DEFAULT_SAFETY_MARGIN, Plan, budget_bytes
@@ -225,8 +225,8 @@ def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda") 
     plan = plan_for_case(case, gpu_memory_bytes=total_bytes,
                          overhead_bytes=max(0, measurement.non_pytorch_bytes))
     return {**record, "status": "measured", "seconds": seconds,
-            **compare(plan, measurement), "measurement": measurement.to_dict(),
-            "plan": plan.to_dict()}
+            **compare(plan, measurement), **beside_accelerate(plan, case, measurement),
+            "measurement": measurement.to_dict(), "plan": plan.to_dict()}
 
 
 def compare(plan: Plan, measurement: ProbeMeasurement) -> dict:
@@ -255,6 +255,15 @@ def compare(plan: Plan, measurement: ProbeMeasurement) -> dict:
         ),
         "measured_overhead_bytes": measurement.non_pytorch_bytes,
     }
+
+
+def beside_accelerate(plan: Plan, case: CalibrationCase, measurement: ProbeMeasurement) -> dict:
+    """``accelerate estimate-memory``'s figure for the case (the command users know) against the same
+    measured peak: what it counts is in ``accelerate_estimate_memory["counts"]``."""
+    compared = accelerate_estimate.beside_plan(plan, case.model)
+    estimated = compared["bytes"]
+    return {"accelerate_estimate_memory": compared, "accelerate_estimate_bytes": estimated,
+            "accelerate_relative_error": (estimated - measurement.peak_bytes) / measurement.peak_bytes}
 
 
 def run_case_probe(case: CalibrationCase, device: torch.device) -> ProbeMeasurement:
@@ -334,6 +343,13 @@ def summarize(records: list[dict]) -> dict:
     out_of_memory = [record["case"]["name"] for record in records if record["status"] == "oom"]
     median = statistics.median(errors) if errors else None
     largest = max(errors) if errors else None
+    # The same cases as accelerate estimate-memory answers them (signed: negative means it says less
+    # than the process held, the side that runs out of memory).
+    accelerate_errors = [
+        record["accelerate_relative_error"] for record in records
+        if record["status"] == "measured" and record["case"]["counts_toward_goal"]
+        and record.get("accelerate_relative_error") is not None
+    ]
     return {
         "cases": len(records),
         "measured": sum(record["status"] == "measured" for record in records),
@@ -345,6 +361,15 @@ def summarize(records: list[dict]) -> dict:
         "max_abs_relative_error": largest,
         "meets_goal": bool(errors) and not out_of_memory
         and median <= GOAL_MEDIAN_ABS_RELATIVE_ERROR and largest <= GOAL_MAX_ABS_RELATIVE_ERROR,
+        "accelerate_estimate_memory": {
+            "what": "accelerate estimate-memory's figure for each case (generate: its Total Size; train: its "
+                    "Training using Adam) against the same measured peak",
+            "median_abs_relative_error": statistics.median(abs(e) for e in accelerate_errors)
+            if accelerate_errors else None,
+            "max_abs_relative_error": max(abs(e) for e in accelerate_errors) if accelerate_errors else None,
+            "cases_below_measured": sum(e < 0 for e in accelerate_errors),
+            "cases": len(accelerate_errors),
+        },
     }
 
 
@@ -415,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{_percent(summary['max_abs_relative_error'])} (goal <= "
           f"{GOAL_MEDIAN_ABS_RELATIVE_ERROR:.1%} / {GOAL_MAX_ABS_RELATIVE_ERROR:.0%}) -> "
           f"{out_dir / RESULT_FILE}")
+    beside = summary["accelerate_estimate_memory"]
+    print(f"accelerate estimate-memory on the same cases: median |error| "
+          f"{_percent(beside['median_abs_relative_error'])}, max {_percent(beside['max_abs_relative_error'])}, "
+          f"{beside['cases_below_measured']} of {beside['cases']} below the measured peak")
     return 0 if cpu_checks["all_exact"] else 1
 
 
