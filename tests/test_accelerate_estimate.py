@@ -70,7 +70,7 @@ def test_the_calibration_record_sets_the_command_against_the_same_measured_peak(
     plan = calibration.plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=500 * MiB)
     measured = gpu_like_measurement(reserved=plan.total_bytes - 500 * MiB, allocated=plan.total_bytes - 600 * MiB,
                                     non_pytorch=500 * MiB)
-    beside = calibration.beside_accelerate(plan, case, measured)
+    beside = accelerate_estimate.against_measured(plan, case.model, measured.peak_bytes)
     load = accelerate_estimate.estimate(case.model, "bf16")["load_bytes"]
     assert beside["accelerate_estimate_bytes"] == load
     assert beside["accelerate_relative_error"] == pytest.approx((load - plan.total_bytes) / plan.total_bytes)

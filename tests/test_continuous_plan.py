@@ -34,6 +34,14 @@ def test_batch_size_auto_for_continuous_is_the_largest_in_flight_limit_the_paged
     assert profile.plan(values, mode="generate", batch_size=limit).settings.get("backend") is None  # static: dense
 
 
+def allocated_cache_bytes(cache) -> int:
+    """Bytes of the paged cache transformers allocated: one uint8 tensor (5.2x), or a key and a value
+    tensor per layer (5.17, the GPU image's release)."""
+    if hasattr(cache, "cache_tensor"):
+        return cache.cache_tensor.numel()
+    return sum(tensor.numel() * tensor.element_size() for tensor in [*cache.key_cache, *cache.value_cache])
+
+
 def test_the_backend_passes_the_planned_cache_to_transformers_and_it_allocates_that(tiny_model_path):
     model = generation.load_model(str(tiny_model_path), "fp32", "cpu")[0]
     settings = generation.DecodingSettings(16, models.eos_token_ids(model, None), 0)
@@ -42,7 +50,7 @@ def test_the_backend_passes_the_planned_cache_to_transformers_and_it_allocates_t
     try:
         config = manager.continuous_batching_config
         assert (config.num_blocks, config.max_requests_per_batch) == (backend.layout.num_blocks, 4)
-        allocated = manager.batch_processor.cache.cache_tensor.numel()  # bytes (uint8)
+        allocated = allocated_cache_bytes(manager.batch_processor.cache)
     finally:
         backend._stop(manager)
     plan = plan_generate_paged(model.config, batch_size=4, prompt_len=20, new_tokens=16, dtype="fp32",

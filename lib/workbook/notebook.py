@@ -108,3 +108,10 @@ def show_table(rows: list[dict], columns: list[str] | None = None, title: str | 
     from IPython.display import Markdown, display
     text = markdown_table(rows, columns)
     display(Markdown((f"**{title}**\n\n" if title else "") + text))
+
+
+def show_markdown(text: str) -> None:
+    """Display Markdown text in the notebook; nothing for ''."""
+    if text:
+        from IPython.display import Markdown, display
+        display(Markdown(text))

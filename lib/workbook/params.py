@@ -186,6 +186,10 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_train_settings", str, "comma-separated memory settings the training sweep also runs, one point "
         "each beside the plain one: loss_chunk_tokens, precision_bf16, offload_activations, sdpa_block_mask "
         "(packing through the 4D-mask fallback); '' = none"),
+    Key("bench_train_baselines", str, "a tool users already know, measured beside the workbook's loop in the same "
+        "sweep: 'hf-trainer' trains each micro-batch's plain point again with transformers.Trainer (same model, "
+        "batches, precision and optimizer settings) and reports the workbook's tokens/s and peak memory over it; "
+        "'none' skips it", choices=("none", "hf-trainer")),
     # Several nodes (the planner, notebook 01, `workbook plan`).
     Key("num_nodes", int, "machines the job spans, each with gpu_count GPUs (torchrun --nnodes, accelerate launch "
         "--num_machines); the plan says what crosses the network between them", minimum=1),

@@ -18,6 +18,9 @@ the peaks come from the profile (0 on the cpu profile: "n/a").
 
 Training sweep (``training.train`` on each point): micro-batch x gradient checkpointing x compile x
 packing, one factor at a time around each micro-batch; tokens/s, MFU, peak memory vs prediction.
+With ``bench_train_baselines: hf-trainer``, each micro-batch's plain point again under the Hugging
+Face Trainer (``trainer_baseline``: same model, batches, precision and optimizer settings), and the
+workbook's tokens/s and peak memory over the Trainer's.
 
 An NVML sampler (a thread) records GPU utilization, memory used, power and SM clock during each point.
 NVML's utilization is the share of time some kernel ran, not how much of the chip it used: it is
@@ -25,8 +28,8 @@ reported under that name, and efficiency is judged by the roofline fractions ins
 
 Where each part lives: ``counting`` (bytes and FLOPs per step, rooflines, peaks, cost), ``sampler``
 (NVML), ``generation_sweep``, ``hf_pipeline`` (the pipeline strategy), ``training_sweep``,
-``claims`` (the seeds' claims and the goals), ``report`` (the whole benchmark, its tables,
-``workbook bench``), ``engine_overhead`` (the engine against a bare ``generate`` loop) and
+``trainer_baseline`` (the HF Trainer beside the loop), ``claims`` (the seeds' claims and the goals),
+``report`` (the whole benchmark, its tables, ``workbook bench``), ``engine_overhead`` (the engine against a bare ``generate`` loop) and
 ``review`` (every run side by side, notebook 05).
 """
 
@@ -40,18 +43,18 @@ from workbook.bench.generation_sweep import (
     same_greedy_tokens, sweep_points,
 )
 from workbook.bench.report import (
-    PARAMS_USED, cli_main, generation_rows, gpu_capacity_bytes, hardware_text, nvml_rows, pipeline_comparison_lines,
-    run_benchmark, training_rows,
+    PARAMS_USED, baseline_note, cli_main, generation_rows, gpu_capacity_bytes, hardware_text, nvml_rows,
+    pipeline_comparison_lines, run_benchmark, training_rows,
 )
 from workbook.bench.sampler import NvmlSampler
 from workbook.bench.training_sweep import training_point, training_points, training_sweep
 
 __all__ = [
     "BASELINE", "GOALS", "HF_PIPELINE", "NA", "NOT_MEASURED", "PARAMS_USED", "STRATEGIES", "BenchError",
-    "GenerationSetup", "NvmlSampler", "StepCost", "claims_table", "cli_main", "cost_figures", "decode_step_cost",
-    "fractions_of_peak", "generation_point", "generation_rows", "generation_setup", "generation_sweep", "goals_table",
-    "gpu_capacity_bytes", "hardware_text", "mixed_prompts", "nvml_rows", "parse_int_list", "parse_strategies",
-    "peak_tflops", "pipeline_comparison_lines", "planner_batch", "roofline_tokens_per_second", "run_benchmark",
-    "run_dtype", "same_greedy_tokens", "sweep_points", "training_point", "training_points", "training_rows",
-    "training_sweep",
+    "GenerationSetup", "NvmlSampler", "StepCost", "baseline_note", "claims_table", "cli_main", "cost_figures",
+    "decode_step_cost", "fractions_of_peak", "generation_point", "generation_rows", "generation_setup",
+    "generation_sweep", "goals_table", "gpu_capacity_bytes", "hardware_text", "mixed_prompts", "nvml_rows",
+    "parse_int_list", "parse_strategies", "peak_tflops", "pipeline_comparison_lines", "planner_batch",
+    "roofline_tokens_per_second", "run_benchmark", "run_dtype", "same_greedy_tokens", "sweep_points",
+    "training_point", "training_points", "training_rows", "training_sweep",
 ]

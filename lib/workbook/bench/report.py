@@ -30,7 +30,8 @@ PARAMS_USED = ("profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "pe
                "memory_bandwidth_gbs", "usd_per_gpu_hour", "dtype", "prompt_len", "seq_len", "safety_margin",
                "cuda_overhead_gib", "bench_generate_model", "bench_train_model", "bench_batch_sizes",
                "bench_strategies", "bench_examples", "bench_max_new_tokens", "bench_repeats",
-               "bench_train_micro_batches", "bench_train_steps", "bench_train_settings", "lora_rank")
+               "bench_train_micro_batches", "bench_train_steps", "bench_train_settings", "bench_train_baselines",
+               "lora_rank")
 
 
 def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print) -> dict:
@@ -148,28 +149,55 @@ def pipeline_comparison_lines(report: dict) -> list[str]:
 
 
 def training_rows(report: dict) -> list[dict]:
+    """The workbook's points, then each HF Trainer baseline with the workbook's figures over its own."""
+    training = report["training"] or {}
     rows = []
-    for p in (report["training"] or {}).get("points", []):
-        row = {"micro-batch": p["micro_batch_size"], "checkpointing": p["grad_checkpointing"],
-               "compile": p["torch_compile"], "padding": p["padding"]}
+    for p in training.get("points", []) + training.get("baselines", []):
+        row = {"loop": p.get("loop", "workbook"), "micro-batch": p["micro_batch_size"],
+               "checkpointing": p["grad_checkpointing"], "compile": p["torch_compile"], "padding": p["padding"]}
         if p.get("skipped"):
             rows.append({**row, "tokens/s": p["skipped"]})
             continue
         rows.append({**row, "tokens/s": _format(p["tokens_per_second"], "{:,.0f}"),
                      "MFU": _format(p["mfu"], "{:.1%}", missing=p["mfu_note"]),
                      "peak memory": format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else NOT_MEASURED,
-                     "planner": format_bytes(p["predicted_peak_bytes"]) if p["predicted_peak_bytes"] else NA,
-                     "$ / M tokens": _format(p["cost"]["usd_per_million_tokens"], "${:.3f}")})
+                     "planner": format_bytes(p["predicted_peak_bytes"]) if p.get("predicted_peak_bytes") else NA,
+                     "$ / M tokens": _format(p["cost"]["usd_per_million_tokens"], "${:.3f}"),
+                     "final loss": _format(p.get("final_loss"), "{:.6g}"),
+                     "workbook / Trainer": _versus_text(p["versus"]) if "versus" in p else ""})
     return rows
+
+
+def _versus_text(versus: dict) -> str:
+    if versus["tokens_per_second_ratio"] is None:
+        return versus["note"]
+    memory = _format(versus["peak_memory_ratio"], "{:.2f}x", missing=NOT_MEASURED)
+    return f"tokens/s {versus['tokens_per_second_ratio']:.2f}x, peak memory {memory}"
+
+
+def baseline_note(report: dict) -> str:
+    """What each HF Trainer row measured, how, on what hardware, and what still differs ('' without one)."""
+    paragraphs = []
+    for p in (report["training"] or {}).get("baselines", []):
+        versus = p["versus"]
+        workbook_loss, trainer_loss = versus.get("workbook_final_loss"), versus.get("trainer_final_loss")
+        losses = "" if workbook_loss is None or trainer_loss is None else (
+            f" Final loss after {p['steps']} steps: workbook {workbook_loss:.6g}, Trainer {trainer_loss:.6g} "
+            "(same initial weights and batches).")
+        paragraphs.append(f"{p['loop']} at micro-batch {p['micro_batch_size']} on {p['hardware']}: {p['how']}. "
+                          f"workbook / Trainer = {_versus_text(versus)}.{losses} Still different: "
+                          + "; ".join(p["differences"]) + ".")
+    return "\n\n".join(paragraphs)
 
 
 def nvml_rows(report: dict) -> list[dict]:
     rows = []
-    for p in report["generation"]["points"] + (report["training"] or {}).get("points", []):
+    training = report["training"] or {}
+    for p in report["generation"]["points"] + training.get("points", []) + training.get("baselines", []):
         if "nvml" not in p:
             continue
         nvml = p["nvml"]
-        label = p.get("strategy", "train") + f" b{p.get('batch_size', p.get('micro_batch_size'))}"
+        label = p.get("strategy", p.get("loop", "train")) + f" b{p.get('batch_size', p.get('micro_batch_size'))}"
         if not nvml["available"]:
             rows.append({"point": label, "kernel running (% of time)": nvml["reason"]})
             continue
@@ -210,10 +238,11 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     from workbook import plots  # matplotlib only for the figures
     for name, figure in plots.benchmark_figures(report, gpu_capacity_bytes(params)).items():
         figure.savefig(run_dir / name, dpi=120, bbox_inches="tight")
-    notes = {"Generation": pipeline_comparison_lines(report)}  # lines under a section's table
+    # Lines under a section's table: what the tools users know measured beside ours.
+    notes = {"Generation": pipeline_comparison_lines(report), "Training": [baseline_note(report)]}
 
     def section(title: str, rows: list[dict]) -> str:
-        lines = notes.get(title)
+        lines = [line for line in notes.get(title, []) if line]
         return f"## {title}\n\n{notebook.markdown_table(rows)}" + ("\n\n" + "\n".join(lines) if lines else "")
 
     text = "\n\n".join(section(title, rows) for title, rows in (

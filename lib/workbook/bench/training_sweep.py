@@ -1,5 +1,7 @@
 """The training sweep: ``training.train`` on each point, one factor at a time around each micro-batch
-(checkpointing, compile, length grouping instead of packing); tokens/s, MFU, peak memory vs prediction."""
+(checkpointing, compile, length grouping instead of packing); tokens/s, MFU, peak memory vs prediction.
+With ``bench_train_baselines: hf-trainer`` each micro-batch's plain point is trained again by the
+Hugging Face Trainer (``trainer_baseline``), and the workbook's figures are set over it."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ MEMORY_SETTINGS = {
 
 
 SETTING_KEYS = ("loss_chunk_tokens", "precision", "offload_activations", "attn_implementation")
+PLAIN = {"grad_checkpointing": False, "torch_compile": False, "padding": "packing"}  # each micro-batch's first point
 
 
 def training_points(params, device: torch.device) -> list[dict]:
@@ -40,7 +43,7 @@ def training_points(params, device: torch.device) -> list[dict]:
                          f"{', '.join(MEMORY_SETTINGS)}")
     points = []
     for micro in parse_int_list(params["bench_train_micro_batches"], "bench_train_micro_batches"):
-        base = {"micro_batch_size": micro, "grad_checkpointing": False, "torch_compile": False, "padding": "packing"}
+        base = {"micro_batch_size": micro, **PLAIN}
         changes = [{}, {"grad_checkpointing": True}, {"torch_compile": True}, {"padding": "length_grouped"}]
         for change in changes + [MEMORY_SETTINGS[name] for name in settings]:
             point = {**base, **change}
@@ -54,16 +57,14 @@ def training_points(params, device: torch.device) -> list[dict]:
     return points
 
 
-def training_point(params, point: dict, work_dir: Path, log: Callable[[str], None] = print) -> dict:
-    result = dict(point)
-    if point.get("skipped"):
-        return result
+def point_config(params, point: dict, output_dir: Path) -> training.TrainConfig:
+    """The training run of one point: the sweep's model and data, the point's settings, no warm-up
+    of the learning rate, no validation split. The HF Trainer baseline trains from the same config."""
     device = runtime.default_device()
     model = params["bench_train_model"]
     preset = models.is_preset(model)
     steps = params["bench_train_steps"]
-    output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="train-"))
-    config = training.TrainConfig(
+    return training.TrainConfig(
         model=model, data_path="", data_description="the shipped arithmetic sample" if not preset else "synthetic",
         output_dir=str(output_dir), use_chat_template=not preset,
         max_seq_length=params["seq_len"] if preset else "auto", padding=point["padding"], validation_fraction=0.0,
@@ -74,6 +75,14 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
         budget=Budget.from_params(params), **{key: point[key] for key in SETTING_KEYS if key in point},
         synthetic_examples=max(64, point["micro_batch_size"] * steps + 8))
+
+
+def training_point(params, point: dict, work_dir: Path, log: Callable[[str], None] = print) -> dict:
+    result = dict(point)
+    if point.get("skipped"):
+        return result
+    output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="train-"))
+    config = point_config(params, point, output_dir)
     try:
         with NvmlSampler() as sampler:
             measured = training.train(config)
@@ -90,21 +99,55 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         peak_memory_note=memory_figures["measured"].get("note"),
         predicted_peak_bytes=memory_figures["predicted_peak_bytes"],
         padding_fraction=measured["plan"]["padding_fraction"],
-        cost=cost_figures(1e6 / tokens_per_second if tokens_per_second else 0, 0, 1_000_000,
-                          params["usd_per_gpu_hour"], max(1, measured["time"]["gpus"])),
-        nvml=sampler.summary(), model=measured["model_description"],
+        cost=_cost_per_million_tokens(params, tokens_per_second),
+        nvml=sampler.summary(), model=measured["model_description"], final_loss=measured["loss"]["last_step"],
+        step_tokens=[record["tokens"] for record in measured["history"]],
+        step_loss_tokens=[record["loss_tokens"] for record in measured["history"]],
+        step_losses=[record["loss"] for record in measured["history"]],
     )
-    result["cost"].pop("usd_per_1000_examples", None)
     extra = "".join(f", {key} {point[key]}" for key in SETTING_KEYS if key in point)
     log(f"train micro-batch {point['micro_batch_size']}, checkpointing {point['grad_checkpointing']}, "
         f"{point['padding']}{extra}: {tokens_per_second or 0:,.0f} tokens/s")
     return result
 
 
+def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[str], None] = print) -> dict:
+    """The HF Trainer on ``workbook_point``'s settings (a measured plain point), with the workbook's
+    tokens/s and peak memory over the Trainer's (``trainer_baseline.versus``)."""
+    from workbook.bench import trainer_baseline  # transformers' Trainer takes seconds to import: only when asked
+    point = {key: workbook_point[key] for key in ("micro_batch_size", *PLAIN)}
+    output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="trainer-"))
+    try:
+        with NvmlSampler() as sampler:
+            measured = trainer_baseline.trainer_run(point_config(params, point, output_dir), str(output_dir))
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    result = {**point, **measured, "cost": _cost_per_million_tokens(params, measured["tokens_per_second"]),
+              "nvml": sampler.summary()}
+    result["versus"] = trainer_baseline.versus(result, workbook_point)
+    ratio = result["versus"]["tokens_per_second_ratio"]
+    log(f"train micro-batch {point['micro_batch_size']}, {measured['loop']}: {measured['tokens_per_second'] or 0:,.0f} "
+        f"tokens/s" + (f" (the workbook's loop: {ratio:.2f}x)" if ratio else ""))
+    return result
+
+
+def _is_plain(point: dict) -> bool:
+    return all(point[key] == value for key, value in PLAIN.items()) and not any(key in point for key in SETTING_KEYS)
+
+
+def _cost_per_million_tokens(params, tokens_per_second: float | None) -> dict:
+    """US dollars per million training tokens at the profile's price, one GPU (None on the cpu profile)."""
+    cost = cost_figures(1e6 / tokens_per_second if tokens_per_second else 0, 0, 1_000_000, params["usd_per_gpu_hour"])
+    cost.pop("usd_per_1000_examples", None)
+    return cost
+
+
 def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print) -> dict:
     device = runtime.default_device()
     points = [training_point(params, point, work_dir, log) for point in training_points(params, device)]
+    baselines = ([baseline_point(params, point, work_dir, log) for point in points if _is_plain(point)]
+                 if params["bench_train_baselines"] == "hf-trainer" else [])  # 'none' (params.SCHEMA: one of the two)
     return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
             "steps_per_point": params["bench_train_steps"],
             "repeats": 1, "what": f"tokens/s over the steps after the first {TIMING_WARMUP_STEPS} (warm-up) "
-            "of each point, one run per point", "points": points}
+            "of each point, one run per point", "points": points, "baselines": baselines}

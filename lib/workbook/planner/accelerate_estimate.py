@@ -18,6 +18,8 @@ The planner counts every one of those; the ratio says how far apart the two answ
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 from accelerate.commands.estimate import estimate_training_usage
 from accelerate import init_empty_weights
@@ -77,3 +79,23 @@ def comparison_line(compared: dict) -> str:
                 "the planner's is above")
     return (f"accelerate estimate-memory ({compared['dtype_row']} row): {format_bytes(compared['bytes'])}, "
             f"{compared['counts']}; this plan is {compared['planner_over_accelerate']:.2f}x that")
+
+
+def against_measured(plan, model: str | PretrainedConfig, measured_bytes: int) -> dict:
+    """The command's figure for ``plan`` against a measured peak (``workbook calibrate``, per case)."""
+    compared = beside_plan(plan, model)
+    estimated = compared["bytes"]
+    return {"accelerate_estimate_memory": compared, "accelerate_estimate_bytes": estimated,
+            "accelerate_relative_error": None if estimated is None else (estimated - measured_bytes) / measured_bytes}
+
+
+def summarize(records: list[dict]) -> dict:
+    """Its errors over measured calibration records, signed: below 0 it said less than the process held,
+    the side that runs out of memory."""
+    errors = [record["accelerate_relative_error"] for record in records
+              if record.get("accelerate_relative_error") is not None]
+    return {"what": "accelerate estimate-memory's figure for each case (generate: its Total Size; train: its "
+                    "Training using Adam) against the same measured peak",
+            "median_abs_relative_error": statistics.median(abs(e) for e in errors) if errors else None,
+            "max_abs_relative_error": max(abs(e) for e in errors) if errors else None,
+            "cases_below_measured": sum(e < 0 for e in errors), "cases": len(errors)}

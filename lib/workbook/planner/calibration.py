@@ -225,7 +225,8 @@ def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda") 
     plan = plan_for_case(case, gpu_memory_bytes=total_bytes,
                          overhead_bytes=max(0, measurement.non_pytorch_bytes))
     return {**record, "status": "measured", "seconds": seconds,
-            **compare(plan, measurement), **beside_accelerate(plan, case, measurement),
+            **compare(plan, measurement),
+            **accelerate_estimate.against_measured(plan, case.model, measurement.peak_bytes),
             "measurement": measurement.to_dict(), "plan": plan.to_dict()}
 
 
@@ -255,15 +256,6 @@ def compare(plan: Plan, measurement: ProbeMeasurement) -> dict:
         ),
         "measured_overhead_bytes": measurement.non_pytorch_bytes,
     }
-
-
-def beside_accelerate(plan: Plan, case: CalibrationCase, measurement: ProbeMeasurement) -> dict:
-    """``accelerate estimate-memory``'s figure for the case (the command users know) against the same
-    measured peak: what it counts is in ``accelerate_estimate_memory["counts"]``."""
-    compared = accelerate_estimate.beside_plan(plan, case.model)
-    estimated = compared["bytes"]
-    return {"accelerate_estimate_memory": compared, "accelerate_estimate_bytes": estimated,
-            "accelerate_relative_error": (estimated - measurement.peak_bytes) / measurement.peak_bytes}
 
 
 def run_case_probe(case: CalibrationCase, device: torch.device) -> ProbeMeasurement:
@@ -343,13 +335,6 @@ def summarize(records: list[dict]) -> dict:
     out_of_memory = [record["case"]["name"] for record in records if record["status"] == "oom"]
     median = statistics.median(errors) if errors else None
     largest = max(errors) if errors else None
-    # The same cases as accelerate estimate-memory answers them (signed: negative means it says less
-    # than the process held, the side that runs out of memory).
-    accelerate_errors = [
-        record["accelerate_relative_error"] for record in records
-        if record["status"] == "measured" and record["case"]["counts_toward_goal"]
-        and record.get("accelerate_relative_error") is not None
-    ]
     return {
         "cases": len(records),
         "measured": sum(record["status"] == "measured" for record in records),
@@ -361,15 +346,8 @@ def summarize(records: list[dict]) -> dict:
         "max_abs_relative_error": largest,
         "meets_goal": bool(errors) and not out_of_memory
         and median <= GOAL_MEDIAN_ABS_RELATIVE_ERROR and largest <= GOAL_MAX_ABS_RELATIVE_ERROR,
-        "accelerate_estimate_memory": {
-            "what": "accelerate estimate-memory's figure for each case (generate: its Total Size; train: its "
-                    "Training using Adam) against the same measured peak",
-            "median_abs_relative_error": statistics.median(abs(e) for e in accelerate_errors)
-            if accelerate_errors else None,
-            "max_abs_relative_error": max(abs(e) for e in accelerate_errors) if accelerate_errors else None,
-            "cases_below_measured": sum(e < 0 for e in accelerate_errors),
-            "cases": len(accelerate_errors),
-        },
+        "accelerate_estimate_memory": accelerate_estimate.summarize([
+            record for record in records if record["status"] == "measured" and record["case"]["counts_toward_goal"]]),
     }
 
 

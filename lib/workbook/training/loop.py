@@ -68,7 +68,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         checkpoints.choose_where_to_save(accelerator, output_dir, fsdp=fsdp, saves_checkpoints=config.save_every_steps > 0)
         tracking.start(accelerator, config)
         torch.manual_seed(config.seed)  # identical LoRA initialisation in every process
-        model, model_description, lora = _load_model(config, device, prepared.max_seq_length)
+        model, model_description, lora = load_training_model(config, device, prepared.max_seq_length)
         total_parameters = sum(p.numel() for p in model.parameters())
         trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
         optimizer, optimizer_description = _build_optimizer(model, config, run.learning_rate,
@@ -225,7 +225,7 @@ def _set_tf32(enabled: bool, device: torch.device) -> bool:
     return enabled
 
 
-def _load_model(config: TrainConfig, device: torch.device, seq_len: int):
+def load_training_model(config: TrainConfig, device: torch.device, seq_len: int):
     """(model on device, description, lora?) with checkpointing and LoRA applied as configured.
 
     Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast: the planner's

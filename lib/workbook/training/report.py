@@ -45,18 +45,14 @@ def dense_peak_tflops(config) -> float:
     return {"bf16": config.peak_bf16_tflops, "fp16": config.peak_fp16_tflops}.get(config.dtype, 0.0)
 
 
-def result(config, prepared, run, accelerator, history, eval_history, start_step, step, finished,
-           model_description, total_parameters, trainable_parameters, optimizer_description, tf32_applied,
-           memory_measured, accuracy_before, accuracy_after, wall_seconds, final_dir, fsdp) -> dict:
-    """Everything a run measured and how, JSON-ready (``training_result.json``, notebook 03's metrics)."""
-    processes = accelerator.num_processes
-    on_gpu = accelerator.device.type == "cuda"
-    this_run = history[start_step:] if len(history) > start_step else []
-    warm = this_run[TIMING_WARMUP_STEPS:] if len(this_run) > TIMING_WARMUP_STEPS else this_run
+def throughput(steps: list[dict], config, processes: int, on_gpu: bool) -> dict:
+    """Tokens/s and MFU of these steps (records with ``tokens``, ``seconds`` and ``flops``), the
+    first TIMING_WARMUP_STEPS left out of the steady-state figures; any loop's steps are counted so."""
+    warm = steps[TIMING_WARMUP_STEPS:] if len(steps) > TIMING_WARMUP_STEPS else steps
     seconds = sum(r["seconds"] for r in warm)
     tokens_per_second = sum(r["tokens"] for r in warm) / seconds if seconds else None
-    all_seconds = sum(r["seconds"] for r in this_run)
-    overall = sum(r["tokens"] for r in this_run) / all_seconds if all_seconds else None
+    all_seconds = sum(r["seconds"] for r in steps)
+    overall = sum(r["tokens"] for r in steps) / all_seconds if all_seconds else None
     achieved_tflops = sum(r["flops"] for r in warm) / seconds / 1e12 if seconds else None
     peak = dense_peak_tflops(config)
     if not on_gpu:
@@ -66,6 +62,25 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
     else:
         mfu = achieved_tflops / (peak * processes) if achieved_tflops else None
         mfu_note = f"against {peak:g} dense {config.dtype} TFLOP/s x {processes} GPU(s) (profile {config.profile})"
+    return {
+        "tokens_per_second": tokens_per_second, "tokens_per_second_overall": overall,
+        "tokens_per_second_per_process": tokens_per_second / processes if tokens_per_second else None,
+        "what": f"non-padding tokens of all processes per second of training steps, first {TIMING_WARMUP_STEPS} "
+                "step(s) of this invocation left out of the steady-state figure",
+        "achieved_tflops": achieved_tflops, "mfu": mfu, "mfu_note": mfu_note,
+        "flops_convention": "torchtitan: 6 x matmul params x n + 12 x layers x heads x head_dim x n^2 per example "
+                            "of n tokens (LoRA: 4 x params); recomputation not counted",
+    }
+
+
+def result(config, prepared, run, accelerator, history, eval_history, start_step, step, finished,
+           model_description, total_parameters, trainable_parameters, optimizer_description, tf32_applied,
+           memory_measured, accuracy_before, accuracy_after, wall_seconds, final_dir, fsdp) -> dict:
+    """Everything a run measured and how, JSON-ready (``training_result.json``, notebook 03's metrics)."""
+    processes = accelerator.num_processes
+    on_gpu = accelerator.device.type == "cuda"
+    this_run = history[start_step:] if len(history) > start_step else []
+    all_seconds = sum(r["seconds"] for r in this_run)
     try:
         predicted = memory_plan(config, run.micro_batch_size, prepared.max_seq_length,
                                 sharding="fsdp" if fsdp else "none").total_bytes
@@ -114,15 +129,7 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
                      "note": f"greedy answers to {accuracy_after['of']} scored against the arithmetic task's true answers"
                      if accuracy_after else "n/a: the validation inputs are not the arithmetic task's questions"
                      + (" (or FSDP: generation skipped)" if fsdp else "")},
-        "throughput": {
-            "tokens_per_second": tokens_per_second, "tokens_per_second_overall": overall,
-            "tokens_per_second_per_process": tokens_per_second / processes if tokens_per_second else None,
-            "what": f"non-padding tokens of all processes per second of training steps, first {TIMING_WARMUP_STEPS} "
-                    "step(s) of this invocation left out of the steady-state figure",
-            "achieved_tflops": achieved_tflops, "mfu": mfu, "mfu_note": mfu_note,
-            "flops_convention": "torchtitan: 6 x matmul params x n + 12 x layers x heads x head_dim x n^2 per example "
-                                "of n tokens (LoRA: 4 x params); recomputation not counted",
-        },
+        "throughput": throughput(this_run, config, processes, on_gpu),
         "memory": {"measured": memory_measured, "predicted_peak_bytes": predicted,
                    "prediction": f"planner at micro-batch {run.micro_batch_size}, {prepared.max_seq_length} tokens"},
         "time": {"wall_seconds": wall_seconds, "training_seconds": all_seconds, "gpus": gpus,
