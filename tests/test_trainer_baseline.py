@@ -62,7 +62,8 @@ def test_the_trainer_sees_the_workbooks_batches_reaches_its_loss_and_the_report_
 
 
 def test_each_micro_batch_plain_point_gets_one_trainer_point_and_none_turns_it_off(cpu_params, tmp_path, monkeypatch):
-    monkeypatch.setattr(training_sweep, "training_point", lambda params, point, work_dir, log: dict(point))
+    monkeypatch.setattr(training_sweep, "training_point",
+                        lambda params, point, work_dir, log: {**point, "tokens_per_second": 1.0})
     monkeypatch.setattr(training_sweep, "baseline_point",
                         lambda params, point, work_dir, log: {**point, "loop": "trainer"})
     params = {**cpu_params, "bench_train_micro_batches": "2,4", "bench_train_settings": "loss_chunk_tokens"}
@@ -82,3 +83,37 @@ def test_settings_the_trainer_baseline_does_not_mirror_are_refused_by_name(cpu_p
     with pytest.raises(TrainError, match="gradient accumulation, learning-rate warm-up"):
         trainer_baseline.trainer_run(dataclasses.replace(config, gradient_accumulation_steps=2, warmup_steps=1),
                                      str(tmp_path))
+
+
+def test_a_point_that_runs_out_of_memory_is_recorded_beside_the_plan_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    # The GPU session probes micro-batches past the plain point's limit (the memory settings are meant to make
+    # them fit): one out-of-memory point must not take the sweep's other points with it.
+    from workbook import training
+    from workbook.bench import report
+    params = {**params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+              "bench_train_micro_batches": "16", "bench_train_settings": "", "bench_train_baselines": "hf-trainer"}
+
+    def out_of_memory(config):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.66 GiB")
+    monkeypatch.setattr(training, "train", out_of_memory)
+    plain = training_sweep.training_points(params, torch.device("cpu"))[0]
+    record = training_sweep.training_point(params, plain, tmp_path, log=lambda line: None)
+    config = training_sweep.point_config(params, plain, tmp_path)
+    planned = training.memory_plan(config, 16, params["seq_len"])
+    assert not planned.fits  # the 1B at 16 x 2048 tokens does not fit an H100 without a memory setting
+    assert record["out_of_memory"].startswith("OutOfMemoryError: CUDA out of memory")
+    assert record["predicted_peak_bytes"] == planned.total_bytes and record["planner_said"] == "does not fit"
+    row = report.training_rows({"training": {"points": [record], "baselines": []}})[0]
+    assert row["tokens/s"] == "out of memory; the planner said it does not fit"
+
+    # The sweep goes on past it, and no Trainer baseline is run against a point that measured nothing.
+    monkeypatch.setattr(training_sweep, "baseline_point", lambda *args, **kwargs: pytest.fail("no baseline"))
+    sweep = training_sweep.training_sweep({**params, "bench_train_micro_batches": "16"}, tmp_path,
+                                          log=lambda line: None)
+    assert all("out_of_memory" in p or p.get("skipped") for p in sweep["points"]) and sweep["baselines"] == []
+
+    def broken(config):  # anything but out-of-memory is a bug, and stops the sweep
+        raise ValueError("a bug")
+    monkeypatch.setattr(training, "train", broken)
+    with pytest.raises(ValueError, match="a bug"):
+        training_sweep.training_point(params, plain, tmp_path, log=lambda line: None)

@@ -158,6 +158,10 @@ def training_rows(report: dict) -> list[dict]:
         if p.get("skipped"):
             rows.append({**row, "tokens/s": p["skipped"]})
             continue
+        if p.get("out_of_memory"):
+            rows.append({**row, "tokens/s": f"out of memory; the planner said it {p['planner_said']}",
+                         "planner": format_bytes(p["predicted_peak_bytes"]) if p["predicted_peak_bytes"] else NA})
+            continue
         rows.append({**row, "tokens/s": _format(p["tokens_per_second"], "{:,.0f}"),
                      "MFU": _format(p["mfu"], "{:.1%}", missing=p["mfu_note"]),
                      "peak memory": format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else NOT_MEASURED,

@@ -11,10 +11,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from workbook import models, runtime, training
 from workbook.bench.counting import cost_figures, parse_int_list, run_dtype
 from workbook.bench.sampler import NvmlSampler
+from workbook.planner.finder import error_summary
 from workbook.planner.profile import Budget
 from workbook.training.config import TIMING_WARMUP_STEPS
 
@@ -83,11 +85,18 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         return result
     output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="train-"))
     config = point_config(params, point, output_dir)
+    failed = None
     try:
         with NvmlSampler() as sampler:
             measured = training.train(config)
+    except Exception as error:
+        if not should_reduce_batch_size(error):
+            raise
+        failed = error_summary(error)  # the traceback, and the model its frames hold, end with this block
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
+    if failed:
+        return {**result, **out_of_memory(config, params, failed, log)}
     throughput, memory_figures = measured["throughput"], measured["memory"]
     tokens_per_second = throughput["tokens_per_second"]
     result.update(
@@ -111,17 +120,40 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
     return result
 
 
+def out_of_memory(config: training.TrainConfig, params, error: str, log: Callable[[str], None]) -> dict:
+    """A point the device could not hold: recorded beside the planner's verdict, and the sweep goes on
+    (a sweep that probes memory settings near the limit must not lose its other points to one)."""
+    clear_device_cache(garbage_collection=True)
+    record = {"out_of_memory": error, "predicted_peak_bytes": None, "planner_said": "no plan"}
+    if isinstance(config.max_seq_length, int) or models.is_preset(config.model):
+        seq_len = config.max_seq_length if isinstance(config.max_seq_length, int) else params["seq_len"]
+        plan = training.memory_plan(config, int(config.micro_batch_size), seq_len)
+        record.update(predicted_peak_bytes=plan.total_bytes,
+                      planner_said="does not fit" if not plan.fits else "fits (the planner was wrong)")
+    log(f"train micro-batch {config.micro_batch_size}: out of memory; the planner said it "
+        f"{record['planner_said']}")
+    return record
+
+
 def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[str], None] = print) -> dict:
     """The HF Trainer on ``workbook_point``'s settings (a measured plain point), with the workbook's
     tokens/s and peak memory over the Trainer's (``trainer_baseline.versus``)."""
     from workbook.bench import trainer_baseline  # transformers' Trainer takes seconds to import: only when asked
     point = {key: workbook_point[key] for key in ("micro_batch_size", *PLAIN)}
     output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="trainer-"))
+    config = point_config(params, point, output_dir)
+    failed = None
     try:
         with NvmlSampler() as sampler:
-            measured = trainer_baseline.trainer_run(point_config(params, point, output_dir), str(output_dir))
+            measured = trainer_baseline.trainer_run(config, str(output_dir))
+    except Exception as error:
+        if not should_reduce_batch_size(error):
+            raise
+        failed = error_summary(error)
     finally:
         shutil.rmtree(output_dir, ignore_errors=True)
+    if failed:
+        return {**point, "loop": trainer_baseline.LABEL, **out_of_memory(config, params, failed, log)}
     result = {**point, **measured, "cost": _cost_per_million_tokens(params, measured["tokens_per_second"]),
               "nvml": sampler.summary()}
     result["versus"] = trainer_baseline.versus(result, workbook_point)
@@ -145,7 +177,8 @@ def _cost_per_million_tokens(params, tokens_per_second: float | None) -> dict:
 def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print) -> dict:
     device = runtime.default_device()
     points = [training_point(params, point, work_dir, log) for point in training_points(params, device)]
-    baselines = ([baseline_point(params, point, work_dir, log) for point in points if _is_plain(point)]
+    baselines = ([baseline_point(params, point, work_dir, log) for point in points
+                  if _is_plain(point) and "tokens_per_second" in point]
                  if params["bench_train_baselines"] == "hf-trainer" else [])  # 'none' (params.SCHEMA: one of the two)
     return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
             "steps_per_point": params["bench_train_steps"],
