@@ -261,3 +261,32 @@ def test_an_output_continuous_batching_ended_at_eos_is_compared_up_to_its_eos():
     assert not bench.same_greedy_tokens(Completion([5, 9, 2], "eos"), forced)
     assert not bench.same_greedy_tokens(Completion([5, 6, 7, 9], "length"), forced)
     assert not bench.same_greedy_tokens(None, forced)
+
+
+def test_a_benchmark_stopped_part_way_keeps_every_point_it_finished(tiny_model_path, tmp_path, monkeypatch):
+    # A lent GPU's call stops a step at its time limit: the points measured before it must be on disk.
+    import importlib
+    from workbook import notebook
+    from workbook.bench import report
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")
+    monkeypatch.setattr(notebook, "new_run_dir", lambda name: (tmp_path / name).mkdir() or tmp_path / name)
+    original, started = training_sweep.training_point, []
+
+    def stopped_after_two(params, point, work_dir, log):
+        if len(started) == 2:
+            raise KeyboardInterrupt  # as a kill stops it: no report is written
+        started.append(point)
+        return original(params, point, work_dir, log)
+    monkeypatch.setattr(training_sweep, "training_point", stopped_after_two)
+    with pytest.raises(KeyboardInterrupt):
+        report.cli_main("cpu", ["bench_strategies=seed-before,static-sorted", "bench_batch_sizes=4", "bench_examples=4",
+                                "bench_repeats=1", "bench_train_micro_batches=2", "bench_train_steps=3",
+                                "bench_train_baselines=none"])
+    run_dir = tmp_path / "bench-cpu"
+    assert not (run_dir / "benchmark.json").exists()
+    lines = [json.loads(line) for line in (run_dir / report.POINTS_FILE).read_text().splitlines()]
+    assert [(line["sweep"], line.get("strategy")) for line in lines] == [
+        ("generation", "seed-before"), ("generation", "static-sorted"), ("training", None), ("training", None)]
+    assert all(line["output_tokens_per_second"]["median"] > 0 for line in lines[:2])
+    assert [line["tokens_per_second"] > 0 for line in lines[2:]] == [True, True]
+    assert "completions" not in lines[0]  # the outputs stay out of the record

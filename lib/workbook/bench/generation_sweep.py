@@ -231,12 +231,17 @@ def same_greedy_tokens(candidate: generation.Completion | None, reference: gener
     return candidate.token_ids == reference.token_ids
 
 
-def generation_sweep(params, log: Callable[[str], None] = print, setup: GenerationSetup | None = None) -> dict:
+def generation_sweep(params, log: Callable[[str], None] = print, setup: GenerationSetup | None = None,
+                     on_point: Callable[[dict], None] = lambda point: None) -> dict:
+    """Every point of the sweep; ``on_point`` gets each as it is measured (its outputs left out), so a
+    sweep stopped part way still leaves what it measured."""
     setup = setup or generation_setup(params)
     repeats = params["bench_repeats"]
     planned = planner_batch(params, setup) if AUTO in str(params["bench_batch_sizes"]) else None
-    points = [generation_point(setup, params, point, repeats, log)
-              for point in sweep_points(params, setup.device, planned)]
+    points = []
+    for point in sweep_points(params, setup.device, planned):
+        points.append(generation_point(setup, params, point, repeats, log))
+        on_point({key: value for key, value in points[-1].items() if key != "completions"})
     # Greedy decoding: every strategy must give the tokens one-at-a-time generation gives.
     reference = next((p["completions"] for p in points if p["strategy"] == "seed-before" and "completions" in p), None)
     baseline = next((p for p in points if p["strategy"] == BASELINE and "seconds" in p), None)

@@ -24,7 +24,8 @@ Calls, in the order a session spends them (``--list`` prints the commands):
 
 Every step runs as its own process (its output in ``<out>/<call>.log``, unbuffered), is given the
 time left (less a reserve for the summary) and is stopped when it runs out; a failed step does not
-stop the next. A step that writes a run folder under ``outputs/`` has it copied into ``<out>``.
+stop the next. A step that writes a run folder under ``outputs/`` has it copied into ``<out>``, stopped or
+not: a benchmark stopped by the budget leaves there ``points.jsonl``, every point it finished.
 ``<out>/<call>.json`` records each step's command, exit status, seconds and last line, and the same
 table is printed last. Models are real architectures built from their configs with random bf16
 weights on the GPU (nothing is downloaded; speed and memory do not depend on the values).
@@ -77,7 +78,7 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
                                           "--only", "llama-3.2-1b/generate,llama-3.2-1b/train-checkpointed"], 45),
             Step("every strategy and training path, tiny sizes", [
                 *bench, "bench_generate_model=Llama-3.2-1B", "bench_train_model=Llama-3.2-1B",
-                "bench_strategies=seed-after,static-sorted,static-compiled,continuous", "bench_batch_sizes=4",
+                "bench_strategies=seed-after,static-sorted,static-compiled,continuous,hf-pipeline", "bench_batch_sizes=4",
                 "bench_examples=8", "bench_max_new_tokens=16", "bench_repeats=1", "prompt_len=256",
                 "bench_train_micro_batches=2", "bench_train_steps=3", "seq_len=512",
                 "bench_train_baselines=hf-trainer"], 90),

@@ -8,6 +8,7 @@ the params, versions and hardware, as one JSON-ready report; its tables for the 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,17 +35,20 @@ PARAMS_USED = ("profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "pe
                "lora_rank")
 
 
-def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print) -> dict:
-    """Both sweeps, the claims and the context (params, versions, hardware), as one JSON-ready dict."""
+def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
+                  on_point: Callable[[str, dict], None] = lambda sweep, point: None) -> dict:
+    """Both sweeps, the claims and the context (params, versions, hardware), as one JSON-ready dict.
+    ``on_point(sweep, point)`` gets each point ("generation" or "training") as soon as it is measured."""
     missing = [key for key in PARAMS_USED if key not in params]
     if missing:
         raise BenchError(f"the benchmark needs parameter(s) {', '.join(missing)}; declare them in notebook 04's "
                          "parameters cell or add them to the params file")
     device = runtime.default_device()
     began = time.perf_counter()
-    generation = generation_sweep(params, log)
+    generation = generation_sweep(params, log, on_point=lambda point: on_point("generation", point))
     runtime.reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
-    training = training_sweep(params, Path(work_dir), log) if params["bench_train_steps"] else None
+    training = (training_sweep(params, Path(work_dir), log, on_point=lambda point: on_point("training", point))
+                if params["bench_train_steps"] else None)
     matmul = tf32_matmul_speedup(device)
     dtype = run_dtype(params, device)
     return {
@@ -222,6 +226,20 @@ def gpu_capacity_bytes(params) -> int | None:
     return Budget.from_params(params).capacity_bytes if params["gpu_count"] else None
 
 
+POINTS_FILE = "points.jsonl"  # each point as it is measured: what a stopped benchmark leaves
+
+
+def partial_record(path: Path) -> Callable[[str, dict], None]:
+    """Append each measured point to ``path`` as one JSON line, flushed to disk at once: a benchmark
+    stopped by a time limit (a lent GPU's call) or a crash keeps every point it finished."""
+    def write(sweep: str, point: dict) -> None:
+        with path.open("a") as file:
+            file.write(json.dumps({"sweep": sweep, **point}, default=str) + "\n")
+            file.flush()
+            os.fsync(file.fileno())
+    return write
+
+
 def cli_main(params_arg: str, overrides: list[str]) -> int:
     """Run the benchmark into a new run folder: benchmark.json, the PNGs and benchmark.md."""
     def say(line: str) -> None:
@@ -233,7 +251,7 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
         run = runner.start_job(notebook.new_run_dir(f"bench-{params['profile']}"), "bench", params, params_file,
                                overrides)
         run_dir = run.run_dir
-        report = run_benchmark(params, run_dir, log=say)
+        report = run_benchmark(params, run_dir, log=say, on_point=partial_record(run_dir / POINTS_FILE))
     except (params_module.ParamsError, BenchError, GenerationError, DoesNotFitError) as error:
         say(f"error: {error}")
         return runner.finish_job(run, 2, error)

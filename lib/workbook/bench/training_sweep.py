@@ -174,12 +174,18 @@ def _cost_per_million_tokens(params, tokens_per_second: float | None) -> dict:
     return cost
 
 
-def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print) -> dict:
+def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
+                   on_point: Callable[[dict], None] = lambda point: None) -> dict:
+    """Every point, then the Trainer baselines; ``on_point`` gets each as it is measured."""
     device = runtime.default_device()
-    points = [training_point(params, point, work_dir, log) for point in training_points(params, device)]
-    baselines = ([baseline_point(params, point, work_dir, log) for point in points
-                  if _is_plain(point) and "tokens_per_second" in point]
-                 if params["bench_train_baselines"] == "hf-trainer" else [])  # 'none' (params.SCHEMA: one of the two)
+    points, baselines = [], []
+    for point in training_points(params, device):
+        points.append(training_point(params, point, work_dir, log))
+        on_point(points[-1])
+    if params["bench_train_baselines"] == "hf-trainer":  # or 'none' (params.SCHEMA: one of the two)
+        for point in [p for p in points if _is_plain(p) and "tokens_per_second" in p]:
+            baselines.append(baseline_point(params, point, work_dir, log))
+            on_point(baselines[-1])
     return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
             "steps_per_point": params["bench_train_steps"],
             "repeats": 1, "what": f"tokens/s over the steps after the first {TIMING_WARMUP_STEPS} (warm-up) "
