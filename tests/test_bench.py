@@ -290,3 +290,16 @@ def test_a_benchmark_stopped_part_way_keeps_every_point_it_finished(tiny_model_p
     assert all(line["output_tokens_per_second"]["median"] > 0 for line in lines[:2])
     assert [line["tokens_per_second"] > 0 for line in lines[2:]] == [True, True]
     assert "completions" not in lines[0]  # the outputs stay out of the record
+
+
+def test_a_gpu_profile_run_on_a_cpu_is_not_judged_against_that_gpus_peaks_or_price():
+    import torch
+    from workbook import params as params_module
+    from workbook.bench import report
+    profiles, said = params_module.load_all(), []
+    on_cpu = report.without_absent_peaks(profiles["h100"], torch.device("cpu"), said.append)
+    assert all(on_cpu[key] == 0 for key in report.GPU_FIGURES) and on_cpu["gpu_memory_gib"] == 79.6
+    assert "describes a GPU and this run is on cpu" in said[0]
+    assert report.without_absent_peaks(profiles["h100"], torch.device("cuda"), said.append) is profiles["h100"]
+    assert report.without_absent_peaks(profiles["cpu"], torch.device("cpu"), said.append) is profiles["cpu"]
+    assert len(said) == 1

@@ -44,6 +44,7 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
         raise BenchError(f"the benchmark needs parameter(s) {', '.join(missing)}; declare them in notebook 04's "
                          "parameters cell or add them to the params file")
     device = runtime.default_device()
+    params = without_absent_peaks(params, device, log)
     began = time.perf_counter()
     generation = generation_sweep(params, log, on_point=lambda point: on_point("generation", point))
     runtime.reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
@@ -69,6 +70,20 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
         "goals": goals_table(generation, training),
         "seconds": time.perf_counter() - began,
     }
+
+
+# A GPU profile's figures that would judge a run on another device (0: none to measure against).
+GPU_FIGURES = ("memory_bandwidth_gbs", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour")
+
+
+def without_absent_peaks(params, device: torch.device, log: Callable[[str], None]):
+    """``params``, or on a machine without the profile's GPU, with its peaks and price set to 0: a CPU run
+    of the h100 profile must not read as 0.1% of an H100's bandwidth or cost H100 dollars."""
+    if device.type == "cuda" or params["gpu_count"] == 0:
+        return params
+    log(f"warning: profile {params['profile']} describes a GPU and this run is on {device}: its bandwidth, "
+        "compute peaks and price are not applied (n/a); its memory plans still are")
+    return params_module.apply_overrides(params, {key: 0.0 for key in GPU_FIGURES})
 
 
 # ----------------------------------------------------------------------------------------------
