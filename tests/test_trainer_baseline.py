@@ -68,7 +68,7 @@ def test_each_micro_batch_plain_point_gets_one_trainer_point_and_none_turns_it_o
                         lambda params, point, work_dir, log: {**point, "loop": "trainer"})
     params = {**cpu_params, "bench_train_micro_batches": "2,4", "bench_train_settings": "loss_chunk_tokens"}
     sweep = training_sweep.training_sweep(params, tmp_path, log=lambda line: None)
-    assert len(sweep["points"]) == 10  # 5 per micro-batch: plain, checkpointing, compile, grouped, chunked loss
+    assert len(sweep["points"]) == 10  # 5 per micro-batch: plain, checkpointing, grouped, chunked loss, compile
     assert [(p["micro_batch_size"], p["grad_checkpointing"], p["torch_compile"], p["padding"], "loss_chunk_tokens" in p)
             for p in sweep["baselines"]] == [(2, False, False, "packing", False), (4, False, False, "packing", False)]
     assert training_sweep.training_sweep({**params, "bench_train_baselines": "none"}, tmp_path,

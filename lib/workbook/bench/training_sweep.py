@@ -35,9 +35,10 @@ PLAIN = {"grad_checkpointing": False, "torch_compile": False, "padding": "packin
 
 
 def training_points(params, device: torch.device) -> list[dict]:
-    """One factor at a time around each micro-batch: the plain point, then checkpointing, compile,
-    length grouping instead of packing, and each of ``bench_train_settings`` (a full grid would cost
-    8 runs per micro-batch)."""
+    """One factor at a time around each micro-batch: the plain point, then checkpointing, length
+    grouping instead of packing, and each of ``bench_train_settings`` (a full grid would cost 8 runs
+    per micro-batch); the compile points of every micro-batch come last, as each compiles for a minute
+    or more on a GPU: a sweep stopped by a time budget keeps the others."""
     settings = [name.strip() for name in params.get("bench_train_settings", "").split(",") if name.strip()]
     unknown = [name for name in settings if name not in MEMORY_SETTINGS]
     if unknown:
@@ -46,17 +47,18 @@ def training_points(params, device: torch.device) -> list[dict]:
     points = []
     for micro in parse_int_list(params["bench_train_micro_batches"], "bench_train_micro_batches"):
         base = {"micro_batch_size": micro, **PLAIN}
-        changes = [{}, {"grad_checkpointing": True}, {"torch_compile": True}, {"padding": "length_grouped"}]
+        changes = [{}, {"grad_checkpointing": True}, {"padding": "length_grouped"}]
         for change in changes + [MEMORY_SETTINGS[name] for name in settings]:
             point = {**base, **change}
-            if point["torch_compile"] and device.type != "cuda":
-                point["skipped"] = ("skipped on CPU: compiling takes longer than the whole CPU sweep; "
-                                    "measured on a GPU session")
             if point.get("precision") == "bf16" and run_dtype(params, device) != "bf16":
                 point["skipped"] = (f"skipped: precision bf16 needs dtype bf16, and this sweep runs "
                                     f"{run_dtype(params, device)} (CPU: fp32)")
             points.append(point)
-    return points
+    compiled = [{**point, "torch_compile": True} for point in points if _is_plain(point)]
+    if device.type != "cuda":
+        for point in compiled:
+            point["skipped"] = "skipped on CPU: compiling takes longer than the whole CPU sweep; measured on a GPU session"
+    return points + compiled
 
 
 def point_config(params, point: dict, output_dir: Path) -> training.TrainConfig:
