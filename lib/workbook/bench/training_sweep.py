@@ -57,7 +57,8 @@ def training_points(params, device: torch.device) -> list[dict]:
     compiled = [{**point, "torch_compile": True} for point in points if _is_plain(point)]
     if device.type != "cuda":
         for point in compiled:
-            point["skipped"] = "skipped on CPU: compiling takes longer than the whole CPU sweep; measured on a GPU session"
+            point["skipped"] = ("skipped on CPU: compiling takes longer than the whole CPU sweep; "
+                                "measured on a GPU session")
     return points + compiled
 
 
