@@ -86,20 +86,9 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
     result = dict(point)
     if point.get("skipped"):
         return result
-    output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="train-"))
-    config = point_config(params, point, output_dir)
-    failed = None
-    try:
-        with NvmlSampler() as sampler:
-            measured = training.train(config)
-    except Exception as error:
-        if not should_reduce_batch_size(error):
-            raise
-        failed = error_summary(error)  # the traceback, and the model its frames hold, end with this block
-    finally:
-        shutil.rmtree(output_dir, ignore_errors=True)
-    if failed:
-        return {**result, **out_of_memory(config, params, failed, log)}
+    measured = _measure(params, point, work_dir, lambda config, output_dir: training.train(config), log)
+    if "out_of_memory" in measured:
+        return {**result, **measured}
     throughput, memory_figures = measured["throughput"], measured["memory"]
     tokens_per_second = throughput["tokens_per_second"]
     result.update(
@@ -112,7 +101,7 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         predicted_peak_bytes=memory_figures["predicted_peak_bytes"],
         padding_fraction=measured["plan"]["padding_fraction"],
         cost=_cost_per_million_tokens(params, tokens_per_second),
-        nvml=sampler.summary(), model=measured["model_description"], final_loss=measured["loss"]["last_step"],
+        nvml=measured["nvml"], model=measured["model_description"], final_loss=measured["loss"]["last_step"],
         step_tokens=[record["tokens"] for record in measured["history"]],
         step_loss_tokens=[record["loss_tokens"] for record in measured["history"]],
         step_losses=[record["loss"] for record in measured["history"]],
@@ -123,14 +112,35 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
     return result
 
 
-def out_of_memory(config: training.TrainConfig, params, error: str, log: Callable[[str], None]) -> dict:
-    """A point the device could not hold: recorded beside the planner's verdict, and the sweep goes on
-    (a sweep that probes memory settings near the limit must not lose its other points to one)."""
+def _measure(params, point: dict, work_dir: Path, train: Callable[[training.TrainConfig, Path], dict],
+             log: Callable[[str], None]) -> dict:
+    """``train(config, output_dir)`` on ``point`` in a scratch folder, NVML sampled: what it measured
+    with ``nvml``, or for a point the device could not hold, ``out_of_memory``'s record (the sweep goes
+    on: one that probes memory settings near the limit must not lose its other points to one)."""
+    output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="train-"))
+    config = point_config(params, point, output_dir)
+    failed = None
+    try:
+        with NvmlSampler() as sampler:
+            measured = train(config, output_dir)
+    except Exception as error:
+        if not should_reduce_batch_size(error):
+            raise
+        failed = error_summary(error)  # the traceback, and the model its frames hold, end with this block
+    finally:
+        shutil.rmtree(output_dir, ignore_errors=True)
+    if failed:
+        return out_of_memory(config, failed, log)
+    return {**measured, "nvml": sampler.summary()}
+
+
+def out_of_memory(config: training.TrainConfig, error: str, log: Callable[[str], None]) -> dict:
+    """An out-of-memory point beside the planner's verdict (a preset's sequence length is known
+    before its data is prepared; the tiny model's 'auto' one is not)."""
     clear_device_cache(garbage_collection=True)
     record = {"out_of_memory": error, "predicted_peak_bytes": None, "planner_said": "no plan"}
-    if isinstance(config.max_seq_length, int) or models.is_preset(config.model):
-        seq_len = config.max_seq_length if isinstance(config.max_seq_length, int) else params["seq_len"]
-        plan = training.memory_plan(config, int(config.micro_batch_size), seq_len)
+    if isinstance(config.max_seq_length, int):
+        plan = training.memory_plan(config, int(config.micro_batch_size), config.max_seq_length)
         record.update(predicted_peak_bytes=plan.total_bytes,
                       planner_said="does not fit" if not plan.fits else "fits (the planner was wrong)")
     log(f"train micro-batch {config.micro_batch_size}: out of memory; the planner said it "
@@ -143,22 +153,11 @@ def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[
     tokens/s and peak memory over the Trainer's (``trainer_baseline.versus``)."""
     from workbook.bench import trainer_baseline  # transformers' Trainer takes seconds to import: only when asked
     point = {key: workbook_point[key] for key in ("micro_batch_size", *PLAIN)}
-    output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="trainer-"))
-    config = point_config(params, point, output_dir)
-    failed = None
-    try:
-        with NvmlSampler() as sampler:
-            measured = trainer_baseline.trainer_run(config, str(output_dir))
-    except Exception as error:
-        if not should_reduce_batch_size(error):
-            raise
-        failed = error_summary(error)
-    finally:
-        shutil.rmtree(output_dir, ignore_errors=True)
-    if failed:
-        return {**point, "loop": trainer_baseline.LABEL, **out_of_memory(config, params, failed, log)}
-    result = {**point, **measured, "cost": _cost_per_million_tokens(params, measured["tokens_per_second"]),
-              "nvml": sampler.summary()}
+    measured = _measure(params, point, work_dir, lambda config, output_dir: trainer_baseline.trainer_run(
+        config, str(output_dir)), log)
+    if "out_of_memory" in measured:
+        return {**point, "loop": trainer_baseline.LABEL, **measured}
+    result = {**point, **measured, "cost": _cost_per_million_tokens(params, measured["tokens_per_second"])}
     result["versus"] = trainer_baseline.versus(result, workbook_point)
     ratio = result["versus"]["tokens_per_second_ratio"]
     log(f"train micro-batch {point['micro_batch_size']}, {measured['loop']}: {measured['tokens_per_second'] or 0:,.0f} "
