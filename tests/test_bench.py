@@ -93,6 +93,13 @@ def test_the_training_sweep_runs_each_memory_setting_named_as_one_more_point(tmp
         {"loss_chunk_tokens": 1024}, {"precision": "bf16"}, {"offload_activations": True},
         {"attn_implementation": "sdpa_block_mask"}]
     assert "needs dtype bf16" in added[1]["skipped"]
+    # Every point reads apart in the table, the NVML table and the figure, not only in the JSON.
+    assert len({training_sweep.training_label(p) for p in points}) == len(points)
+    rows = bench.training_rows({"training": {"points": [{"skipped": "not run here", **p} for p in points]}})
+    assert [row["memory setting"] for row in rows[3:7]] == [
+        "loss in chunks of 1024", "pure bf16 weights and states", "activations offloaded to host",
+        "4D block mask (sdpa)"]
+    assert rows[0]["memory setting"] == "" and rows[7]["compile"]
     measured = training_sweep.training_point(params, added[3], tmp_path, log=lambda line: None)
     assert measured["tokens_per_second"] > 0 and measured["model"].endswith("attention sdpa_block_mask")
     with pytest.raises(ValueError, match="bench_train_settings: unknown chunked"):

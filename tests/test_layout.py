@@ -8,7 +8,7 @@ import workbook
 PACKAGE = Path(workbook.__file__).parent
 MAX_MODULE_LINES = 450  # one job per module: a newcomer reads a module, not a thousand lines
 # Only these may import the plotting and widget stack: everything else runs on a bare GPU image.
-DISPLAY_MODULES = {"plots.py", "widgets.py"}
+DISPLAY_MODULES = {"plots.py", "benchmark_plots.py", "widgets.py"}
 DISPLAY_PACKAGES = {"matplotlib", "ipywidgets"}
 
 

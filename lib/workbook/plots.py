@@ -1,4 +1,5 @@
-"""Figures the notebooks show and save. Only this module (and `widgets`) imports matplotlib.
+"""Figures the notebooks show and save. Only this module, `benchmark_plots` (notebook 04's figures) and
+`widgets` import matplotlib.
 
 Every figure says what it shows, in what unit, and where the numbers came from (title/caption),
 so a PNG found later in `outputs/` still reads on its own.
@@ -252,119 +253,7 @@ def generation_timeline(batches: list[dict], title: str):
 
 
 # ----------------------------------------------------------------------------------------------
-# Benchmarks (notebook 04) and reviewing runs (notebook 05).
-
-STRATEGY_COLORS = {"seed-before": "#8c8c8c", "seed-after": "#c44e52", "static-sorted": "#4c72b0",
-                   "static-compiled": "#55a868", "continuous": "#8172b3"}
-
-
-def _timed_points(report: dict) -> list[dict]:
-    return [p for p in report["generation"]["points"] if "seconds" in p]
-
-
-def throughput_vs_batch(report: dict):
-    """Output tokens/s (median, with min-max bars) per strategy vs batch size, log-log, with the
-    memory-bandwidth roofline (and the compute one) where the profile has peaks."""
-    figure, axis = plt.subplots(figsize=(8, 4.8))
-    points = _timed_points(report)
-    for strategy in dict.fromkeys(p["strategy"] for p in points):
-        mine = sorted((p for p in points if p["strategy"] == strategy), key=lambda p: p["batch_size"])
-        x = [p["batch_size"] for p in mine]
-        y = [p["output_tokens_per_second"]["median"] for p in mine]
-        low = [p["output_tokens_per_second"]["median"] - p["output_tokens_per_second"]["min"] for p in mine]
-        high = [p["output_tokens_per_second"]["max"] - p["output_tokens_per_second"]["median"] for p in mine]
-        axis.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=strategy,
-                      color=STRATEGY_COLORS.get(strategy))
-    roofs = sorted((p["batch_size"], p["roofline_tokens_per_second"]) for p in points)
-    if any(r["roofline"] for _, r in roofs):
-        axis.plot([b for b, _ in roofs], [r["roofline"] for _, r in roofs], "k--",
-                  label="roofline (min of bandwidth, compute)")
-    else:
-        axis.text(0.01, 0.98, "no roofline: the profile has no bandwidth/compute peak (cpu)", transform=axis.transAxes,
-                  va="top", fontsize=8)
-    axis.set_xscale("log", base=2)
-    axis.set_yscale("log")
-    axis.set_xlabel("batch size (sequences)")
-    axis.set_ylabel("output tokens/s")
-    generation = report["generation"]
-    axis.set_title(f"Generation throughput: {generation['model_name']} on {report['device']} ({report['profile']}), "
-                   f"{generation['max_new_tokens']} new tokens, median of {generation['repeats']}", fontsize=10)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    return figure
-
-
-def memory_vs_batch_measured(report: dict, capacity_bytes: int | None):
-    """Measured peak memory per point vs batch size beside the planner's prediction and the capacity."""
-    figure, axis = plt.subplots(figsize=(8, 4.5))
-    points = _timed_points(report)
-    predicted = sorted({(p["batch_size"], p["predicted_peak_bytes"]) for p in points if p["predicted_peak_bytes"]})
-    if predicted:
-        axis.plot([b for b, _ in predicted], [v / GiB for _, v in predicted], "k--", marker="x", label="planner")
-    measured = [p for p in points if p["peak_memory_bytes"]]
-    for strategy in dict.fromkeys(p["strategy"] for p in measured):
-        mine = sorted((p for p in measured if p["strategy"] == strategy), key=lambda p: p["batch_size"])
-        axis.plot([p["batch_size"] for p in mine], [p["peak_memory_bytes"] / GiB for p in mine], marker="o",
-                  label=f"measured: {strategy}", color=STRATEGY_COLORS.get(strategy))
-    if not measured:
-        axis.text(0.01, 0.98, "peak memory not measured (CPU: no resettable high-water mark)",
-                  transform=axis.transAxes, va="top", fontsize=8)
-    if capacity_bytes:
-        axis.axhline(capacity_bytes / GiB, color="#c44e52", label=f"capacity {format_bytes(capacity_bytes)}")
-    axis.set_xscale("log", base=2)
-    axis.set_xlabel("batch size (sequences)")
-    axis.set_ylabel("peak memory, GiB")
-    axis.set_title(f"Generation memory vs batch: {report['generation']['model_name']} ({report['profile']})", fontsize=10)
-    axis.legend(fontsize=8)
-    figure.tight_layout()
-    return figure
-
-
-def mfu_bars(report: dict):
-    """Training tokens/s per point, labelled with MFU (or why there is none)."""
-    figure, axis = plt.subplots(figsize=(8, 4.2))
-    points = [p for p in (report.get("training") or {}).get("points", []) if "tokens_per_second" in p]
-    labels = [f"mb {p['micro_batch_size']}" + (" +ckpt" if p["grad_checkpointing"] else "")
-              + (" +compile" if p["torch_compile"] else "") + (" grouped" if p["padding"] != "packing" else "")
-              for p in points]
-    has_mfu = any(p["mfu"] is not None for p in points)
-    values = [(100 * p["mfu"] if has_mfu else p["tokens_per_second"]) or 0 for p in points]
-    bars = axis.bar(labels, values, color="#4c72b0")
-    for bar, p in zip(bars, points):
-        axis.annotate(f"{p['tokens_per_second'] or 0:,.0f} tok/s" if has_mfu else "MFU n/a",
-                      (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
-    axis.set_ylabel("MFU, % of the dense peak" if has_mfu else "tokens/s (no peak: MFU n/a)")
-    axis.set_title(f"Training sweep: {(report.get('training') or {}).get('model', '?')} ({report['profile']})",
-                   fontsize=10)
-    axis.tick_params(axis="x", labelsize=8)
-    figure.tight_layout()
-    return figure
-
-
-def speedup_over_baseline(report: dict):
-    """Median output tokens/s of each point over the seeds' static-batch-32 baseline."""
-    figure, axis = plt.subplots(figsize=(8, 4.2))
-    points = [p for p in _timed_points(report) if p.get("speedup_over_seed_after") is not None]
-    labels = [f"{p['strategy']}\nb{p['batch_size']}" for p in points]
-    bars = axis.bar(labels, [p["speedup_over_seed_after"] for p in points],
-                    color=[STRATEGY_COLORS.get(p["strategy"], "#4c72b0") for p in points])
-    for bar, p in zip(bars, points):
-        axis.annotate(f"{p['speedup_over_seed_after']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                      ha="center", va="bottom", fontsize=8)
-    axis.axhline(1.0, color="black", linewidth=0.8)
-    axis.set_ylabel("speedup over seed-after (static 32, file order)")
-    axis.set_title(f"Speedup over the seeds' baseline ({report['profile']}, {report['generation']['model_name']})",
-                   fontsize=10)
-    axis.tick_params(axis="x", labelsize=7)
-    figure.tight_layout()
-    return figure
-
-
-def benchmark_figures(report: dict, capacity_bytes: int | None = None) -> dict:
-    """Every benchmark figure by its PNG name."""
-    return {"bench_throughput.png": throughput_vs_batch(report),
-            "bench_memory.png": memory_vs_batch_measured(report, capacity_bytes),
-            "bench_mfu.png": mfu_bars(report), "bench_speedup.png": speedup_over_baseline(report)}
+# Reviewing runs (notebook 05) and forecasts; the benchmark's own figures are in `benchmark_plots`.
 
 
 def runs_side_by_side(series: list[dict], x_label: str, y_label: str, title: str):

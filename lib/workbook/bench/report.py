@@ -20,7 +20,7 @@ from workbook import gpu, notebook, params as params_module, runner, runtime
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
 from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, peak_tflops, run_dtype
 from workbook.bench.generation_sweep import generation_sweep
-from workbook.bench.training_sweep import training_sweep
+from workbook.bench.training_sweep import training_label, training_setting, training_sweep
 from workbook.generation import GenerationError
 from workbook.planner import DoesNotFitError
 from workbook.planner.profile import Budget
@@ -173,7 +173,8 @@ def training_rows(report: dict) -> list[dict]:
     rows = []
     for p in training.get("points", []) + training.get("baselines", []):
         row = {"loop": p.get("loop", "workbook"), "micro-batch": p["micro_batch_size"],
-               "checkpointing": p["grad_checkpointing"], "compile": p["torch_compile"], "padding": p["padding"]}
+               "checkpointing": p["grad_checkpointing"], "compile": p["torch_compile"], "padding": p["padding"],
+               "memory setting": training_setting(p)}
         if p.get("skipped"):
             rows.append({**row, "tokens/s": p["skipped"]})
             continue
@@ -220,7 +221,7 @@ def nvml_rows(report: dict) -> list[dict]:
         if "nvml" not in p:
             continue
         nvml = p["nvml"]
-        label = p.get("strategy", p.get("loop", "train")) + f" b{p.get('batch_size', p.get('micro_batch_size'))}"
+        label = f"{p['strategy']} b{p['batch_size']}" if "strategy" in p else f"train {training_label(p)}"
         if not nvml["available"]:
             rows.append({"point": label, "kernel running (% of time)": nvml["reason"]})
             continue
@@ -272,8 +273,8 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
         return runner.finish_job(run, 2, error)
     report["command"] = "workbook bench --params " + params_arg + (" --set " + " ".join(overrides) if overrides else "")
     (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    from workbook import plots  # matplotlib only for the figures
-    for name, figure in plots.benchmark_figures(report, gpu_capacity_bytes(params)).items():
+    from workbook import benchmark_plots  # matplotlib only for the figures
+    for name, figure in benchmark_plots.benchmark_figures(report, gpu_capacity_bytes(params)).items():
         figure.savefig(run_dir / name, dpi=120, bbox_inches="tight")
     # Lines under a section's table: what the tools users know measured beside ours.
     notes = {"Generation": pipeline_comparison_lines(report), "Training": [baseline_note(report)]}

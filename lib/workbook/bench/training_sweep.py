@@ -34,6 +34,27 @@ SETTING_KEYS = ("loss_chunk_tokens", "precision", "offload_activations", "attn_i
 PLAIN = {"grad_checkpointing": False, "torch_compile": False, "padding": "packing"}  # each micro-batch's first point
 
 
+def training_setting(point: dict, short: bool = False) -> str:
+    """The memory settings a training point adds to its micro-batch, in words ('' for none); ``short``
+    for a figure's axis."""
+    words = [(f"loss in chunks of {point['loss_chunk_tokens']}", "chunked loss") if point.get("loss_chunk_tokens")
+             else None,
+             ("pure bf16 weights and states", "pure bf16") if point.get("precision") == "bf16" else None,
+             ("activations offloaded to host", "offload") if point.get("offload_activations") else None,
+             ("4D block mask (sdpa)", "4D mask") if point.get("attn_implementation") == "sdpa_block_mask" else None]
+    return ", ".join(pair[short] for pair in words if pair)
+
+
+def training_label(point: dict) -> str:
+    """A training point in a few words: loop, micro-batch and every factor that differs from plain."""
+    words = ["Trainer"] if point.get("loop", "workbook") != "workbook" else []
+    words += [f"mb {point['micro_batch_size']}"]
+    words += [word for flag, word in ((point["grad_checkpointing"], "+ckpt"), (point["torch_compile"], "+compile"),
+                                      (point["padding"] != "packing", "grouped")) if flag]
+    setting = training_setting(point, short=True)
+    return " ".join(words + ([f"+{setting}"] if setting else []))
+
+
 def training_points(params, device: torch.device) -> list[dict]:
     """One factor at a time around each micro-batch: the plain point, then checkpointing, length
     grouping instead of packing, and each of ``bench_train_settings`` (a full grid would cost 8 runs
