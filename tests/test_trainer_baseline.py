@@ -45,12 +45,12 @@ def test_the_trainer_sees_the_workbooks_batches_reaches_its_loss_and_the_report_
     report = {"training": {"points": [workbook], "baselines": [trainer]}}
     workbook_row, trainer_row = bench.training_rows(report)
     assert workbook_row["loop"] == "workbook" and trainer_row["loop"].startswith("HF Trainer (transformers ")
-    assert trainer_row["workbook / Trainer"] == (f"tokens/s {versus['tokens_per_second_ratio']:.2f}x, "
+    assert trainer_row["workbook / baseline"] == (f"tokens/s {versus['tokens_per_second_ratio']:.2f}x, "
                                                  "peak memory not measured")
     assert trainer_row["peak memory"] == bench.NOT_MEASURED
     note = bench.baseline_note(report)
     assert trainer["hardware"] in note and "(CPU)" in note and "fp32" in note and "Still different" in note
-    assert f"workbook {workbook['final_loss']:.6g}, Trainer {trainer['final_loss']:.6g}" in note
+    assert f"workbook {workbook['final_loss']:.6g}, HF Trainer {trainer['final_loss']:.6g}" in note
 
     # The tolerance has teeth: the same Trainer run with a learning rate 10% off fails it.
     from workbook.bench import trainer_baseline
@@ -65,12 +65,16 @@ def test_each_micro_batch_plain_point_gets_one_trainer_point_and_none_turns_it_o
     monkeypatch.setattr(training_sweep, "training_point",
                         lambda params, point, work_dir, log: {**point, "tokens_per_second": 1.0})
     monkeypatch.setattr(training_sweep, "baseline_point",
-                        lambda params, point, work_dir, log: {**point, "loop": "trainer"})
+                        lambda params, point, work_dir, log, tool: {**point, "loop": tool})
     params = {**cpu_params, "bench_train_micro_batches": "2,4", "bench_train_settings": "loss_chunk_tokens"}
     sweep = training_sweep.training_sweep(params, tmp_path, log=lambda line: None)
     assert len(sweep["points"]) == 10  # 5 per micro-batch: plain, checkpointing, grouped, chunked loss, compile
     assert [(p["micro_batch_size"], p["grad_checkpointing"], p["torch_compile"], p["padding"], "loss_chunk_tokens" in p)
             for p in sweep["baselines"]] == [(2, False, False, "packing", False), (4, False, False, "packing", False)]
+    both = training_sweep.training_sweep({**params, "bench_train_baselines": "trl-sft, hf-trainer"}, tmp_path,
+                                         log=lambda line: None)["baselines"]
+    assert [(p["loop"], p["micro_batch_size"]) for p in both] == [("trl-sft", 2), ("trl-sft", 4), ("hf-trainer", 2),
+                                                                  ("hf-trainer", 4)]
     assert training_sweep.training_sweep({**params, "bench_train_baselines": "none"}, tmp_path,
                                          log=lambda line: None)["baselines"] == []
 

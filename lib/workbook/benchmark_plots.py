@@ -91,7 +91,7 @@ def mfu_bars(report: dict, capacity_bytes: int | None = None):
                             (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
     speed_axis.set_ylabel("MFU, % of the dense peak" if has_mfu else "tokens/s (no peak: MFU n/a)")
     speed_axis.set_title(f"Training sweep: {training.get('model', '?')} ({report['profile']}); "
-                         "orange: HF Trainer", fontsize=10)
+                         "orange: the baselines (HF Trainer, TRL SFTTrainer)", fontsize=10)
     positions = range(len(points))
     measured = [(i, p["peak_memory_bytes"] / GiB) for i, p in zip(positions, points) if p.get("peak_memory_bytes")]
     planned = [(i, p["predicted_peak_bytes"] / GiB) for i, p in zip(positions, points) if p.get("predicted_peak_bytes")]

@@ -39,10 +39,12 @@ class Key:
     maximum: float | None = None
     auto: bool = False  # the value may also be 'auto': the memory planner chooses it
     int_list: bool = False  # a str of comma-separated positive integers, e.g. '8,32'
+    choice_list: bool = False  # a str of comma-separated names, each one of choices, e.g. 'hf-trainer,trl-sft'
 
     def expected(self) -> str:
         if self.choices:
-            return "one of " + ", ".join(repr(c) for c in self.choices)
+            names = ", ".join(repr(c) for c in self.choices)
+            return f"comma-separated names, each one of {names}" if self.choice_list else f"one of {names}"
         if self.int_list:
             return "comma-separated positive integers, e.g. '8,32'" + (", or 'auto' among them" if self.auto else "")
         text = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[self.kind]
@@ -186,10 +188,11 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_train_settings", str, "comma-separated memory settings the training sweep also runs, one point "
         "each beside the plain one: loss_chunk_tokens, precision_bf16, offload_activations, sdpa_block_mask "
         "(packing through the 4D-mask fallback); '' = none"),
-    Key("bench_train_baselines", str, "a tool users already know, measured beside the workbook's loop in the same "
+    Key("bench_train_baselines", str, "tools users already know, measured beside the workbook's loop in the same "
         "sweep: 'hf-trainer' trains each micro-batch's plain point again with transformers.Trainer (same model, "
-        "batches, precision and optimizer settings) and reports the workbook's tokens/s and peak memory over it; "
-        "'none' skips it", choices=("none", "hf-trainer")),
+        "batches, precision and optimizer settings), 'trl-sft' with TRL's SFTTrainer (same model, examples and "
+        "optimizer settings, its own packing and loss); the workbook's tokens/s and peak memory are reported over "
+        "each; 'none' skips them", choices=("none", "hf-trainer", "trl-sft"), choice_list=True),
     # Several nodes (the planner, notebook 01, `workbook plan`).
     Key("num_nodes", int, "machines the job spans, each with gpu_count GPUs (torchrun --nnodes, accelerate launch "
         "--num_machines); the plan says what crosses the network between them", minimum=1),
@@ -208,6 +211,15 @@ class Params(dict):
 
 _INT_LIST = re.compile(r"[1-9][0-9]*(,[1-9][0-9]*)*")
 _INT_OR_AUTO_LIST = re.compile(r"([1-9][0-9]*|auto)(,([1-9][0-9]*|auto))*")
+
+
+def _names(value: str) -> list[str]:
+    return [name.strip() for name in value.split(",") if name.strip()]
+
+
+def choice_list(params, key: str) -> list[str]:
+    """The names of a ``choice_list`` key's value, in order (validated on load)."""
+    return _names(params[key])
 
 
 def validate_value(key: str, value: Any, where: str) -> Any:
@@ -238,7 +250,9 @@ def validate_value(key: str, value: Any, where: str) -> Any:
         ok = False  # NaN passes every comparison below unnoticed; infinity is no setting either
     if ok and spec.int_list and not (_INT_OR_AUTO_LIST if spec.auto else _INT_LIST).fullmatch(value.replace(" ", "")):
         ok = False
-    if ok and spec.choices and value not in spec.choices:
+    if ok and spec.choices and not set(_names(value) if spec.choice_list else [value]) <= set(spec.choices):
+        ok = False
+    if ok and spec.choice_list and not _names(value):
         ok = False
     if ok and spec.minimum is not None and value < spec.minimum:
         ok = False

@@ -4,19 +4,23 @@ command and 30 a session), so none of the session's minutes go to typing or to a
 
     PYTHONPATH=lib python3 -m workbook.bench.gpu_session --call smoke --profile h100 --out $OUT
 
+A GPU image without TRL (it has no pip to fetch it) takes it as carried wheels, installed first in the
+same command (``.whl``: trl, datasets, dill, multiprocess; outputs/reference/README.md); without them the
+TRL rows say so and the rest runs.
+
 Calls, in the order a session spends them (``--list`` prints the commands):
 
 - ``smoke`` (~3 min): the measured ceilings of this GPU (a large device-to-device copy, a large
   bf16 matmul), two calibration cases (a generation and a checkpointed training step of a 1B-shaped
   model) and a tiny benchmark through every generation strategy and the training sweep's compile
-  and checkpointing points and the HF Trainer baseline, so what breaks on this machine shows in the
-  first minutes.
+  and checkpointing points and the HF Trainer and TRL SFTTrainer baselines, so what breaks on this
+  machine shows in the first minutes.
 - ``calibration`` (~9 min): the planner's whole calibration grid, the engine's overhead on an
   8B-shaped model, and the generation sweep at 32, 128 and the planner's batch, Hugging Face's
   ``pipeline("text-generation")`` measured beside it at each.
 - ``training`` (~9 min): continuous against static batching on uneven outputs (8B-shaped), the 1B
-  training sweep with each memory setting and the HF Trainer beside each micro-batch's plain point,
-  and the 8B LoRA point.
+  training sweep with each memory setting and the HF Trainer and TRL's SFTTrainer beside each
+  micro-batch's plain point, and the 8B LoRA point.
 - ``forecast`` (~8 min): the forecast against the whole run it forecast (``forecast_check``) for an
   8B-shaped generation job and a 1B-shaped training run, each model a local directory of random bf16
   weights built first, and the generation forecast's projection to every profile beside seed 000's
@@ -84,7 +88,7 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
                 "bench_strategies=seed-after,static-sorted,static-compiled,continuous,hf-pipeline", "bench_batch_sizes=4",
                 "bench_examples=8", "bench_max_new_tokens=16", "bench_repeats=1", "prompt_len=256",
                 "bench_train_micro_batches=2", "bench_train_steps=3", "seq_len=512",
-                "bench_train_baselines=hf-trainer"], 90),
+                "bench_train_baselines=hf-trainer,trl-sft"], 90),
         ],
         "calibration": [
             Step("calibration grid", [*workbook, "calibrate", "--profile", profile, "--out", str(out)], 240),
@@ -104,13 +108,13 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
             Step("training sweep with each memory setting, 1B", [
                 *bench, "bench_strategies=seed-after", "bench_examples=32", QUICK_GENERATION,
                 "bench_train_model=Llama-3.2-1B",
-                "bench_train_micro_batches=4,8,16", "bench_train_steps=12", "bench_train_baselines=hf-trainer",
+                "bench_train_micro_batches=4,8,16", "bench_train_steps=12", "bench_train_baselines=hf-trainer,trl-sft",
                 "bench_train_settings=loss_chunk_tokens,precision_bf16,offload_activations,sdpa_block_mask"], 120),
             Step("8B LoRA training point", [
                 *bench, "bench_strategies=seed-after", "bench_examples=32", QUICK_GENERATION,
                 "bench_train_model=Llama-3.1-8B",
                 "lora_rank=16", "bench_train_micro_batches=4", "bench_train_steps=12",
-                "bench_train_baselines=none"], 90),  # the Trainer is compared on the 1B full fine-tune above
+                "bench_train_baselines=none"], 90),  # the Trainer and TRL are compared on the 1B full fine-tune above
         ],
         "forecast": [
             Step("forecast against the whole run: 8B generation, 1B training", [

@@ -188,7 +188,7 @@ def training_rows(report: dict) -> list[dict]:
                      "planner": format_bytes(p["predicted_peak_bytes"]) if p.get("predicted_peak_bytes") else NA,
                      "$ / M tokens": _format(p["cost"]["usd_per_million_tokens"], "${:.3f}"),
                      "final loss": _format(p.get("final_loss"), "{:.6g}"),
-                     "workbook / Trainer": _versus_text(p["versus"]) if "versus" in p else ""})
+                     "workbook / baseline": _versus_text(p["versus"]) if "versus" in p else ""})
     return rows
 
 
@@ -200,16 +200,19 @@ def _versus_text(versus: dict) -> str:
 
 
 def baseline_note(report: dict) -> str:
-    """What each HF Trainer row measured, how, on what hardware, and what still differs ('' without one)."""
+    """What each baseline row (HF Trainer, TRL) measured, how, on what hardware, and what still differs
+    ('' without one)."""
     paragraphs = []
     for p in (report["training"] or {}).get("baselines", []):
-        versus = p["versus"]
-        workbook_loss, trainer_loss = versus.get("workbook_final_loss"), versus.get("trainer_final_loss")
-        losses = "" if workbook_loss is None or trainer_loss is None else (
-            f" Final loss after {p['steps']} steps: workbook {workbook_loss:.6g}, Trainer {trainer_loss:.6g} "
-            "(same initial weights and batches).")
+        if "versus" not in p:  # skipped (TRL not installed) or out of memory: its row says so
+            continue
+        versus, tool = p["versus"], p["loop"].split(" (")[0]
+        workbook_loss, tool_loss = versus.get("workbook_final_loss"), versus.get("trainer_final_loss")
+        losses = "" if workbook_loss is None or tool_loss is None else (
+            f" Final loss after {p['steps']} steps: workbook {workbook_loss:.6g}, {tool} {tool_loss:.6g} "
+            f"(same initial weights; {versus.get('settings', 'the same batches and settings')}).")
         paragraphs.append(f"{p['loop']} at micro-batch {p['micro_batch_size']} on {p['hardware']}: {p['how']}. "
-                          f"workbook / Trainer = {_versus_text(versus)}.{losses} Still different: "
+                          f"workbook / {tool} = {_versus_text(versus)}.{losses} Still different: "
                           + "; ".join(p["differences"]) + ".")
     return "\n\n".join(paragraphs)
 

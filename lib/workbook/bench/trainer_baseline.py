@@ -56,8 +56,8 @@ def trainer_run(config: TrainConfig, work_dir: str) -> dict:
     loader = torch.utils.data.DataLoader(
         batches.SftDataset(prepared.train), batch_sampler=_StepBatches(config, prepared, run),
         collate_fn=_LabelsCollator(batches.Collator(config.padding, prepared.max_seq_length, prepared.pad_token_id)))
-    arguments = _arguments(config, run, work_dir, device)
-    clock = _StepClock(device)
+    arguments = TrainingArguments(**argument_values(config, run, work_dir, device))
+    clock = StepClock(device)
     seen: list[dict] = []
     trainer = _RecordingTrainer(loader, seen, model=model, args=arguments, callbacks=[clock])
     runtime.reset_peak_memory(device)
@@ -87,9 +87,10 @@ def trainer_run(config: TrainConfig, work_dir: str) -> dict:
     }
 
 
-def versus(trainer: dict, workbook: dict | None) -> dict:
-    """The workbook's point over the Trainer's: tokens/s ratio (above 1: the workbook is faster),
-    peak memory ratio (below 1: it needs less; None where not measured, CPU) and the final losses."""
+def versus(trainer: dict, workbook: dict | None, settings: str = "the same batches and settings") -> dict:
+    """The workbook's point over a baseline's (the Trainer's, or TRL's): tokens/s ratio (above 1: the
+    workbook is faster), peak memory ratio (below 1: it needs less; None where not measured, CPU) and
+    the final losses; ``settings`` says how alike the two runs are."""
     if not workbook or workbook.get("skipped") or not trainer.get("tokens_per_second"):
         return {"tokens_per_second_ratio": None, "peak_memory_ratio": None,
                 "note": "no workbook point with the same settings was measured in this run"}
@@ -100,7 +101,8 @@ def versus(trainer: dict, workbook: dict | None) -> dict:
             "workbook_tokens_per_second": workbook["tokens_per_second"],
             "workbook_peak_memory_bytes": workbook.get("peak_memory_bytes"),
             "workbook_final_loss": workbook.get("final_loss"), "trainer_final_loss": trainer.get("final_loss"),
-            "note": "workbook / Trainer at the same settings" + ("" if memory else
+            "settings": settings,
+            "note": f"workbook / {trainer['loop']} on {settings}" + ("" if memory else
                                                                   f"; peak memory {runtime.NOT_MEASURED_ON_CPU}")}
 
 
@@ -206,7 +208,7 @@ class _RecordingTrainer(Trainer):
         return loss
 
 
-class _StepClock(TrainerCallback):
+class StepClock(TrainerCallback):
     """Synchronized timestamps at the start of training and at each optimizer step's end."""
 
     def __init__(self, device: torch.device):
@@ -224,9 +226,10 @@ class _StepClock(TrainerCallback):
         return [end - start for start, end in zip(self.times, self.times[1:])]
 
 
-def _arguments(config: TrainConfig, run, work_dir: str, device: torch.device) -> TrainingArguments:
+def argument_values(config: TrainConfig, run, work_dir: str, device: torch.device) -> dict:
+    """TrainingArguments' values for ``config``'s run (TRL's SFTConfig takes the same ones)."""
     on_gpu = device.type == "cuda"
-    return TrainingArguments(
+    return dict(
         output_dir=work_dir, max_steps=run.total_steps, per_device_train_batch_size=run.micro_batch_size,
         gradient_accumulation_steps=1, learning_rate=run.learning_rate, weight_decay=config.weight_decay,
         adam_beta1=ADAM_BETAS[0], adam_beta2=ADAM_BETAS[1], max_grad_norm=MAX_GRAD_NORM,

@@ -1,19 +1,21 @@
 """The training sweep: ``training.train`` on each point, one factor at a time around each micro-batch
 (checkpointing, compile, length grouping instead of packing); tokens/s, MFU, peak memory vs prediction.
-With ``bench_train_baselines: hf-trainer`` each micro-batch's plain point is trained again by the
-Hugging Face Trainer (``trainer_baseline``), and the workbook's figures are set over it."""
+With ``bench_train_baselines: hf-trainer,trl-sft`` each micro-batch's plain point is trained again by the
+Hugging Face Trainer (``trainer_baseline``) and by TRL's SFTTrainer (``trl_baseline``), and the workbook's
+figures are set over each."""
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Callable
 
 import torch
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from workbook import models, runtime, training
+from workbook import models, params as params_module, runtime, training
 from workbook.bench.counting import cost_figures, parse_int_list, run_dtype
 from workbook.bench.sampler import NvmlSampler
 from workbook.planner.finder import error_summary
@@ -47,7 +49,8 @@ def training_setting(point: dict, short: bool = False) -> str:
 
 def training_label(point: dict) -> str:
     """A training point in a few words: loop, micro-batch and every factor that differs from plain."""
-    words = ["Trainer"] if point.get("loop", "workbook") != "workbook" else []
+    loop = point.get("loop", "workbook")
+    words = [loop.split(" (")[0]] if loop != "workbook" else []  # 'HF Trainer', 'TRL SFTTrainer'
     words += [f"mb {point['micro_batch_size']}"]
     words += [word for flag, word in ((point["grad_checkpointing"], "+ckpt"), (point["torch_compile"], "+compile"),
                                       (point["padding"] != "packing", "grouped")) if flag]
@@ -169,17 +172,32 @@ def out_of_memory(config: training.TrainConfig, error: str, log: Callable[[str],
     return record
 
 
-def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[str], None] = print) -> dict:
-    """The HF Trainer on ``workbook_point``'s settings (a measured plain point), with the workbook's
-    tokens/s and peak memory over the Trainer's (``trainer_baseline.versus``)."""
-    from workbook.bench import trainer_baseline  # transformers' Trainer takes seconds to import: only when asked
+def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[str], None] = print,
+                   tool: str = "hf-trainer") -> dict:
+    """``tool`` (a ``bench_train_baselines`` name: the HF Trainer or TRL's SFTTrainer) on ``workbook_point``'s
+    settings (a measured plain point), with the workbook's tokens/s and peak memory over the tool's
+    (``trainer_baseline.versus``)."""
+    # Both import for seconds (transformers' Trainer, TRL and datasets): only when asked.
+    from workbook.bench import trainer_baseline, trl_baseline
     point = {key: workbook_point[key] for key in ("micro_batch_size", *PLAIN)}
-    measured = _measure(params, point, work_dir, lambda config, output_dir: trainer_baseline.trainer_run(
-        config, str(output_dir)), log)
+    if tool == trl_baseline.NAME:
+        if trl_baseline.missing():
+            log(f"train micro-batch {point['micro_batch_size']}, {trl_baseline.label()}: {trl_baseline.missing()}")
+            return {**point, "loop": trl_baseline.label(), "skipped": trl_baseline.missing()}
+        name, run, settings = trl_baseline.label(), trl_baseline.sft_run, trl_baseline.SETTINGS
+    else:
+        name, run, settings = trainer_baseline.LABEL, trainer_baseline.trainer_run, "the same batches and settings"
+    try:
+        measured = _measure(params, point, work_dir, lambda config, output_dir: run(config, str(output_dir)), log)
+    except Exception as error:  # another library's failure is a finding of the sweep, not the end of it
+        traceback.print_exc()  # into the run's log, for whoever fixes it
+        reason = f"not measured: it failed with {error_summary(error)}"
+        log(f"train micro-batch {point['micro_batch_size']}, {name}: {reason}")
+        return {**point, "loop": name, "skipped": reason}
     if "out_of_memory" in measured:
-        return {**point, "loop": trainer_baseline.LABEL, **measured}
+        return {**point, "loop": name, **measured}
     result = {**point, **measured, "cost": _cost_per_million_tokens(params, measured["tokens_per_second"])}
-    result["versus"] = trainer_baseline.versus(result, workbook_point)
+    result["versus"] = trainer_baseline.versus(result, workbook_point, settings)
     ratio = result["versus"]["tokens_per_second_ratio"]
     log(f"train micro-batch {point['micro_batch_size']}, {measured['loop']}: {measured['tokens_per_second'] or 0:,.0f} "
         f"tokens/s" + (f" (the workbook's loop: {ratio:.2f}x)" if ratio else ""))
@@ -199,15 +217,16 @@ def _cost_per_million_tokens(params, tokens_per_second: float | None) -> dict:
 
 def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
                    on_point: Callable[[dict], None] = lambda point: None) -> dict:
-    """Every point, then the Trainer baselines; ``on_point`` gets each as it is measured."""
+    """Every point, then the baselines (``bench_train_baselines``); ``on_point`` gets each as it is measured."""
     device = runtime.default_device()
     points, baselines = [], []
     for point in training_points(params, device):
         points.append(training_point(params, point, work_dir, log))
         on_point(points[-1])
-    if params["bench_train_baselines"] == "hf-trainer":  # or 'none' (params.SCHEMA: one of the two)
+    tools = [tool for tool in params_module.choice_list(params, "bench_train_baselines") if tool != "none"]
+    for tool in tools:
         for point in [p for p in points if _is_plain(p) and "tokens_per_second" in p]:
-            baselines.append(baseline_point(params, point, work_dir, log))
+            baselines.append(baseline_point(params, point, work_dir, log, tool))
             on_point(baselines[-1])
     return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
             "steps_per_point": params["bench_train_steps"],
