@@ -313,3 +313,13 @@ def test_a_gpu_profile_run_on_a_cpu_is_not_judged_against_that_gpus_peaks_or_pri
     assert report.without_absent_peaks(profiles["h100"], torch.device("cuda"), said.append) is profiles["h100"]
     assert report.without_absent_peaks(profiles["cpu"], torch.device("cpu"), said.append) is profiles["cpu"]
     assert len(said) == 1
+
+
+def test_the_loss_head_benchmark_records_each_share_of_loss_positions(tmp_path):
+    from workbook.bench import loss_head
+    assert loss_head.main(["--positions", "64", "--hidden-size", "16", "--vocab", "100", "--chunk", "16",
+                           "--shares", "1.0,0.25", "--repeats", "1", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "loss_head.json").read_text())
+    assert [(row["loss_share"], row["loss_positions"]) for row in record["rows"]] == [(1.0, 64), (0.25, 16)]
+    assert all(row["full_logits_seconds"] > 0 and row["chunked_seconds"] > 0 for row in record["rows"])
+    assert "vocab 100" in record["what"] and "| 25% (16) |" in (tmp_path / "loss_head.md").read_text()

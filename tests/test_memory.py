@@ -311,7 +311,9 @@ def test_the_chunked_loss_saves_no_logits_and_the_plan_holds_one_chunk(stored, a
     chunked = loss_saved_tensor_bytes(config, stored, autocast, batch, seq_len, loss_chunk_tokens=chunk)
     log_softmax_output = batch * seq_len * config.vocab_size * 4  # what the full loss saves, fp32
     reduction_scalar = 4  # the full loss's sum reduction saves a float32 scalar
-    assert chunked == (full[0] - log_softmax_output - reduction_scalar, full[1])  # the same weight copies, no logits
+    loss_positions = batch * seq_len * 8  # the chunked loss keeps the loss positions' int64 index (here all of them)
+    # The same weight copies, no logits.
+    assert chunked == (full[0] - log_softmax_output - reduction_scalar + loss_positions, full[1])
     plan_dtype = "bf16" if autocast else stored
     common = dict(micro_batch_size=batch, seq_len=seq_len, dtype=plan_dtype, mixed_precision=autocast,
                   gpu_memory_bytes=GiB)
@@ -319,10 +321,11 @@ def test_the_chunked_loss_saves_no_logits_and_the_plan_holds_one_chunk(stored, a
     chunked_plan = plan_train(config, loss_chunk_tokens=chunk, **common)
     assert activations_term(chunked_plan) == activations_term(full_plan)
     per_position = term_bytes(full_plan, "logits_and_loss") // (batch * seq_len)
-    assert term_bytes(chunked_plan, "logits_and_loss") == chunk * per_position
+    gathered_input = config.hidden_size * (2 if plan_dtype == "bf16" else 4)  # per chunk position, in backward
+    assert term_bytes(chunked_plan, "logits_and_loss") == chunk * (per_position + gathered_input) + loss_positions
     # All the chunked forward saves is the plan's activations (less the labels it counts apart:
-    # here the input ids themselves).
-    assert chunked[0] == activations_term(chunked_plan) - batch * seq_len * 8
+    # here the input ids themselves) and the loss positions' index.
+    assert chunked[0] == activations_term(chunked_plan) - batch * seq_len * 8 + loss_positions
 
 
 def test_the_chunked_loss_plan_is_far_smaller_for_a_large_vocabulary():
@@ -330,7 +333,8 @@ def test_the_chunked_loss_plan_is_far_smaller_for_a_large_vocabulary():
     full = plan_train(load_config("Llama-3.1-8B"), **common)
     chunked = plan_train(load_config("Llama-3.1-8B"), loss_chunk_tokens=1024, **common)
     assert term_bytes(full, "logits_and_loss") == 8 * 2048 * 128256 * 14  # 29.4 GB: the issue's figure
-    assert term_bytes(chunked, "logits_and_loss") == 1024 * 128256 * 14
+    # One chunk's logits with its gathered bf16 input, and the int64 index of every loss position.
+    assert term_bytes(chunked, "logits_and_loss") == 1024 * (128256 * 14 + 4096 * 2) + 8 * 2048 * 8
     one_b = load_config("Llama-3.2-1B")
     assert plan_train(one_b, loss_chunk_tokens=1024, **common).max_batch_size > \
         plan_train(one_b, **common).max_batch_size

@@ -137,6 +137,25 @@ def test_the_chunked_loss_equals_the_full_loss_in_value_and_gradients(tiny_model
         torch.testing.assert_close(gradients[chunk_tokens][name], gradient, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_the_chunked_loss_computes_logits_only_where_a_target_carries_loss():
+    # Prompt tokens, padding and each example's last token carry no loss: their logits are work thrown
+    # away (a fifth of a Llama-3.2-1B step per prompt token). Forward, backward's recompute, and the two
+    # gradient matmuls: 4 x 2 x H x V FLOPs per loss position, none for the others.
+    from torch.utils.flop_counter import FlopCounterMode
+    from workbook.training.chunked_loss import ChunkedCrossEntropy
+    positions, hidden_size, vocab, kept = 96, 16, 50, 20
+    hidden = torch.randn(positions, hidden_size, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, requires_grad=True)
+    targets = torch.full((positions,), -100)
+    targets[torch.randperm(positions)[:kept]] = torch.randint(0, vocab, (kept,))
+    with FlopCounterMode(display=False) as counter:
+        loss = ChunkedCrossEntropy.apply(hidden, weight, targets, 7, torch.float32)
+        loss.backward()
+    assert counter.get_total_flops() == 4 * 2 * kept * hidden_size * vocab
+    full = torch.nn.functional.cross_entropy(hidden @ weight.T, targets, reduction="sum")
+    assert loss.item() == pytest.approx(full.item(), rel=1e-6)
+
+
 def test_a_run_with_the_chunked_loss_trains_as_the_full_loss_does(tmp_path):
     path = arithmetic_pairs(tmp_path)
     full = training.train(make_config(tmp_path / "full", path))

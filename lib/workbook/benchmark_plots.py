@@ -105,6 +105,7 @@ def mfu_bars(report: dict, capacity_bytes: int | None = None):
                             zorder=3, label="planner")
     if capacity_bytes:
         memory_axis.axhline(capacity_bytes / GiB, color="#c44e52", label=f"capacity {format_bytes(capacity_bytes)}")
+    memory_axis.set_ylim(bottom=0)
     memory_axis.set_ylabel("peak memory, GiB")
     if measured or planned:
         memory_axis.legend(fontsize=8)

@@ -40,7 +40,8 @@ def ways_to_fit(params, *, batch_size: int | None = None, **overrides) -> list[d
                            "optimizer step only; needs bitsandbytes (CUDA)"))
     if not settings.get("loss_chunk_tokens", 0):
         candidates.append((f"loss_chunk_tokens {LOSS_CHUNK_TOKENS}", {"loss_chunk_tokens": LOSS_CHUNK_TOKENS},
-                           f"+{flops_share:.0%} FLOPs (the output projection runs again in backward)"))
+                           f"+{flops_share:.0%} FLOPs where every token carries loss (the output projection "
+                           "runs again in backward); fewer where prompts carry none (their logits are skipped)"))
     if current.max_batch_size and current.max_batch_size < batch:
         candidates.append((f"micro_batch_size {current.max_batch_size}", {"batch_size": current.max_batch_size},
                            "same FLOPs per token, smaller matmuls; raise gradient_accumulation_steps to keep "

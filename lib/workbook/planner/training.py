@@ -299,19 +299,23 @@ def _training_logits_term(
     # transformers' ForCausalLMLoss upcasts the logits to fp32 and runs cross_entropy; backward of
     # its log_softmax holds the saved fp32 output, the incoming fp32 gradient and the outgoing
     # one at once, while the model output keeps the logits in the compute dtype. The chunked loss
-    # holds the same per position, for one chunk only (its backward: logits, fp32 softmax, gradient).
+    # holds the same per position, for one chunk only (its backward: logits, fp32 softmax, gradient),
+    # plus the chunk's gathered input and the loss positions' int64 index it keeps for backward
+    # (every position counted: an upper bound where prompts carry no loss).
     p = precision.compute_bytes
     tokens = batch * seq_len
-    if loss_chunk_tokens > 0:
-        tokens = min(tokens, loss_chunk_tokens)
-        which = f"one chunk of {tokens} positions (loss_chunk_tokens {loss_chunk_tokens})"
-    else:
-        which = f"{batch} x {seq_len} tokens"
     # Gemma-2 soft-caps the logits (cap x tanh(logits / cap)): tanh keeps its output for backward.
     softcap = p if shape.architecture.final_logit_softcapping else 0
+    per_logit = f"{p} B logits" + (f" + {p} B soft-capping's tanh" if softcap else "") + \
+        " + 3 x 4 B: fp32 log-softmax output and its gradient in and out"
+    if loss_chunk_tokens <= 0:
+        return Term("logits_and_loss", tokens * shape.vocab_size * (p + softcap + 3 * FP32_BYTES),
+                    f"{batch} x {seq_len} tokens x {shape.vocab_size:,} vocab x ({per_logit})")
+    chunk = min(tokens, loss_chunk_tokens)
     return Term(
-        "logits_and_loss", tokens * shape.vocab_size * (p + softcap + 3 * FP32_BYTES),
-        f"{which} x {shape.vocab_size:,} vocab x ({p} B logits"
-        + (f" + {p} B soft-capping's tanh" if softcap else "")
-        + " + 3 x 4 B: fp32 log-softmax output and its gradient in and out)",
+        "logits_and_loss",
+        chunk * (shape.vocab_size * (p + softcap + 3 * FP32_BYTES) + shape.hidden_size * p) + tokens * INT64_BYTES,
+        f"one chunk of {chunk} loss positions (loss_chunk_tokens {loss_chunk_tokens}) x ({shape.vocab_size:,} vocab "
+        f"x ({per_logit}) + {shape.hidden_size:,} x {p} B of its gathered input) + {batch} x {seq_len} x "
+        f"{INT64_BYTES} B: the loss positions' index",
     )
