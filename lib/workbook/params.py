@@ -168,7 +168,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
         "TensorBoard (<train_output_dir>/tracking) or Weights & Biases (offline; needs wandb)",
         choices=("none", "tensorboard", "wandb")),
     Key("loss_chunk_tokens", int, "0: the loss over all logits at once; N: over chunks of N positions, one chunk's "
-        "logits alive at a time (same loss and gradients, less memory)", minimum=0),
+        "logits alive at a time, computed only where a target carries loss (same loss and gradients, less memory)",
+        minimum=0),
     # Benchmarks (notebook 04/05, `workbook bench`); dtype, prompt_len, seq_len and the peaks above.
     Key("bench_generate_model", str, "model of the generation sweep: 'tiny', a local dir, or a preset (random "
         "weights built on the device)"),
