@@ -43,16 +43,7 @@ def trainer_run(config: TrainConfig, work_dir: str) -> dict:
     """Train ``config``'s point with ``transformers.Trainer`` on this machine's default device and
     measure it: tokens/s and MFU (steady state), peak memory, and per step the tokens, loss tokens
     and loss the Trainer's forward saw. ``work_dir``: the Trainer's output_dir (it saves nothing)."""
-    unlike = _unsupported(config)
-    if unlike:
-        raise TrainError(f"the HF Trainer baseline mirrors the sweep's plain points; this config has "
-                         f"{', '.join(unlike)}")
-    device = runtime.default_device()
-    prepared = prepare_data(config, models.load_tokenizer(config.model), log=lambda line: None)
-    run = plan_run(config, prepared, processes=1)
-    torch.manual_seed(config.seed)  # as the loop does before loading: the same random init for a preset
-    model, model_description, lora = load_training_model(config, device, prepared.max_seq_length)
-    per_token_flops, per_square_flops = model_flops_coefficients(model.config, lora)
+    device, _, prepared, run, model, model_description, lora = point_setup(config, "HF Trainer")
     loader = torch.utils.data.DataLoader(
         batches.SftDataset(prepared.train), batch_sampler=_StepBatches(config, prepared, run),
         collate_fn=_LabelsCollator(batches.Collator(config.padding, prepared.max_seq_length, prepared.pad_token_id)))
@@ -60,13 +51,39 @@ def trainer_run(config: TrainConfig, work_dir: str) -> dict:
     clock = StepClock(device)
     seen: list[dict] = []
     trainer = _RecordingTrainer(loader, seen, model=model, args=arguments, callbacks=[clock])
+    measured = measured_training(trainer, seen, clock, config, model_flops_coefficients(model.config, lora), device)
+    optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+    return {"loop": LABEL, **measured, "model": model_description,
+            "how": how(config, run.learning_rate, arguments, optimizer), "differences": differences()}
+
+
+def point_setup(config: TrainConfig, tool: str) -> tuple:
+    """What a baseline trains ``config``'s point from, as the workbook's loop has it: (device, tokenizer,
+    prepared data, run plan, model, its description, its LoRA rank); refuses settings no baseline mirrors."""
+    unlike = _unsupported(config)
+    if unlike:
+        raise TrainError(f"the {tool} baseline mirrors the sweep's plain points; this config has {', '.join(unlike)}")
+    device = runtime.default_device()
+    tokenizer = models.load_tokenizer(config.model)
+    prepared = prepare_data(config, tokenizer, log=lambda line: None)
+    run = plan_run(config, prepared, processes=1)
+    torch.manual_seed(config.seed)  # as the loop does before loading: the same random init for a preset
+    model, model_description, lora = load_training_model(config, device, prepared.max_seq_length)
+    return device, tokenizer, prepared, run, model, model_description, lora
+
+
+def measured_training(trainer, seen: list[dict], clock: "StepClock", config: TrainConfig, flops_coefficients,
+                      device: torch.device) -> dict:
+    """Run ``trainer`` (a Trainer whose compute_loss appends each step's tokens, length squares, loss
+    tokens and loss to ``seen``) and measure it as the workbook's loop measures itself: tokens/s and
+    MFU over the steps after the warm-up, peak memory, per-step figures, the hardware."""
     runtime.reset_peak_memory(device)
     try:
         trainer.train()
         peak = runtime.peak_memory(device)
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
     finally:
         reset_accelerate_state()  # the Trainer's Accelerator is process-wide state: the next point starts clean
+    per_token_flops, per_square_flops = flops_coefficients
     steps = []
     for record, seconds in zip(seen, clock.step_seconds()):
         tokens, squares = int(record["tokens"]), int(record["length_squares"])
@@ -74,16 +91,14 @@ def trainer_run(config: TrainConfig, work_dir: str) -> dict:
                       "seconds": seconds, "flops": per_token_flops * tokens + per_square_flops * squares})
     measured = throughput(steps, config, processes=1, on_gpu=device.type == "cuda")
     return {
-        "loop": LABEL, "steps": len(steps), "timed_steps": max(0, len(steps) - TIMING_WARMUP_STEPS),
+        "steps": len(steps), "timed_steps": max(0, len(steps) - TIMING_WARMUP_STEPS),
         "tokens_per_second": measured["tokens_per_second"], "achieved_tflops": measured["achieved_tflops"],
         "mfu": measured["mfu"], "mfu_note": measured["mfu_note"],
         "peak_memory_bytes": peak.total_bytes if peak else None,
         "peak_memory_note": None if peak else runtime.NOT_MEASURED_ON_CPU,
         "final_loss": steps[-1]["loss"] if steps else None,
         "step_tokens": [s["tokens"] for s in steps], "step_loss_tokens": [s["loss_tokens"] for s in steps],
-        "step_losses": [s["loss"] for s in steps], "model": model_description, "hardware": hardware(device),
-        "how": how(config, run.learning_rate, arguments, optimizer),
-        "differences": differences(),
+        "step_losses": [s["loss"] for s in steps], "hardware": hardware(device),
     }
 
 

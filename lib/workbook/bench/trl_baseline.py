@@ -17,16 +17,10 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
-
-from workbook import models, runtime
-from workbook.bench.trainer_baseline import StepClock, argument_values, hardware
-from workbook.training.config import TIMING_WARMUP_STEPS, TrainConfig, TrainError
+from workbook.bench.trainer_baseline import StepClock, argument_values, measured_training, point_setup
+from workbook.training.config import TIMING_WARMUP_STEPS, TrainConfig
 from workbook.training.examples import IGNORE_INDEX
-from workbook.training.loop import load_training_model, reset_accelerate_state
-from workbook.training.prepare import prepare_data
-from workbook.training.report import throughput
-from workbook.training.run_plan import model_flops_coefficients, plan_run
+from workbook.training.run_plan import model_flops_coefficients
 
 NAME = "trl-sft"  # its bench_train_baselines value
 SETTINGS = "the same examples, each packing and batching them its own way"
@@ -53,16 +47,7 @@ def sft_run(config: TrainConfig, work_dir: str) -> dict:
     from datasets import Dataset
     from trl import SFTConfig
 
-    if config.processes != 1 or config.gradient_accumulation_steps != 1 or config.precision != "mixed":
-        raise TrainError("the TRL baseline mirrors the sweep's plain points: one process, no accumulation, "
-                         "precision mixed")
-    device = runtime.default_device()
-    tokenizer = models.load_tokenizer(config.model)
-    prepared = prepare_data(config, tokenizer, log=lambda line: None)
-    run = plan_run(config, prepared, processes=1)
-    torch.manual_seed(config.seed)
-    model, model_description, lora = load_training_model(config, device, prepared.max_seq_length)
-    per_token_flops, per_square_flops = model_flops_coefficients(model.config, lora)
+    device, tokenizer, prepared, run, model, model_description, lora = point_setup(config, "TRL SFTTrainer")
     examples = Dataset.from_dict({
         "input_ids": [example.input_ids for example in prepared.train],
         "completion_mask": [[int(label != IGNORE_INDEX) for label in example.labels] for example in prepared.train]})
@@ -74,27 +59,9 @@ def sft_run(config: TrainConfig, work_dir: str) -> dict:
     seen: list[dict] = []
     trainer = _RecordingSFTTrainer(seen, model=model, args=arguments, train_dataset=examples,
                                    processing_class=tokenizer, callbacks=[clock])
-    runtime.reset_peak_memory(device)
-    try:
-        trainer.train()
-        peak = runtime.peak_memory(device)
-    finally:
-        reset_accelerate_state()
-    steps = []
-    for record, seconds in zip(seen, clock.step_seconds()):
-        tokens, squares = int(record["tokens"]), int(record["length_squares"])
-        steps.append({"tokens": tokens, "loss_tokens": int(record["loss_tokens"]), "loss": float(record["loss"]),
-                      "seconds": seconds, "flops": per_token_flops * tokens + per_square_flops * squares})
-    measured = throughput(steps, config, processes=1, on_gpu=device.type == "cuda")
+    measured = measured_training(trainer, seen, clock, config, model_flops_coefficients(model.config, lora), device)
     return {
-        "loop": label(), "steps": len(steps), "timed_steps": max(0, len(steps) - TIMING_WARMUP_STEPS),
-        "tokens_per_second": measured["tokens_per_second"], "achieved_tflops": measured["achieved_tflops"],
-        "mfu": measured["mfu"], "mfu_note": measured["mfu_note"],
-        "peak_memory_bytes": peak.total_bytes if peak else None,
-        "peak_memory_note": None if peak else runtime.NOT_MEASURED_ON_CPU,
-        "final_loss": steps[-1]["loss"] if steps else None,
-        "step_tokens": [s["tokens"] for s in steps], "step_loss_tokens": [s["loss_tokens"] for s in steps],
-        "step_losses": [s["loss"] for s in steps], "model": model_description, "hardware": hardware(device),
+        "loop": label(), **measured, "model": model_description,
         "epoch_rows": len(trainer.train_dataset),
         "epoch_tokens": sum(len(row) for row in trainer.train_dataset["input_ids"]),
         "examples_tokens": sum(example.length for example in prepared.train),
