@@ -161,7 +161,8 @@ def test_a_run_with_the_chunked_loss_trains_as_the_full_loss_does(tmp_path):
     full = training.train(make_config(tmp_path / "full", path))
     chunked = training.train(make_config(tmp_path / "chunked", path, loss_chunk_tokens=16))
     assert [r["loss"] for r in chunked["history"]] == pytest.approx([r["loss"] for r in full["history"]], rel=1e-5)
-    assert chunked["settings"]["loss"] == "chunked cross-entropy, 16 positions per chunk (pure PyTorch)"
+    assert chunked["settings"]["loss"] == ("chunked cross-entropy, 16 loss positions per chunk, no logits where no "
+                                           "target carries loss (pure PyTorch)")
 
 
 def test_packed_training_without_a_mask_gives_the_losses_of_the_4d_mask_path(tmp_path, monkeypatch):

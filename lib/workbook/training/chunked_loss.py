@@ -3,8 +3,9 @@
 The full loss holds batch x seq x vocab logits (and, in backward, their fp32 log-softmax and its
 gradient): for a 128k vocabulary at 8 x 2048 tokens that is the largest single term of a plan.
 Here the model runs with its output head fed an empty slice (a forward pre-hook captures the
-head's input), and ``ChunkedCrossEntropy`` computes the loss over chunks of N positions, keeping
-only the head's input: backward recomputes one chunk's logits at a time. torchtune's chunked
+head's input), and ``ChunkedCrossEntropy`` computes the loss over chunks of N of the positions that
+carry loss (none for prompt tokens or padding), keeping only the head's input: backward recomputes
+one chunk's logits at a time. torchtune's chunked
 cross-entropy and Liger-Kernel's fused linear cross-entropy do the same; Liger's Triton kernel is
 used on CUDA when it is installed (``liger_kernel``), this pure-PyTorch path everywhere else.
 """
@@ -61,7 +62,8 @@ def loss_description(chunk_tokens: int, device_type: str) -> str:
         return "full logits (cross-entropy over every position at once)"
     if device_type == "cuda" and liger_available():
         return "Liger-Kernel fused linear cross-entropy (installed; logits never materialised)"
-    return (f"chunked cross-entropy, {chunk_tokens} positions per chunk (pure PyTorch"
+    return (f"chunked cross-entropy, {chunk_tokens} loss positions per chunk, no logits where no target carries "
+            "loss (pure PyTorch"
             + ("; Liger-Kernel is not installed)" if device_type == "cuda" else ")"))
 
 
