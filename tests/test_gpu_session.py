@@ -49,6 +49,20 @@ def test_a_call_keeps_to_its_budget_and_runs_every_step_it_can(tmp_path, monkeyp
     assert "| fails | failed (exit 4) |" in gpu_session.table("smoke", records)
 
 
+def test_a_step_that_would_take_all_it_is_given_leaves_the_later_steps_their_reserve(tmp_path, monkeypatch):
+    # The training call's first step stops itself at its budget; the steps after it must still get theirs.
+    monkeypatch.setattr(gpu_session, "RESERVE_SECONDS", 0)
+    greedy = gpu_session.Step("takes all it is given", ["-c", "import sys, time; print('budget', sys.argv[-1], "
+                                                              "flush=True); time.sleep(60)"], 0,
+                              "--time-budget-seconds", reserve_seconds=5)
+    later = python_step("later", "print('ran')")
+    records = gpu_session.run_call([greedy, later], tmp_path, tmp_path / "call.log", budget_seconds=9,
+                                   outputs=tmp_path / "none", say=lambda line: None)
+    assert int(records[0]["last_line"].split()[-1]) <= 4  # 9 s less the 5 kept back for later
+    assert records[0]["status"].startswith("stopped: the budget ran out") and records[0]["seconds"] < 5.5
+    assert records[1]["status"] == "ok" and records[1]["last_line"] == "ran"
+
+
 @pytest.mark.parametrize("profile", ["h100", "h200"])
 def test_every_command_of_every_call_names_options_and_keys_that_exist(profile, tmp_path):
     cli_source = (REPO_ROOT / "lib/workbook/cli.py").read_text()

@@ -75,6 +75,12 @@ def test_each_micro_batch_plain_point_gets_one_trainer_point_and_none_turns_it_o
                                          log=lambda line: None)["baselines"]
     assert [(p["loop"], p["micro_batch_size"]) for p in both] == [("trl-sft", 2), ("trl-sft", 4), ("hf-trainer", 2),
                                                                   ("hf-trainer", 4)]
+    # The compiled points come after the baselines: each compiles for a minute or more on a GPU, so a
+    # sweep stopped by its time budget loses them first.
+    order = []
+    training_sweep.training_sweep(params, tmp_path, log=lambda line: None, on_point=lambda point: order.append(
+        "baseline" if "loop" in point else "compiled" if point["torch_compile"] else "point"))
+    assert order == ["point"] * 8 + ["baseline"] * 2 + ["compiled"] * 2
     assert training_sweep.training_sweep({**params, "bench_train_baselines": "none"}, tmp_path,
                                          log=lambda line: None)["baselines"] == []
 

@@ -69,7 +69,8 @@ class Step:
     name: str
     argv: list[str]  # after the python executable
     needs_seconds: int  # skipped when less than this is left: a step that cannot finish measures nothing
-    budget_flag: str | None = None  # the step's own time-budget option, given the time left
+    budget_flag: str | None = None  # the step's own time-budget option, given the time it may take
+    reserve_seconds: int = 0  # kept back for the steps after it: a step that would take all it is given leaves them theirs
 
 
 def calls(profile: str, out: Path) -> dict[str, list[Step]]:
@@ -101,15 +102,18 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
                 "bench_batch_sizes=32,128,auto", "bench_examples=256", "bench_train_steps=0"], 150),
         ],
         "training": [
+            # Each step leaves the later ones their time: continuous ~3 min (384 prompts, three arms), the 1B
+            # sweep what remains but the LoRA point's 90 s (its compile points last: the first a budget cuts).
             Step("continuous vs static on uneven outputs, 8B", [
-                "-m", "workbook.bench.continuous_batching", "--model", "Llama-3.1-8B", *on_gpu, "--examples", "512",
+                "-m", "workbook.bench.continuous_batching", "--model", "Llama-3.1-8B", *on_gpu, "--examples", "384",
                 "--max-new-tokens", "1024", "--memory-gib", "40", "--workloads", "uneven", "--repeats", "1",
-                "--out", str(out / "continuous_batching")], 120, "--time-budget-seconds"),
+                "--out", str(out / "continuous_batching")], 120, "--time-budget-seconds", reserve_seconds=330),
             Step("training sweep with each memory setting, 1B", [
                 *bench, "bench_strategies=seed-after", "bench_examples=32", QUICK_GENERATION,
                 "bench_train_model=Llama-3.2-1B",
-                "bench_train_micro_batches=4,8,16", "bench_train_steps=12", "bench_train_baselines=hf-trainer,trl-sft",
-                "bench_train_settings=loss_chunk_tokens,precision_bf16,offload_activations,sdpa_block_mask"], 120),
+                "bench_train_micro_batches=8,16", "bench_train_steps=12", "bench_train_baselines=hf-trainer,trl-sft",
+                "bench_train_settings=loss_chunk_tokens,precision_bf16,offload_activations,sdpa_block_mask"], 120,
+                reserve_seconds=90),
             Step("8B LoRA training point", [
                 *bench, "bench_strategies=seed-after", "bench_examples=32", QUICK_GENERATION,
                 "bench_train_model=Llama-3.1-8B",
@@ -135,7 +139,7 @@ def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float
     records = []
     with log_path.open("a") as log:
         for step in steps:
-            left = deadline - clock()
+            left = deadline - clock() - step.reserve_seconds
             argv = [python, *step.argv]
             if step.budget_flag:
                 argv += [step.budget_flag, str(int(max(left - 5, 1)))]

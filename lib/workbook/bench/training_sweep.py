@@ -217,10 +217,13 @@ def _cost_per_million_tokens(params, tokens_per_second: float | None) -> dict:
 
 def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
                    on_point: Callable[[dict], None] = lambda point: None) -> dict:
-    """Every point, then the baselines (``bench_train_baselines``); ``on_point`` gets each as it is measured."""
+    """Every point but the compiled ones, the baselines (``bench_train_baselines``), then the compiled
+    points: each compiles for a minute or more on a GPU, so a sweep stopped by a time budget loses them
+    first (``on_point`` gets each point as it is measured)."""
     device = runtime.default_device()
     points, baselines = [], []
-    for point in training_points(params, device):
+    planned = training_points(params, device)
+    for point in [p for p in planned if not p["torch_compile"]]:
         points.append(training_point(params, point, work_dir, log))
         on_point(points[-1])
     tools = [tool for tool in params_module.choice_list(params, "bench_train_baselines") if tool != "none"]
@@ -228,6 +231,9 @@ def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
         for point in [p for p in points if _is_plain(p) and "tokens_per_second" in p]:
             baselines.append(baseline_point(params, point, work_dir, log, tool))
             on_point(baselines[-1])
+    for point in [p for p in planned if p["torch_compile"]]:
+        points.append(training_point(params, point, work_dir, log))
+        on_point(points[-1])
     return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
             "steps_per_point": params["bench_train_steps"],
             "repeats": 1, "what": f"tokens/s over the steps after the first {TIMING_WARMUP_STEPS} (warm-up) "
