@@ -181,9 +181,9 @@ def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[
     from workbook.bench import trainer_baseline, trl_baseline
     point = {key: workbook_point[key] for key in ("micro_batch_size", *PLAIN)}
     if tool == trl_baseline.NAME:
-        if trl_baseline.missing():
-            log(f"train micro-batch {point['micro_batch_size']}, {trl_baseline.label()}: {trl_baseline.missing()}")
-            return {**point, "loop": trl_baseline.label(), "skipped": trl_baseline.missing()}
+        if reason := trl_baseline.missing():
+            log(f"train micro-batch {point['micro_batch_size']}, {trl_baseline.label()}: {reason}")
+            return {**point, "loop": trl_baseline.label(), "skipped": reason}
         name, run, settings = trl_baseline.label(), trl_baseline.sft_run, trl_baseline.SETTINGS
     else:
         name, run, settings = trainer_baseline.LABEL, trainer_baseline.trainer_run, "the same batches and settings"
