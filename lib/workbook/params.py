@@ -251,10 +251,9 @@ def validate_value(key: str, value: Any, where: str) -> Any:
         ok = False  # NaN passes every comparison below unnoticed; infinity is no setting either
     if ok and spec.int_list and not (_INT_OR_AUTO_LIST if spec.auto else _INT_LIST).fullmatch(value.replace(" ", "")):
         ok = False
-    if ok and spec.choices and not set(_names(value) if spec.choice_list else [value]) <= set(spec.choices):
-        ok = False
-    if ok and spec.choice_list and not _names(value):
-        ok = False
+    if ok and spec.choices:
+        names = _names(value) if spec.choice_list else [value]
+        ok = bool(names) and set(names) <= set(spec.choices)
     if ok and spec.minimum is not None and value < spec.minimum:
         ok = False
     if ok and spec.maximum is not None and value > spec.maximum:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(args.positions, args.hidden_size, args.vocab, args.chunk, shares, args.repeats, device)
     hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
                 else f"{gpu.cpu_facts()['model']}, {torch.get_num_threads()} threads (CPU)")
-    command = "python -m workbook.bench.loss_head " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python -m workbook.bench.loss_head " + " ".join(argv if argv is not None else sys.argv[1:])
     what = (f"forward + backward of the training loss from the head's input: {args.positions} positions, hidden "
             f"{args.hidden_size}, vocab {args.vocab:,}, fp32, on {hardware}; median of {args.repeats}; full logits "
             f"(cross-entropy over every position) against the chunked loss ({args.chunk} loss positions per chunk, "

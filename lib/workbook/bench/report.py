@@ -168,7 +168,7 @@ def pipeline_comparison_lines(report: dict) -> list[str]:
 
 
 def training_rows(report: dict) -> list[dict]:
-    """The workbook's points, then each HF Trainer baseline with the workbook's figures over its own."""
+    """The workbook's points, then each baseline (HF Trainer, TRL) with the workbook's figures over its own."""
     training = report["training"] or {}
     rows = []
     for p in training.get("points", []) + training.get("baselines", []):
@@ -210,7 +210,7 @@ def baseline_note(report: dict) -> str:
         workbook_loss, tool_loss = versus.get("workbook_final_loss"), versus.get("trainer_final_loss")
         losses = "" if workbook_loss is None or tool_loss is None else (
             f" Final loss after {p['steps']} steps: workbook {workbook_loss:.6g}, {tool} {tool_loss:.6g} "
-            f"(same initial weights; {versus.get('settings', 'the same batches and settings')}).")
+            f"(same initial weights; {versus['settings']}).")
         paragraphs.append(f"{p['loop']} at micro-batch {p['micro_batch_size']} on {p['hardware']}: {p['how']}. "
                           f"workbook / {tool} = {_versus_text(versus)}.{losses} Still different: "
                           + "; ".join(p["differences"]) + ".")

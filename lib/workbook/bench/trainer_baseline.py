@@ -36,6 +36,7 @@ from workbook.training.report import throughput
 from workbook.training.run_plan import MIN_LR_FRACTION, model_flops_coefficients, plan_run
 
 LABEL = f"HF Trainer (transformers {TRANSFORMERS_VERSION})"
+SETTINGS = "the same batches and settings"  # how alike its run and the workbook's are
 COUNTS = ("tokens", "length_squares")  # the collator's counts: recorded per step, never given to the model
 
 
@@ -102,7 +103,7 @@ def measured_training(trainer, seen: list[dict], clock: "StepClock", config: Tra
     }
 
 
-def versus(trainer: dict, workbook: dict | None, settings: str = "the same batches and settings") -> dict:
+def versus(trainer: dict, workbook: dict | None, settings: str = SETTINGS) -> dict:
     """The workbook's point over a baseline's (the Trainer's, or TRL's): tokens/s ratio (above 1: the
     workbook is faster), peak memory ratio (below 1: it needs less; None where not measured, CPU) and
     the final losses; ``settings`` says how alike the two runs are."""

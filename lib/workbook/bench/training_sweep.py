@@ -186,7 +186,7 @@ def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[
             return {**point, "loop": trl_baseline.label(), "skipped": reason}
         name, run, settings = trl_baseline.label(), trl_baseline.sft_run, trl_baseline.SETTINGS
     else:
-        name, run, settings = trainer_baseline.LABEL, trainer_baseline.trainer_run, "the same batches and settings"
+        name, run, settings = trainer_baseline.LABEL, trainer_baseline.trainer_run, trainer_baseline.SETTINGS
     try:
         measured = _measure(params, point, work_dir, lambda config, output_dir: run(config, str(output_dir)), log)
     except Exception as error:  # another library's failure is a finding of the sweep, not the end of it

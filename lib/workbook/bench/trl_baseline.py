@@ -57,7 +57,7 @@ def sft_run(config: TrainConfig, work_dir: str) -> dict:
                           completion_only_loss=True)
     clock = StepClock(device)
     seen: list[dict] = []
-    trainer = _RecordingSFTTrainer(seen, model=model, args=arguments, train_dataset=examples,
+    trainer = _recording_sft_trainer(seen, model=model, args=arguments, train_dataset=examples,
                                    processing_class=tokenizer, callbacks=[clock])
     measured = measured_training(trainer, seen, clock, config, model_flops_coefficients(model.config, lora), device)
     return {
@@ -91,23 +91,22 @@ def differences() -> list[str]:
     ]
 
 
-class _RecordingSFTTrainer:
-    """Defined on first use: TRL imports for seconds, and only a sweep that asks for it pays that."""
+def _recording_sft_trainer(seen: list[dict], **kwargs):
+    """TRL's SFTTrainer, appending to ``seen`` what each step's forward saw (device tensors, read once
+    training is over). Defined on first use: TRL imports for seconds, and only a sweep that asks pays that."""
+    from trl import SFTTrainer
 
-    def __new__(cls, seen: list[dict], **kwargs):
-        from trl import SFTTrainer
+    class RecordingSFTTrainer(SFTTrainer):
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            starts = inputs["cu_seq_lens_q"]  # each example's bounds in the flattened, padding-free sequence
+            record = {"tokens": inputs["input_ids"].numel(), "length_squares": starts.diff().pow(2).sum(),
+                      "loss_tokens": inputs["labels"][..., 1:].ne(IGNORE_INDEX).sum()}
+            loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+            seen.append({**record, "loss": (loss[0] if return_outputs else loss).detach()})
+            return loss
 
-        class Recording(SFTTrainer):
-            def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-                starts = inputs["cu_seq_lens_q"]  # the rows' boundaries in the flattened sequence
-                record = {"tokens": inputs["input_ids"].numel(), "length_squares": starts.diff().pow(2).sum(),
-                          "loss_tokens": inputs["labels"][..., 1:].ne(IGNORE_INDEX).sum()}
-                loss = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                            num_items_in_batch=num_items_in_batch)
-                seen.append({**record, "loss": (loss[0] if return_outputs else loss).detach()})
-                return loss
-
-        return Recording(**kwargs)
+    return RecordingSFTTrainer(**kwargs)
 
 
 def _trl_version() -> str:
