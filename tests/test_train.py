@@ -78,7 +78,9 @@ def test_records_without_a_usable_pair_are_listed_not_silently_dropped(tokenizer
     assert report.skipped == ["f.jsonl:2: field 'output' is missing", "f.jsonl:3: field 'input' is missing"]
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+# flex_attention is what packed rows run on CUDA: its forward runs on CPU too (compiled, about 15 s), so the
+# BlockMask transformers builds from the restarts is checked here; only its backward needs the GPU.
+@pytest.mark.parametrize("attention", ["sdpa", "eager", "flex_attention"])
 def test_a_packed_row_gives_the_logits_and_loss_of_its_examples_run_alone(tiny_model_path, tokenizer, attention):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention).eval()
     records = [{"input": "What is 23 + 45?", "output": "68"}, {"input": "What is 7 - 3?", "output": "4"},
