@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import LlamaConfig
@@ -104,6 +105,35 @@ def test_the_training_sweep_runs_each_memory_setting_named_as_one_more_point(tmp
     assert measured["tokens_per_second"] > 0 and measured["model"].endswith("attention sdpa_block_mask")
     with pytest.raises(ValueError, match="bench_train_settings: unknown chunked"):
         bench.training_points({**params, "bench_train_settings": "chunked"}, torch.device("cpu"))
+
+
+def test_an_auto_micro_batch_runs_each_memory_setting_at_the_largest_the_planner_fits_for_it(monkeypatch):
+    import importlib
+    import torch
+    from workbook import params as params_module, training
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")
+    monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))  # the h100's bf16
+    params = {**params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+              "bench_train_settings": "loss_chunk_tokens,offload_activations"}
+    points = training_sweep.training_points({**params, "bench_train_micro_batches": "auto"}, torch.device("cuda"))
+    plain, checkpointed, _, chunked, offloaded, compiled = points
+    for point in (plain, checkpointed, chunked, offloaded):
+        config = training_sweep.point_config(params, point, Path("unused"))
+        micro = point["micro_batch_size"]
+        assert training.memory_plan(config, micro, 2048).fits and not training.memory_plan(config, micro + 1, 2048).fits
+        assert training_sweep.training_label(point).startswith(f"mb {micro} (planned)")
+    # What each setting is for, measured where it matters: a larger micro-batch than the plain point's.
+    assert min(checkpointed["micro_batch_size"], chunked["micro_batch_size"], offloaded["micro_batch_size"]) > \
+        plain["micro_batch_size"]
+    assert compiled["torch_compile"] and compiled["micro_batch_size"] == plain["micro_batch_size"]
+    # A number the list names and 'auto' landing on it: one point, not the same run twice.
+    both = training_sweep.training_points({**params, "bench_train_micro_batches": f"{plain['micro_batch_size']},auto"},
+                                          torch.device("cuda"))
+    assert len([p for p in both if training_sweep._is_plain(p)]) == 1
+    # Not even one row fits: said, not run.
+    too_big = training_sweep.training_points({**params, "bench_train_model": "Llama-3.1-70B", "bench_train_settings": "",
+                                              "bench_train_micro_batches": "auto"}, torch.device("cuda"))
+    assert too_big[0]["micro_batch_size"] == "auto" and "not even micro-batch 1 fits" in too_big[0]["skipped"]
 
 
 class NoNvml:

@@ -183,7 +183,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_examples", int, "prompts every generation point runs", minimum=1),
     Key("bench_max_new_tokens", int, "new tokens per prompt, forced (every output runs to this length)", minimum=1),
     Key("bench_repeats", int, "timed runs per generation point (the median counts)", minimum=1),
-    Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16'", int_list=True),
+    Key("bench_train_micro_batches", str, "comma-separated training micro-batches, e.g. '4,16,auto' ('auto': the "
+        "planner's largest for each point's settings, so a memory setting runs at the batch it makes fit)",
+        int_list=True, auto=True),
     Key("bench_train_steps", int, "optimizer steps per training point (the first 2 are warm-up); 0: no training "
         "sweep", minimum=0),
     Key("bench_train_settings", str, "comma-separated memory settings the training sweep also runs, one point "

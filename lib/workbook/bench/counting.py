@@ -96,14 +96,15 @@ def cost_figures(seconds: float, examples: int, output_tokens: int, usd_per_gpu_
             "note": f"{gpus} GPU(s) x ${usd_per_gpu_hour:g}/GPU-hour"}
 
 
-def parse_int_list(text: str, key: str, auto: int | None = None) -> list[int]:
-    """'1,8,32' -> [1, 8, 32]; 'auto' entries become ``auto`` where one is given; an error names the key."""
+def parse_int_list(text: str, key: str, auto: int | str | None = None) -> list[int | str]:
+    """'1,8,32' -> [1, 8, 32]; 'auto' entries become ``auto`` where one is given (a number, or AUTO to be
+    resolved later); an error names the key."""
     parts = [part for part in str(text).replace(" ", "").split(",") if part]
     try:
         values = [auto if part == AUTO and auto is not None else int(part) for part in parts]
     except ValueError:
         raise BenchError(f"{key} is {text!r}; expected comma-separated positive integers, e.g. '1,8,32'") from None
-    if not values or any(value < 1 for value in values):
+    if not values or any(isinstance(value, int) and value < 1 for value in values):
         raise BenchError(f"{key} is {text!r}; expected comma-separated positive integers, e.g. '1,8,32'")
     return values
 

@@ -172,7 +172,8 @@ def training_rows(report: dict) -> list[dict]:
     training = report["training"] or {}
     rows = []
     for p in training.get("points", []) + training.get("baselines", []):
-        row = {"loop": p.get("loop", "workbook"), "micro-batch": p["micro_batch_size"],
+        planned = " (planned)" if p.get("micro_batch_rule") else ""  # 'auto': the planner's largest for this point
+        row = {"loop": p.get("loop", "workbook"), "micro-batch": f"{p['micro_batch_size']}{planned}",
                "checkpointing": p["grad_checkpointing"], "compile": p["torch_compile"], "padding": p["padding"],
                "memory setting": training_setting(p)}
         if p.get("skipped"):

@@ -6,6 +6,7 @@ figures are set over each."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 import traceback
@@ -18,6 +19,8 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 from workbook import models, params as params_module, runtime, training
 from workbook.bench.counting import cost_figures, parse_int_list, run_dtype
 from workbook.bench.sampler import NvmlSampler
+from workbook.params import AUTO
+from workbook.planner import DoesNotFitError
 from workbook.planner.finder import error_summary
 from workbook.planner.profile import Budget
 from workbook.training.config import TIMING_WARMUP_STEPS
@@ -51,7 +54,7 @@ def training_label(point: dict) -> str:
     """A training point in a few words: loop, micro-batch and every factor that differs from plain."""
     loop = point.get("loop", "workbook")
     words = [loop.split(" (")[0]] if loop != "workbook" else []  # 'HF Trainer', 'TRL SFTTrainer'
-    words += [f"mb {point['micro_batch_size']}"]
+    words += [f"mb {point['micro_batch_size']}" + (" (planned)" if point.get("micro_batch_rule") else "")]
     words += [word for flag, word in ((point["grad_checkpointing"], "+ckpt"), (point["torch_compile"], "+compile"),
                                       (point["padding"] != "packing", "grouped")) if flag]
     setting = training_setting(point, short=True)
@@ -69,7 +72,7 @@ def training_points(params, device: torch.device) -> list[dict]:
         raise ValueError(f"bench_train_settings: unknown {', '.join(unknown)}; expected some of "
                          f"{', '.join(MEMORY_SETTINGS)}")
     points = []
-    for micro in parse_int_list(params["bench_train_micro_batches"], "bench_train_micro_batches"):
+    for micro in parse_int_list(params["bench_train_micro_batches"], "bench_train_micro_batches", auto=AUTO):
         base = {"micro_batch_size": micro, **PLAIN}
         changes = [{}, {"grad_checkpointing": True}, {"padding": "length_grouped"}]
         for change in changes + [MEMORY_SETTINGS[name] for name in settings]:
@@ -77,13 +80,32 @@ def training_points(params, device: torch.device) -> list[dict]:
             if point.get("precision") == "bf16" and run_dtype(params, device) != "bf16":
                 point["skipped"] = (f"skipped: precision bf16 needs dtype bf16, and this sweep runs "
                                     f"{run_dtype(params, device)} (CPU: fp32)")
-            points.append(point)
+            elif micro == AUTO:
+                point = planned_micro_batch(params, point)
+            if _settings(point) not in map(_settings, points):  # 'auto' may land on a micro-batch the list names
+                points.append(point)
     compiled = [{**point, "torch_compile": True} for point in points if _is_plain(point)]
     if device.type != "cuda":
         for point in compiled:
             point["skipped"] = ("skipped on CPU: compiling takes longer than the whole CPU sweep; "
                                 "measured on a GPU session")
     return points + compiled
+
+
+def planned_micro_batch(params, point: dict) -> dict:
+    """``point`` ('auto' micro-batch) at the planner's largest micro-batch for its own settings: each memory
+    setting measured at the batch it makes fit, the question it answers. The run's own 'auto' rule
+    (``training.plan_run``): a preset's synthetic rows are made to match, a dataset caps it at one step."""
+    config = point_config(params, {**point, "micro_batch_size": 1}, Path(tempfile.gettempdir()))
+    try:
+        if isinstance(config.max_seq_length, int):  # a preset: rows of exactly seq_len tokens
+            micro = training.memory_plan(config, 1, config.max_seq_length).require_fit().max_batch_size
+        else:
+            prepared = training.prepare_data(dataclasses.replace(config, micro_batch_size=AUTO), log=lambda line: None)
+            micro = training.plan_run(dataclasses.replace(config, micro_batch_size=AUTO), prepared).micro_batch_size
+    except DoesNotFitError as error:
+        return {**point, "skipped": f"skipped: not even micro-batch 1 fits the plan ({error})"}
+    return {**point, "micro_batch_size": micro, "micro_batch_rule": "auto: the planner's largest for these settings"}
 
 
 def point_config(params, point: dict, output_dir: Path) -> training.TrainConfig:
@@ -202,6 +224,10 @@ def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[
     log(f"train micro-batch {point['micro_batch_size']}, {measured['loop']}: {measured['tokens_per_second'] or 0:,.0f} "
         f"tokens/s" + (f" (the workbook's loop: {ratio:.2f}x)" if ratio else ""))
     return result
+
+
+def _settings(point: dict) -> dict:
+    return {key: value for key, value in point.items() if key != "micro_batch_rule"}
 
 
 def _is_plain(point: dict) -> bool:
