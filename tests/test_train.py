@@ -179,6 +179,19 @@ def test_packed_training_without_a_mask_gives_the_losses_of_the_4d_mask_path(tmp
     assert [r["loss"] for r in no_mask["history"]] == pytest.approx([r["loss"] for r in masked["history"]], rel=1e-5)
 
 
+def test_a_compiled_run_trains_as_the_eager_one_does(tmp_path):
+    # The GPU sweep's compile points go through accelerate's inductor backend; on CPU it compiles in about
+    # 20 s, so what breaks under dynamo (the chunked loss, checkpointing, the mask-free packed attention)
+    # shows here first.
+    path = arithmetic_pairs(tmp_path)
+    settings = {"max_steps": 3, "loss_chunk_tokens": 32, "grad_checkpointing": True}
+    eager = training.train(make_config(tmp_path / "eager", path, **settings))
+    torch._dynamo.utils.counters.clear()
+    compiled = training.train(make_config(tmp_path / "compiled", path, torch_compile=True, **settings))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+    assert [r["loss"] for r in compiled["history"]] == pytest.approx([r["loss"] for r in eager["history"]], rel=1e-4)
+
+
 def test_auto_max_seq_length_covers_the_data_and_truncation_is_reported(tmp_path, tokenizer):
     assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200]) == 256
     assert sft_examples.auto_max_seq_length([10, 50, 64, 65, 130, 200], percentile=50) == 64
