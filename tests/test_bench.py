@@ -217,7 +217,7 @@ def test_goals_are_judged_at_the_planners_batch_and_say_by_how_much_they_miss():
     generation = {"points": [fake_point("seed-after", 32, 750.0, speedup_over_seed_after=1.0),
                              fake_point("static-sorted", 8, 20000.0, speedup_over_seed_after=26.7), at_planner]}
     rows = {row["goal"]: row for row in bench.goals_table(generation, {"points": [{"mfu": 0.5}, {"mfu": 0.3}]})}
-    bandwidth, speedup, mfu = (rows[goal] for goal in bench.GOALS)
+    bandwidth, speedup, mfu = (rows[goal] for goal in bench.GOALS[:3])
     assert bandwidth["measured"].startswith("45.0% of the datasheet bandwidth (static-sorted, batch 512")
     assert bandwidth["met"] == "no: 75% of the goal"
     assert speedup["measured"].startswith("12.0x") and speedup["met"] == "yes"  # batch 8's 26.7x is not the planner's
@@ -230,6 +230,38 @@ def test_goals_are_judged_at_the_planners_batch_and_say_by_how_much_they_miss():
     none = {row["goal"]: row for row in bench.goals_table({"points": [fake_point("seed-after", 32, 1.0)]}, None)}
     assert none[bench.GOALS[0]]["measured"].startswith("not measured: bench_batch_sizes has no 'auto'")
     assert none[bench.GOALS[2]]["met"] == "n/a"
+
+
+def train_point(micro, tokens_per_second, **changes):
+    return {"micro_batch_size": micro, "grad_checkpointing": False, "torch_compile": False, "padding": "packing",
+            "micro_batch_rule": "auto: the planner's largest for these settings", "tokens_per_second": tokens_per_second,
+            **changes}
+
+
+def test_the_memory_setting_goal_compares_each_setting_at_its_planned_batch_with_the_plain_plan():
+    goal = lambda points: {row["goal"]: row for row in bench.goals_table(None, {"points": points})}[bench.GOALS[3]]
+    plain = train_point(6, 30000.0)
+    chunked = train_point(12, 31000.0, loss_chunk_tokens=1024)
+    checkpointed = train_point(12, 24000.0, grad_checkpointing=True)
+    fixed = {**train_point(4, 50000.0, loss_chunk_tokens=1024), "micro_batch_rule": None}  # a listed batch: not judged
+    met = goal([plain, checkpointed, chunked, fixed, train_point(6, 40000.0, padding="length_grouped")])
+    assert met["met"] == "yes" and "checkpointing: micro-batch x2.00, tokens/s x0.80" in met["measured"]
+    assert "chunked loss: micro-batch x2.00, tokens/s x1.03" in met["measured"]
+    slower = goal([plain, checkpointed])
+    assert slower["met"] == "no: the best at twice the batch trains at 0.80x"
+    short = goal([plain, train_point(9, 33000.0, precision="bf16")])
+    assert short["met"] == "no: no setting fits twice the plain micro-batch"
+    assert goal([{**plain, "micro_batch_rule": None}, chunked])["met"] == "n/a"  # no planned plain point
+
+
+def test_a_point_the_planner_said_fits_running_out_of_memory_fails_the_goal():
+    goal = lambda points: {row["goal"]: row for row in bench.goals_table(None, {"points": points})}[bench.GOALS[4]]
+    refused = {"out_of_memory": "CUDA out of memory", "planner_said": "does not fit"}
+    assert goal([train_point(6, 1.0), refused])["met"] == "yes"
+    wrong = goal([train_point(6, 1.0), refused, {"out_of_memory": "x", "planner_said": "fits (the planner was wrong)"}])
+    assert wrong["met"] == "no: 1 of 3"
+    assert wrong["measured"] == ("3 training points ran; 1 ran out of memory where the planner said they fit, "
+                                 "1 where it said they do not")
 
 
 def write_run(folder, manifest=None, **files):

@@ -8,6 +8,7 @@ import time
 import torch
 
 from workbook.bench.counting import BASELINE, HF_PIPELINE, NA
+from workbook.bench.training_sweep import training_setting
 from workbook.planner import kv_cache_bytes
 
 
@@ -163,9 +164,47 @@ def goals_table(generation: dict | None, training: dict | None) -> list[dict]:
             row(GOALS[1], speedup, 10.0, f"{speedup or 0:.1f}x{where}",
                 no_auto if not best else "not measured: needs seed-after"),
             row(GOALS[2], max(mfus) if mfus else None, 0.45, f"{max(mfus or [0]):.1%} (best training point)",
-                "n/a: no MFU (no GPU peak or no training sweep)")]
+                "n/a: no MFU (no GPU peak or no training sweep)"),
+            memory_setting_goal(training), planner_out_of_memory_goal(training)]
+
+
+def memory_setting_goal(training: dict | None) -> dict:
+    """Issue 20's goal on this run's 'auto' points: some memory setting (or checkpointing) fits a micro-batch
+    at least twice the plain plan's, and trains at that batch at no fewer tokens/s than the plain point."""
+    planned = [p for p in (training or {}).get("points", []) if p.get("micro_batch_rule") and not p["torch_compile"]
+               and p.get("tokens_per_second") and p["padding"] == "packing"]
+    plain = next((p for p in planned if not p["grad_checkpointing"] and not training_setting(p)), None)
+    settings = [p for p in planned if p is not plain]
+    if plain is None or not settings:
+        return {"goal": GOALS[3], "met": NA, "measured": "not measured: needs bench_train_micro_batches 'auto' with "
+                "bench_train_settings (or checkpointing) beside the plain point, each measured"}
+    ratios = [(p["micro_batch_size"] / plain["micro_batch_size"], p["tokens_per_second"] / plain["tokens_per_second"],
+               ", ".join(filter(None, ["checkpointing" if p["grad_checkpointing"] else "", training_setting(p, short=True)])))
+              for p in settings]
+    text = (f"plain: micro-batch {plain['micro_batch_size']}, {plain['tokens_per_second']:,.0f} tokens/s; "
+            + "; ".join(f"{name}: micro-batch x{batch:.2f}, tokens/s x{speed:.2f}" for batch, speed, name in ratios))
+    doubled = [speed for batch, speed, _ in ratios if batch >= 2]
+    if not doubled:
+        return {"goal": GOALS[3], "measured": text, "met": "no: no setting fits twice the plain micro-batch"}
+    return {"goal": GOALS[3], "measured": text,
+            "met": "yes" if max(doubled) >= 1 else f"no: the best at twice the batch trains at {max(doubled):.2f}x"}
+
+
+def planner_out_of_memory_goal(training: dict | None) -> dict:
+    """Issue 10's rule: no point the planner says fits may run out of memory."""
+    points = (training or {}).get("points", []) + (training or {}).get("baselines", [])
+    ran = [p for p in points if "tokens_per_second" in p or p.get("out_of_memory")]
+    wrong = [p for p in ran if p.get("planner_said", "").startswith("fits")]
+    if not ran:
+        return {"goal": GOALS[4], "measured": "not measured: no training point ran", "met": NA}
+    refused = sum(1 for p in ran if p.get("out_of_memory")) - len(wrong)
+    return {"goal": GOALS[4], "met": "yes" if not wrong else f"no: {len(wrong)} of {len(ran)}",
+            "measured": (f"{len(ran)} training points ran; {len(wrong)} ran out of memory where the planner said they "
+                         f"fit, {refused} where it said they do not")}
 
 
 GOALS = ("best generation strategy at the planner's batch >= 60% of the bandwidth roofline",
          "best generation strategy at the planner's batch >= 10x the seeds' static batch 32",
-         "training >= 45% MFU (the 1B full fine-tune on an H200)")
+         "training >= 45% MFU (the 1B full fine-tune on an H200)",
+         "a memory setting fits >= 2x the plain plan's micro-batch at no loss of tokens/s (its planned batch)",
+         "no training point the planner says fits runs out of memory")
