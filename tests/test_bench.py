@@ -252,6 +252,9 @@ def test_the_memory_setting_goal_compares_each_setting_at_its_planned_batch_with
     short = goal([plain, train_point(9, 33000.0, precision="bf16")])
     assert short["met"] == "no: no setting fits twice the plain micro-batch"
     assert goal([{**plain, "micro_batch_rule": None}, chunked])["met"] == "n/a"  # no planned plain point
+    capped = goal([{**plain, "micro_batch_capped": True, "micro_batch_rule": "auto: ... capped at 6 so that an epoch "
+                    "(6 rows) has an optimizer step"}, chunked])
+    assert capped["met"] == "n/a" and capped["measured"].startswith("not measured: the data, not memory, chose")
 
 
 def test_a_point_the_planner_said_fits_running_out_of_memory_fails_the_goal():

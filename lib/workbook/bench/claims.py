@@ -178,6 +178,10 @@ def memory_setting_goal(training: dict | None) -> dict:
     if plain is None or not settings:
         return {"goal": GOALS[3], "met": NA, "measured": "not measured: needs bench_train_micro_batches 'auto' with "
                 "bench_train_settings (or checkpointing) beside the plain point, each measured"}
+    capped = [p for p in [plain, *settings] if p.get("micro_batch_capped")]
+    if capped:
+        return {"goal": GOALS[3], "met": NA, "measured": "not measured: the data, not memory, chose the 'auto' "
+                f"micro-batch ({capped[0]['micro_batch_rule']})"}
     ratios = [(p["micro_batch_size"] / plain["micro_batch_size"], p["tokens_per_second"] / plain["tokens_per_second"],
                ", ".join(filter(None, ["checkpointing" if p["grad_checkpointing"] else "", training_setting(p, short=True)])))
               for p in settings]

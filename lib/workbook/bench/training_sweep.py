@@ -97,15 +97,18 @@ def planned_micro_batch(params, point: dict) -> dict:
     setting measured at the batch it makes fit, the question it answers. The run's own 'auto' rule
     (``training.plan_run``): a preset's synthetic rows are made to match, a dataset caps it at one step."""
     config = point_config(params, {**point, "micro_batch_size": 1}, Path(tempfile.gettempdir()))
+    rule = "auto: the planner's largest for these settings"
     try:
         if isinstance(config.max_seq_length, int):  # a preset: rows of exactly seq_len tokens
             micro = training.memory_plan(config, 1, config.max_seq_length).require_fit().max_batch_size
         else:
             prepared = training.prepare_data(dataclasses.replace(config, micro_batch_size=AUTO), log=lambda line: None)
-            micro = training.plan_run(dataclasses.replace(config, micro_batch_size=AUTO), prepared).micro_batch_size
+            run = training.plan_run(dataclasses.replace(config, micro_batch_size=AUTO), prepared)
+            micro, rule = run.micro_batch_size, run.micro_batch_rule
     except DoesNotFitError as error:
         return {**point, "skipped": f"skipped: not even micro-batch 1 fits the plan ({error})"}
-    return {**point, "micro_batch_size": micro, "micro_batch_rule": "auto: the planner's largest for these settings"}
+    # A dataset smaller than what memory holds caps it (the run's own rule): then memory did not choose it.
+    return {**point, "micro_batch_size": micro, "micro_batch_rule": rule, "micro_batch_capped": "capped at" in rule}
 
 
 def point_config(params, point: dict, output_dir: Path) -> training.TrainConfig:
@@ -227,7 +230,7 @@ def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[
 
 
 def _settings(point: dict) -> dict:
-    return {key: value for key, value in point.items() if key != "micro_batch_rule"}
+    return {key: value for key, value in point.items() if key not in ("micro_batch_rule", "micro_batch_capped")}
 
 
 def _is_plain(point: dict) -> bool:
