@@ -388,3 +388,12 @@ def test_the_loss_head_benchmark_records_each_share_of_loss_positions(tmp_path):
     assert [(row["loss_share"], row["loss_positions"]) for row in record["rows"]] == [(1.0, 64), (0.25, 16)]
     assert all(row["full_logits_seconds"] > 0 and row["chunked_seconds"] > 0 for row in record["rows"])
     assert "vocab 100" in record["what"] and "| 25% (16) |" in (tmp_path / "loss_head.md").read_text()
+
+
+def test_vllms_published_step_times_become_fractions_of_the_same_roofline():
+    from workbook.bench import published
+    light_load, v1 = published.vllm_decode_fractions()
+    # Llama-3.1-8B's bf16 weights a decode step reads (the untied input embedding only gathers rows), at 3.35 TB/s.
+    floor = (8_030_261_248 - 128_256 * 4096) * 2 / 3.35e12
+    assert light_load["fraction"] == pytest.approx(floor / 0.013) and v1["fraction"] == pytest.approx(floor / 0.005)
+    assert "34%" in published.vllm_line() and "blog.vllm.ai/2024/09/05/perf-update" in published.vllm_line()

@@ -23,6 +23,7 @@ def test_every_arm_computes_the_same_tokens_and_the_report_has_the_gpu_figures(t
             assert result["bandwidth_roofline_fraction"][arm] > 0
     text = (tmp_path / "continuous_batching.md").read_text()
     assert "Hardware: " in text and "load average" in text and "--memory-gib 2" in text
+    assert "Beside vLLM's published figures" in text  # issue 19: the fraction set beside vLLM's, not by hand
 
 
 def test_the_time_budget_stops_the_run_and_keeps_what_it_measured(tmp_path, tiny_model_path):

@@ -61,6 +61,7 @@ from transformers import LogitsProcessor
 
 from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_model
 from workbook.bench.counting import decode_step_cost
+from workbook.bench import published
 from workbook.bench.engine_overhead import sample_prompts, timed
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.generation.continuous import ContinuousBackend
@@ -330,7 +331,7 @@ def markdown(report: dict) -> str:
         f"Peak memory: {report['peak_memory_measured_as']}; planned: the planner's peak (CPU: beyond the weights, "
         "no overheads; continuous: the paged plan, static: the dense one, direct: as continuous). Batch: "
         f"{report['batch_sizes_from']}.", "",
-        f"Bandwidth roofline: {report['bandwidth_roofline']}", "",
+        f"Bandwidth roofline: {report['bandwidth_roofline']}", "", published.vllm_line(), "",
         "Direct: transformers alone with the backend's paged-cache sizing, nothing written: one generate_batch call "
         "(full), the manager fed every request at once (uneven: generate_batch takes one max_new_tokens for all).", "",
         *ratios, "", f"Command: `{report['command']}`", ""])

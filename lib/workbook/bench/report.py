@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from workbook import gpu, notebook, params as params_module, runner, runtime
+from workbook.bench import published
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
 from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, peak_tflops, run_dtype
 from workbook.bench.generation_sweep import generation_sweep
@@ -281,7 +282,8 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     for name, figure in benchmark_plots.benchmark_figures(report, gpu_capacity_bytes(params)).items():
         figure.savefig(run_dir / name, dpi=120, bbox_inches="tight")
     # Lines under a section's table: what the tools users know measured beside ours.
-    notes = {"Generation": pipeline_comparison_lines(report), "Training": [baseline_note(report)]}
+    notes = {"Generation": pipeline_comparison_lines(report), "Training": [baseline_note(report)],
+             "Goals": [published.vllm_line()]}
 
     def section(title: str, rows: list[dict]) -> str:
         lines = [line for line in notes.get(title, []) if line]
