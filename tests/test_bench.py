@@ -186,7 +186,7 @@ def test_claims_table_lists_every_seed_claim_with_a_figure_or_why_not():
                   "points": [fake_point("seed-before", 1, 50.0), fake_point("seed-after", 32, 500.0)]}
     rows = bench.claims_table(generation, {"points": []}, None, on_gpu=False)
     text = {row["claim"]: row["measured"] for row in rows}
-    assert len(rows) == 10 and all(row["measured"] for row in rows)
+    assert len(rows) == 11 and all(row["measured"] for row in rows)
     assert "20 of 20 outputs" in text["slice each output at its count of non-pad prompt tokens"]
     assert text["~300-400 examples/minute, 8B model, batch 32, 2048 new tokens"].startswith("not measurable")
     assert text["TF32 gives 8x faster matrix ops"].startswith("not measurable")
@@ -196,6 +196,14 @@ def test_claims_table_lists_every_seed_claim_with_a_figure_or_why_not():
     tensor_parallel = text["~20GB per GPU with TP=4 (30B teacher on 4 of 8 H100s)"]
     assert tensor_parallel.startswith("planned, not measured") and "Qwen2.5-32B (32.8B) at T=4 holds 16.4 GB" in \
         tensor_parallel  # 32.8B x 2 B / 4, norms whole
+    from workbook import params as params_module
+    from workbook.planner import profile
+    batches = text["batch 32 on an H200 ('only 28% utilization' of its 141 GB), 16 on an H100 (8B, 2048 new tokens)"]
+    for name, seed_batch in (("h200", 32), ("h100", 16)):  # the planner's largest: it fits, one more does not
+        plan = lambda batch: profile.plan(params_module.load_all()[name], mode="generate", model="Llama-3.1-8B",
+                                          batch_size=batch, prompt_len=512, max_new_tokens=2048, dtype="bf16")
+        largest = int(batches.split(f"on {name} (")[0].split()[-1])
+        assert plan(largest).fits and not plan(largest + 1).fits and largest > seed_batch
 
 
 def test_auto_batch_is_the_planners_point_and_named_as_such():

@@ -96,6 +96,8 @@ def claims_table(generation: dict | None, training: dict | None, matmul: dict | 
 
     measured_memory = [p for p in timed if p.get("peak_memory_bytes") and p.get("predicted_peak_bytes")]
     kv_8b = kv_cache_bytes("Llama-3.1-8B", "bf16", batch_size=1, tokens=512 + 2048)
+    rows.append({"seed": "000", "claim": "batch 32 on an H200 ('only 28% utilization' of its 141 GB), 16 on an H100 "
+                 "(8B, 2048 new tokens)", "measured": seed_000_batch_claim(generation, on_gpu and big_model)})
     rows.append({"seed": "000", "claim": "KV cache ~500MB per example (8B, 2048 new tokens)",
                  "measured": (f"counted from the Llama-3.1-8B config: {kv_8b / 1e6:.0f} MB per example at 512 prompt + "
                               "2048 new tokens (bf16): arithmetic, not hardware")})
@@ -117,6 +119,27 @@ def claims_table(generation: dict | None, training: dict | None, matmul: dict | 
                      "measured": f"MFU {min(mfus):.1%}-{max(mfus):.1%} over the training points" if mfus else
                      "not measurable on this hardware (no GPU peak: MFU n/a)"})
     return rows
+
+
+def seed_000_batch_claim(generation: dict | None, measured_here: bool) -> str:
+    """Seed 000's batch per GPU beside the planner's largest on the h200 and h100 profiles (Llama-3.1-8B,
+    512 prompt + 2048 new tokens, bf16, each profile's budget and margin), and where this run decoded the
+    8B on a GPU, the planner's batch it ran and the peak it measured there."""
+    from workbook import params
+    from workbook.paths import PARAMS_DIR
+    from workbook.planner import profile
+    planned = {name: profile.plan(params.load(PARAMS_DIR / f"{name}.yaml"), mode="generate", model="Llama-3.1-8B",
+                                  batch_size="auto", prompt_len=512, max_new_tokens=2048, dtype="bf16").max_batch_size
+               for name in ("h200", "h100")}
+    text = (f"planned (Llama-3.1-8B, 512 prompt + 2048 new tokens, bf16, the profile's budget less its margin): the "
+            f"largest batch is {planned['h200']} on h200 ({planned['h200'] / 32:.0f}x the seed's 32) and "
+            f"{planned['h100']} on h100 ({planned['h100'] / 16:.0f}x its 16)")
+    ran = [p for p in (generation or {}).get("points", []) if p.get("planner_batch") and p.get("peak_memory_bytes")]
+    if measured_here and ran:
+        point = max(ran, key=lambda p: p["batch_size"])
+        text += (f"; this run decoded batch {point['batch_size']} ({point['planner_batch']}) at a measured peak of "
+                 f"{point['peak_memory_bytes'] / 2**30:.1f} GiB")
+    return text
 
 
 def tensor_parallel_claim(model: str = "Qwen2.5-32B", tensor_parallel_size: int = 4) -> str:
