@@ -12,7 +12,7 @@ import torch
 from workbook import ceilings, params
 from workbook.bench import gpu_session
 from workbook.paths import REPO_ROOT
-from workbook.planner import calibration
+from workbook.planner import calibration, overhead_probe
 
 
 def python_step(name: str, code: str, needs: int = 0, budget_flag=None) -> gpu_session.Step:
@@ -78,6 +78,10 @@ def test_every_command_of_every_call_names_options_and_keys_that_exist(profile, 
             if "--set" in step.argv:  # the overrides are valid keys and values of this profile
                 overrides = params.parse_overrides(step.argv[step.argv.index("--set") + 1:])
                 params.apply_overrides(profile_params, overrides)
+            if "--overhead-from" in step.argv:  # the probe's file, written by an earlier step of the same call
+                probe = [s for s in steps[:steps.index(step)] if s.argv[1] == "workbook.planner.overhead_probe"]
+                written = tmp_path / overhead_probe.RESULT_FILE
+                assert probe and step.argv[step.argv.index("--overhead-from") + 1] == str(written)
             if "--only" in step.argv:  # the smoke cases exist in this GPU's grid
                 beginnings = step.argv[step.argv.index("--only") + 1].split(",")
                 chosen = calibration.chosen_cases(calibration.calibration_grid(profile), beginnings)

@@ -103,7 +103,8 @@ def _cmd_plan(args) -> int:
 def _cmd_calibrate(args) -> int:
     from workbook.planner import calibration
     return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile,
-                             *(["--only", args.only] if args.only else [])])
+                             *(["--only", args.only] if args.only else []),
+                             *(["--overhead-from", args.overhead_from] if args.overhead_from else [])])
 
 
 def _cmd_forecast(args) -> int:
@@ -259,6 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_parser.add_argument("--out", help="output folder (default outputs/reference/<profile>)")
     calibrate_parser.add_argument("--only", help="comma-separated beginnings of case names: only the first case "
                                   "each matches (a smoke pass)")
+    calibrate_parser.add_argument("--overhead-from", help="an overhead probe's cuda_overhead.json "
+                                  "(python -m workbook.planner.overhead_probe): plan each case's CUDA context with it")
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
 
     for name, (handler, what, params_from) in JOBS.items():

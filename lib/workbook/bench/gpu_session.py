@@ -11,11 +11,12 @@ TRL rows say so and the rest runs.
 Calls, in the order a session spends them (``--list`` prints the commands):
 
 - ``smoke`` (~3 min): the measured ceilings of this GPU (a large device-to-device copy, a large
-  bf16 matmul), two calibration cases (a generation and a checkpointed training step of a 1B-shaped
+  bf16 matmul), the CUDA context probe, two calibration cases (a generation and a checkpointed training step of a 1B-shaped
   model) and a tiny benchmark through every generation strategy and the training sweep's compile
   and checkpointing points and the HF Trainer and TRL SFTTrainer baselines, so what breaks on this
   machine shows in the first minutes.
-- ``calibration`` (~9 min): the planner's whole calibration grid, the engine's overhead on an
+- ``calibration`` (~9 min): the CUDA context probe (``planner.overhead_probe``: the profile's constant,
+  applied here afterwards with ``--apply``), the planner's whole calibration grid planned with it, the engine's overhead on an
   8B-shaped model, and the generation sweep at 32, 128 and the planner's batch, Hugging Face's
   ``pipeline("text-generation")`` measured beside it at each.
 - ``training`` (~9 min): continuous against static batching on uneven outputs (8B-shaped), the 1B
@@ -81,6 +82,8 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
     return {
         "smoke": [
             Step("ceilings", ["-m", "workbook.ceilings", "--profile", profile, "--out", str(out)], 30),
+            Step("CUDA context probe", ["-m", "workbook.planner.overhead_probe", "--profile", profile,
+                                        "--out", str(out)], 30),
             Step("calibration, 2 cases", [*workbook, "calibrate", "--profile", profile, "--out",
                                           str(out / "smoke-calibration"),
                                           "--only", "llama-3.2-1b/generate,llama-3.2-1b/train-checkpointed"], 45),
@@ -92,7 +95,11 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
                 "bench_train_baselines=hf-trainer,trl-sft"], 90),
         ],
         "calibration": [
-            Step("calibration grid", [*workbook, "calibrate", "--profile", profile, "--out", str(out)], 240),
+            # The context constant from its own probe (a fresh process), then the grid planned with it.
+            Step("CUDA context probe", ["-m", "workbook.planner.overhead_probe", "--profile", profile,
+                                        "--out", str(out)], 30),
+            Step("calibration grid", [*workbook, "calibrate", "--profile", profile, "--out", str(out),
+                                      "--overhead-from", str(out / "cuda_overhead.json")], 240),
             Step("engine overhead, 8B", ["-m", "workbook.bench.engine_overhead", "--model", "Llama-3.1-8B", *on_gpu,
                                          "--profile", profile, "--batch-size", "32", "--out", str(out)], 90),
             Step("generation sweep at 32, 128 and the planner's batch, 8B, beside Hugging Face's pipeline", [

@@ -134,12 +134,7 @@ def calibration_grid(profile: str | dict) -> list[CalibrationCase]:
     ]
 
 
-def plan_for_case(
-    case: CalibrationCase,
-    *,
-    gpu_memory_bytes: int,
-    overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
-) -> Plan:
+def plan_for_case(case: CalibrationCase, *, gpu_memory_bytes: int, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> Plan:
     """The planner's prediction for ``case``, with the settings measure_case runs it under.
 
     Training is pure bf16 (``mixed_precision=False``: the weights are bf16, no autocast) with
@@ -183,12 +178,13 @@ def _profile_gpu_memory_bytes(profile: str | dict) -> int:
 # One case on the GPU.
 
 
-def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda") -> dict:
+def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda", overhead_bytes: int | None = None) -> dict:
     """Build ``case``'s model on the GPU, measure its worst-case peak, compare with the planner.
 
-    The plan's CUDA context term uses the overhead measured in this run (memory used outside
-    PyTorch's allocator), so the comparison tests the tensor formulas and the fragmentation
-    prior, not a guess of the context size. Everything is freed before returning. Returns a
+    The plan's CUDA context term is ``overhead_bytes``, the constant the overhead probe measured
+    (``overhead_probe``; the profile's, as users plan with it), or without it the overhead measured
+    in this run (memory used outside PyTorch's allocator), so the comparison tests the tensor formulas
+    and the fragmentation prior alone. Everything is freed before returning. Returns a
     JSON-ready record: status "measured", "oom" (the planner said it fits, the GPU disagreed) or
     "skipped" with the reason.
     """
@@ -219,11 +215,12 @@ def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda") 
         clear_device_cache(garbage_collection=True)  # the model went with run_case_probe's frame
     seconds = time.perf_counter() - started
     if measurement is None:
-        plan = plan_for_case(case, gpu_memory_bytes=total_bytes)
+        plan = plan_for_case(case, gpu_memory_bytes=total_bytes,
+                             overhead_bytes=DEFAULT_OVERHEAD_BYTES if overhead_bytes is None else overhead_bytes)
         return {**record, "status": "oom", "error": oom_error, "seconds": seconds,
                 "predicted_bytes": plan.total_bytes, "plan": plan.to_dict()}
-    plan = plan_for_case(case, gpu_memory_bytes=total_bytes,
-                         overhead_bytes=max(0, measurement.non_pytorch_bytes))
+    plan = plan_for_case(case, gpu_memory_bytes=total_bytes, overhead_bytes=max(0, measurement.non_pytorch_bytes)
+                         if overhead_bytes is None else overhead_bytes)
     return {**record, "status": "measured", "seconds": seconds,
             **compare(plan, measurement),
             **accelerate_estimate.against_measured(plan, case.model, measurement.peak_bytes),
@@ -247,13 +244,8 @@ def compare(plan: Plan, measurement: ProbeMeasurement) -> dict:
         "relative_error": (plan.total_bytes - measured) / measured,
         "predicted_tensor_bytes": planned_tensors,
         "measured_allocated_bytes": measurement.peak_allocated_bytes,
-        "tensor_relative_error": (
-            (planned_tensors - measurement.peak_allocated_bytes)
-            / measurement.peak_allocated_bytes
-        ),
-        "measured_fragmentation_bytes": (
-            measurement.peak_reserved_bytes - measurement.peak_allocated_bytes
-        ),
+        "tensor_relative_error": (planned_tensors - measurement.peak_allocated_bytes) / measurement.peak_allocated_bytes,
+        "measured_fragmentation_bytes": measurement.peak_reserved_bytes - measurement.peak_allocated_bytes,
         "measured_overhead_bytes": measurement.non_pytorch_bytes,
     }
 
@@ -288,6 +280,7 @@ def run_calibration(
     cases: list[CalibrationCase] | None = None,
     *,
     log=print,
+    overhead_bytes: int | None = None,
 ) -> dict:
     """Measure every case (default: ``calibration_grid(profile_name)``) on this CUDA GPU and
     write ``<out_dir>/memory_accuracy.json``; returns the same record.
@@ -305,7 +298,7 @@ def run_calibration(
     started = time.perf_counter()
     records = []
     for number, case in enumerate(cases, 1):
-        record = measure_case(case)
+        record = measure_case(case, overhead_bytes=overhead_bytes)
         records.append(record)
         say(f"[{number}/{len(cases)}] {case.name}: {_case_line(record)}")
     result = {
@@ -313,6 +306,8 @@ def run_calibration(
         "goal": {"median_abs_relative_error": GOAL_MEDIAN_ABS_RELATIVE_ERROR,
                  "max_abs_relative_error": GOAL_MAX_ABS_RELATIVE_ERROR},
         "summary": summarize(records),
+        "cuda_context_term": (f"{overhead_bytes / GiB:.3f} GiB, the overhead probe's constant" if overhead_bytes is not None
+                              else "each case's own memory outside PyTorch's allocator, measured in its run"),
         "cases": records,
         "hardware": gpu.detect(),
         "versions": gpu.software_versions(),
@@ -364,8 +359,6 @@ def _case_line(record: dict) -> str:
     return record["status"] + (f": {record['reason']}" if "reason" in record else "")
 
 
-
-
 # ----------------------------------------------------------------------------------------------
 # Command line.
 
@@ -381,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", required=True, help="GPU profile in params/, e.g. h200")
     parser.add_argument("--only", help="comma-separated beginnings of case names: measure only the first case "
                         "each matches (a smoke pass), e.g. llama-3.2-1b/generate,llama-3.2-1b/train-checkpointed")
+    parser.add_argument("--overhead-from", help="an overhead probe's cuda_overhead.json: plan every case's CUDA "
+                        "context with its constant (default: each case's own measured context)")
     args = parser.parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -409,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     cases = calibration_grid(args.profile)
     if args.only:
         cases = chosen_cases(cases, args.only.split(","))
-    result = run_calibration(out_dir, args.profile, cases)
+    overhead = json.loads(Path(args.overhead_from).read_text())["overhead_bytes"] if args.overhead_from else None
+    result = run_calibration(out_dir, args.profile, cases, overhead_bytes=overhead)
     from workbook import plots  # the figure is for people; the JSON above is the record
     plots.memory_accuracy(result).savefig(out_dir / "memory_accuracy.png", dpi=120, bbox_inches="tight")
     summary = result["summary"]

@@ -1,0 +1,127 @@
+"""The CUDA context and library workspaces of one GPU, measured once by its own probe and written into
+that GPU's profile (``cuda_overhead_gib``), never fitted to the calibration grid.
+
+    python -m workbook.planner.overhead_probe --profile h100 --out outputs/reference/h100   # on the GPU
+    python -m workbook.planner.overhead_probe --apply outputs/reference/h100/cuda_overhead.json   # here
+
+Memory outside PyTorch's allocator (total - free - reserved, ``runtime.peak_memory``) grows as the
+process loads what a job loads: the context itself, cuBLAS/cuBLASLt handles and workspaces, the
+attention kernels' modules (CUDA loads modules lazily), the fused optimizer's. The probe runs, in a
+fresh process, what the workbook's jobs run (a two-layer model of the profile's training architecture
+at its real width, bf16: generation, then a training step with fused AdamW) and reads that memory
+after each stage; the largest reading is the constant. ``workbook calibrate --overhead-from`` plans the
+grid with it, so the grid tests the constant too. ``--apply`` rewrites the profile's line, comment
+and all, with where the value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from workbook import gpu, params, presets
+from workbook.paths import PARAMS_DIR
+from workbook.units import GiB
+
+RESULT_FILE = "cuda_overhead.json"
+PROBE_LAYERS = 2  # the architecture's width, two layers: the kernels a job loads, in seconds
+STAGES = ("context", "bf16 matmul (cuBLAS)", "generation (sdpa, sampling)", "training step (backward, fused AdamW)")
+
+
+def non_pytorch_bytes(device: torch.device) -> int:
+    """Device memory in use outside PyTorch's caching allocator, now."""
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device)
+
+
+def measure(model_name: str, device: torch.device, read: Callable[[torch.device], int] = non_pytorch_bytes) -> dict:
+    """Run each stage on ``device`` and ``read`` the memory outside PyTorch after it; the constant is the
+    largest reading (CUDA never unloads a module)."""
+    from transformers import AutoModelForCausalLM
+
+    readings = {}
+    torch.empty(1, device=device)  # creates the context
+    readings[STAGES[0]] = read(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(2048, 2048, device=device, dtype=dtype)
+    (a @ a).sum().item()
+    readings[STAGES[1]] = read(device)
+    config = presets.load_config(model_name)
+    config.num_hidden_layers = PROBE_LAYERS
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    prompt = torch.randint(0, config.vocab_size, (4, 64), device=device)
+    with torch.no_grad():
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=True,
+                       pad_token_id=0)
+    readings[STAGES[2]] = read(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    model.train()
+    model(input_ids=prompt, labels=prompt, use_cache=False).loss.backward()
+    optimizer.step()
+    readings[STAGES[3]] = read(device)
+    return {"model": f"{model_name} ({PROBE_LAYERS} layers at full width, random {str(dtype).split('.')[-1]} weights)",
+            "readings_bytes": readings, "overhead_bytes": max(readings.values())}
+
+
+def apply(result_path: str | Path, params_dir: Path = PARAMS_DIR) -> Path:
+    """Write a probe's constant into its profile's ``cuda_overhead_gib`` line (comment included)."""
+    result = json.loads(Path(result_path).read_text())
+    path = params_dir / f"{result['profile']}.yaml"
+    text = path.read_text()
+    gib = result["overhead_bytes"] / GiB
+    line = (f"cuda_overhead_gib: {gib:.2f}   # CUDA context + workspaces, measured on {result['hardware_name']} "
+            f"({result['date']}, torch {result['torch']}) by python -m workbook.planner.overhead_probe")
+    updated, count = re.subn(r"(?m)^cuda_overhead_gib:.*$", line, text)
+    if count != 1:
+        raise ValueError(f"{path}: expected one 'cuda_overhead_gib:' line, found {count}")
+    path.write_text(updated)
+    params.load(path)  # still a valid profile, or the error names the line
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbook.planner.overhead_probe",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", help="the GPU profile in params/ this GPU is (its training model is probed)")
+    parser.add_argument("--out", help=f"folder for {RESULT_FILE}")
+    parser.add_argument("--apply", metavar="JSON", help=f"write a probe's {RESULT_FILE} into its profile's line")
+    args = parser.parse_args(argv)
+    if args.apply:
+        print(f"wrote cuda_overhead_gib into {apply(args.apply)}")
+        return 0
+    if not (args.profile and args.out):
+        parser.error("give --profile and --out (on the GPU), or --apply JSON (here)")
+    if not torch.cuda.is_available():
+        print("error: the probe measures a CUDA GPU's memory and there is none here; run it on the GPU the "
+              f"profile describes: python -m workbook.planner.overhead_probe --profile {args.profile} --out DIR",
+              file=sys.stderr)
+        return 2
+    profile = params.load(params.profile_path(args.profile))
+    device = torch.device("cuda")
+    result = {"profile": args.profile, **measure(profile["bench_train_model"], device),
+              "hardware_name": torch.cuda.get_device_name(device), "date": time.strftime("%Y-%m-%d"),
+              "torch": torch.__version__, "hardware": gpu.detect(), "versions": gpu.software_versions(),
+              "command": f"python -m workbook.planner.overhead_probe --profile {args.profile} --out {args.out}",
+              "what": "memory outside PyTorch's allocator (total - free - reserved) after each stage, in a fresh "
+                      "process; the constant is the largest"}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    for stage, value in result["readings_bytes"].items():
+        print(f"{stage}: {value / GiB:.3f} GiB outside PyTorch's allocator")
+    print(f"cuda_overhead_gib {result['overhead_bytes'] / GiB:.2f} (was {profile['cuda_overhead_gib']}, a prior); "
+          f"wrote {out / RESULT_FILE}; apply here with --apply")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

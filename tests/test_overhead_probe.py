@@ -1,0 +1,40 @@
+"""The CUDA context probe: what it runs and reads (on CPU, with a stand-in reading), and how its constant
+lands in the profile."""
+
+import json
+import shutil
+
+import torch
+
+from workbook import params
+from workbook.paths import PARAMS_DIR
+from workbook.planner import overhead_probe
+from workbook.units import GiB
+
+
+def test_the_constant_is_the_largest_reading_after_each_stage_of_a_job():
+    readings = iter([1 * GiB, 3 * GiB, 2 * GiB, 2 * GiB])  # a stage's module loads, and the context never shrinks back
+    measured = overhead_probe.measure("tiny", torch.device("cpu"), read=lambda device: next(readings))
+    assert list(measured["readings_bytes"]) == list(overhead_probe.STAGES)
+    assert measured["overhead_bytes"] == 3 * GiB
+    assert measured["model"].startswith("tiny (2 layers at full width")
+
+
+def test_apply_writes_the_measured_constant_into_its_profile_line_and_nothing_else(tmp_path):
+    shutil.copy(PARAMS_DIR / "h100.yaml", tmp_path / "h100.yaml")
+    before = (tmp_path / "h100.yaml").read_text().splitlines()
+    result = {"profile": "h100", "overhead_bytes": int(0.73 * GiB), "hardware_name": "NVIDIA H100 80GB HBM3",
+              "date": "2026-11-24", "torch": "2.11.0+cu130"}
+    (tmp_path / "cuda_overhead.json").write_text(json.dumps(result))
+    overhead_probe.apply(tmp_path / "cuda_overhead.json", params_dir=tmp_path)
+    after = (tmp_path / "h100.yaml").read_text().splitlines()
+    changed = [(old, new) for old, new in zip(before, after) if old != new]
+    assert len(after) == len(before) and len(changed) == 1
+    assert changed[0][1].startswith("cuda_overhead_gib: 0.73   # CUDA context + workspaces, measured on NVIDIA H100")
+    assert params.load(tmp_path / "h100.yaml")["cuda_overhead_gib"] == 0.73
+
+
+def test_without_a_gpu_the_probe_says_where_to_run_it(tmp_path, capsys):
+    assert overhead_probe.main(["--profile", "h100", "--out", str(tmp_path)]) == 2
+    assert "run it on the GPU the profile describes" in capsys.readouterr().err
+    assert not (tmp_path / overhead_probe.RESULT_FILE).exists()
