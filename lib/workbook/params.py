@@ -189,8 +189,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("bench_train_steps", int, "optimizer steps per training point (the first 2 are warm-up); 0: no training "
         "sweep", minimum=0),
     Key("bench_train_settings", str, "comma-separated memory settings the training sweep also runs, one point "
-        "each beside the plain one: loss_chunk_tokens, precision_bf16, offload_activations, sdpa_block_mask "
-        "(packing through the 4D-mask fallback); '' = none"),
+        "each beside the plain one: loss_chunk_tokens, precision_bf16, chunked_loss_bf16 (both), offload_activations, "
+        "sdpa_block_mask (packing through the 4D-mask fallback); '' = none"),
     Key("bench_train_baselines", str, "tools users already know, measured beside the workbook's loop in the same "
         "sweep: 'hf-trainer' trains each micro-batch's plain point again with transformers.Trainer (same model, "
         "batches, precision and optimizer settings), 'trl-sft' with TRL's SFTTrainer (same model, examples and "

@@ -121,7 +121,8 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
                 # auto: each setting at the planner's largest micro-batch for it (issue 20's "a micro-batch 2x
                 # larger at no loss of tokens/s"; and no point the planner says fits may run out of memory)
                 "bench_train_micro_batches=auto", "bench_train_steps=12", "bench_train_baselines=hf-trainer,trl-sft",
-                "bench_train_settings=loss_chunk_tokens,precision_bf16,offload_activations,sdpa_block_mask"], 120,
+                "bench_train_settings=loss_chunk_tokens,precision_bf16,chunked_loss_bf16,offload_activations,sdpa_block_mask"],
+                120,
                 reserve_seconds=90),
             Step("8B LoRA training point", [
                 *bench, "bench_strategies=seed-after", "bench_examples=32", QUICK_GENERATION,

@@ -32,6 +32,9 @@ MEMORY_SETTINGS = {
     "precision_bf16": {"precision": "bf16"},  # needs dtype bf16 (the GPU profiles')
     "offload_activations": {"offload_activations": True},
     "sdpa_block_mask": {"attn_implementation": "sdpa_block_mask"},  # packing through the 4D-mask fallback
+    # The two that cost no recomputation, together: the plan's best candidate for a larger micro-batch at
+    # no loss of tokens/s (Llama-3.2-1B at 2048 tokens on the h100 profile: 17 rows against the plain 6).
+    "chunked_loss_bf16": {"loss_chunk_tokens": 1024, "precision": "bf16"},
 }
 
 
