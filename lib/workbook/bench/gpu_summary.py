@@ -1,0 +1,130 @@
+"""A lent GPU's results against every goal the open issues set, in one table: what the closing note and
+the README's reference section report, read from the files the session's calls wrote (``gpu_session``),
+never typed in.
+
+    python -m workbook.bench.gpu_summary outputs/reference/h100       # writes SUMMARY.md there
+
+It reads, anywhere under the folder: ``ceilings.json``, ``cuda_overhead.json``, ``memory_accuracy.json``
+(issue 10's planner accuracy), every ``benchmark.json`` (generation against the roofline and the seeds,
+MFU, the memory settings, the seeds' claims), ``continuous_batching.json`` (issue 19) and
+``forecast.json`` (issue 18). A goal none of them measured says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from workbook import notebook
+from workbook.bench import published
+from workbook.bench.claims import GOALS
+from workbook.units import GiB
+
+SUMMARY_FILE = "SUMMARY.md"
+GOAL_ISSUES = dict(zip(GOALS, ("10", "10", "10", "20", "10")))
+CONTINUOUS_GOAL = 1.5  # issue 19: continuous at least 1.5x static-sorted on uneven outputs, the same memory
+FORECAST_GOAL = 0.10  # issue 18: the forecast within 10% of the measured wall time
+
+
+def found(folder: Path) -> dict[str, list[tuple[str, dict]]]:
+    """Every result file under ``folder`` by name, each with its path relative to the folder."""
+    names = ("ceilings.json", "cuda_overhead.json", "memory_accuracy.json", "benchmark.json",
+             "continuous_batching.json", "forecast.json")
+    return {name: [(str(path.relative_to(folder)), json.loads(path.read_text()))
+                   for path in sorted(folder.rglob(name))] for name in names}
+
+
+def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
+    table = []
+
+    def add(issue: str, goal: str, measured: str, met: str, source: str) -> None:
+        table.append({"issue": issue, "goal": goal, "measured": measured, "met": met, "source": source})
+
+    for source, record in files["ceilings.json"]:
+        measured, sheet = record["measured"], record["datasheet"]
+        add("10", "measured ceilings beside the datasheet", f"copy {measured['copy_gb_per_second']:,.0f} GB/s "
+            f"({_share(sheet['copy_share_of_datasheet'])} of the datasheet), bf16 matmul "
+            f"{measured['matmul_tflops']:,.0f} TFLOP/s ({_share(sheet['matmul_share_of_datasheet'])})", "n/a (a fact)",
+            source)
+    for source, record in files["cuda_overhead.json"]:
+        add("10", "CUDA context constant measured by its own probe", f"{record['overhead_bytes'] / GiB:.2f} GiB "
+            f"({record['hardware_name']})", "measured", source)
+    for source, record in files["memory_accuracy.json"]:
+        summary = record["summary"]
+        add("10", "planner: median |error| <= 1.5%, max <= 4%, no case the planner says fits runs out of memory",
+            f"median {_share(summary['median_abs_relative_error'], 2)}, max {_share(summary['max_abs_relative_error'], 2)}"
+            f" over {summary['counted_toward_goal']} cases; out of memory: {len(summary['out_of_memory'])}; context "
+            f"term: {record.get('cuda_context_term', 'each case its own')}", "yes" if summary["meets_goal"] else "no",
+            source)
+    goals, claims = {}, {}
+    for source, record in files["benchmark.json"]:
+        for row in record["goals"]:
+            if row["met"] != "n/a" or row["goal"] not in goals:
+                goals[row["goal"]] = (row, source)
+        for row in record["claims"]:
+            if not row["measured"].startswith("not measur") or row["claim"] not in claims:
+                claims[row["claim"]] = (row, source)
+    for goal in GOALS:
+        row, source = goals.get(goal, ({"measured": "not measured in this session", "met": "n/a"}, ""))
+        add(GOAL_ISSUES[goal], goal, row["measured"], row["met"], source)
+    for (row, source) in claims.values():
+        add("10", f"seed {row['seed']}: {row['claim']}", row["measured"], "n/a (a claim)", source)
+    for source, record in files["continuous_batching.json"]:
+        for result in record["results"]:
+            best = max(filter(None, result["bandwidth_roofline_fraction"].values()), default=None)
+            ratio = result["continuous_vs_static"]
+            add("19", f"continuous >= {CONTINUOUS_GOAL}x static-sorted at the same memory ({result['workload']} outputs)",
+                f"{ratio}x; batches {result['batch_size']}; best fraction of the bandwidth roofline "
+                f"{_share(best)}", ("yes" if ratio >= CONTINUOUS_GOAL else "no") if result["workload"] == "uneven"
+                else "n/a (the goal is on uneven outputs)", source)
+    for source, record in files["forecast.json"]:
+        for case in record["cases"]:
+            wall = case.get("wall") or {}
+            error = wall.get("median_error")
+            add("18", f"forecast from a pilot within {FORECAST_GOAL:.0%} of the measured wall time: {case['case']}",
+                "not finished" if error is None else f"{error:+.1%} (median of {len(wall['errors'])})",
+                "n/a" if error is None else ("yes" if abs(error) <= FORECAST_GOAL else "no"), source)
+    return table
+
+
+def markdown(folder: Path, table: list[dict], files: dict) -> str:
+    hardware = next((record["hardware"] for records in files.values() for _, record in records
+                     if isinstance(record.get("hardware"), dict)), None)
+    return "\n".join([
+        f"# {folder.name}: the GPU session's figures against the open issues' goals", "",
+        f"Hardware: {_hardware_text(hardware)}", "",
+        "Each row comes from the file in its source column (`python -m workbook.bench.gpu_summary "
+        f"{folder}` rewrites this page).", "", notebook.markdown_table(table), "", published.vllm_line(), ""])
+
+
+def _hardware_text(hardware: dict | None) -> str:
+    if not hardware:
+        return "not recorded"
+    versions = ", ".join(f"{name} {version}" for name, version in (hardware.get("versions") or {}).items() if version)
+    gpus = hardware.get("gpus") or []
+    machine = (f"{len(gpus)} x {gpus[0].get('name')}, driver {hardware.get('driver_version')}" if gpus else
+               f"no GPU; CPU {hardware['cpu']['model']}, {hardware['cpu']['logical_cores']} logical cores")
+    return f"{machine}; {versions}" if versions else machine
+
+
+def _share(value: float | None, digits: int = 0) -> str:
+    return "n/a" if value is None else f"{value:.{digits}%}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbook.bench.gpu_summary", description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", help="a GPU session's results, e.g. outputs/reference/h100")
+    folder = Path(parser.parse_args(argv).folder)
+    files = found(folder)
+    if not any(files.values()):
+        print(f"error: {folder} holds none of {', '.join(files)}")
+        return 2
+    text = markdown(folder, rows(files), files)
+    (folder / SUMMARY_FILE).write_text(text)
+    print(text + f"\nwrote {folder / SUMMARY_FILE}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

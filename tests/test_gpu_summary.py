@@ -1,0 +1,46 @@
+"""The GPU session's summary: every goal row read from the files the calls wrote (here the committed CPU
+reference, plus the GPU-only files made up in the shape their writers give)."""
+
+import json
+import shutil
+
+from workbook.bench import claims, gpu_summary
+from workbook.paths import OUTPUTS_DIR
+from workbook.units import GiB
+
+
+def test_the_summary_reads_each_goal_from_its_file_and_says_which(tmp_path):
+    folder = tmp_path / "h100"
+    shutil.copytree(OUTPUTS_DIR / "reference" / "cpu", folder)
+    (folder / "calibration").mkdir()
+    (folder / "calibration" / "memory_accuracy.json").write_text(json.dumps({
+        "summary": {"median_abs_relative_error": 0.012, "max_abs_relative_error": 0.051, "counted_toward_goal": 16,
+                    "out_of_memory": [], "meets_goal": False},
+        "cuda_context_term": "0.620 GiB, the overhead probe's constant"}))
+    (folder / "cuda_overhead.json").write_text(json.dumps({"overhead_bytes": int(0.62 * GiB),
+                                                           "hardware_name": "NVIDIA H100 80GB HBM3"}))
+    assert gpu_summary.main([str(folder)]) == 0
+    table = {row["goal"]: row for row in gpu_summary.rows(gpu_summary.found(folder))}
+    accuracy = table["planner: median |error| <= 1.5%, max <= 4%, no case the planner says fits runs out of memory"]
+    assert accuracy["measured"].startswith("median 1.20%, max 5.10% over 16 cases") and accuracy["met"] == "no"
+    assert accuracy["source"] == "calibration/memory_accuracy.json"
+    assert table["CUDA context constant measured by its own probe"]["measured"].startswith("0.62 GiB")
+    # The forecast rows are the file's own median errors, judged against 10%.
+    forecast = json.loads((folder / "forecast.json").read_text())
+    for case in forecast["cases"]:
+        row = table[f"forecast from a pilot within 10% of the measured wall time: {case['case']}"]
+        assert row["measured"].startswith(f"{case['wall']['median_error']:+.1%}")
+        assert row["met"] == ("yes" if abs(case["wall"]["median_error"]) <= 0.10 else "no")
+    uneven = table["continuous >= 1.5x static-sorted at the same memory (uneven outputs)"]
+    ratio = next(r["continuous_vs_static"] for r in json.loads((folder / "continuous_batching.json").read_text())["results"]
+                 if r["workload"] == "uneven")
+    assert uneven["measured"].startswith(f"{ratio}x") and uneven["met"] == ("yes" if ratio >= 1.5 else "no")
+    # Every goal of the benchmark has a row, measured or said not to be.
+    assert all(goal in table for goal in claims.GOALS)
+    assert table[claims.GOALS[3]]["measured"] == "not measured in this session"
+    assert "Beside vLLM's published figures" in (folder / gpu_summary.SUMMARY_FILE).read_text()
+
+
+def test_a_folder_without_results_is_an_error(tmp_path, capsys):
+    assert gpu_summary.main([str(tmp_path)]) == 2
+    assert "holds none of" in capsys.readouterr().out
