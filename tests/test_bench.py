@@ -290,6 +290,8 @@ def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
             {"micro_batch_size": 4, "grad_checkpointing": False, "torch_compile": False, "padding": "packing",
              "tokens_per_second": 1000.0, "mfu": 0.4}]}}
     write_run(tmp_path / "reference" / "h200", None, benchmark=benchmark)
+    # A GPU session's call leaves its benchmark's run folder inside the GPU's reference folder.
+    write_run(tmp_path / "reference" / "h200" / "20261201-000000-bench-h200", None, benchmark=benchmark)
     write_run(tmp_path / "20261121-000000-cpu", {"profile": "cpu", "status": "ok", "started_at": "2026-11-21",
                                                  "git": {"commit": "abcdef1234567", "dirty": True},
                                                  "hardware": {"gpus": []}, "notebooks": []})
@@ -298,7 +300,8 @@ def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
     (tmp_path / "models").mkdir()  # not a run: skipped
     runs = review.load_runs(tmp_path)
     labels = [run.label for run in runs]
-    assert labels == ["reference/h200", "20261121-000002-cpu", "20261121-000001-cpu", "20261121-000000-cpu"]
+    assert labels == ["reference/h200", "reference/h200/20261201-000000-bench-h200", "20261121-000002-cpu",
+                      "20261121-000001-cpu", "20261121-000000-cpu"]
     rows = {row["run"]: row for row in review.run_rows(runs)}
     assert rows["reference/h200"]["profile"] == "h200" and rows["reference/h200"]["status"] == "no manifest"
     assert rows["20261121-000000-cpu"]["commit"] == "abcdef1234 (dirty)" and rows["20261121-000000-cpu"]["GPU"] == "no GPU"
@@ -308,7 +311,8 @@ def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
     assert "manifest.json: unreadable" in rows["20261121-000002-cpu"]["problems"]
     assert "benchmark.json: not a JSON object" in rows["20261121-000002-cpu"]["problems"]
     series = review.throughput_series(runs)
-    assert series == [{"label": "reference/h200 (h200)", "x": [8, 32], "y": [150.0, 300.0]}]
+    assert series == [{"label": label, "x": [8, 32], "y": [150.0, 300.0]} for label in
+                      ("reference/h200 (h200)", "reference/h200/20261201-000000-bench-h200 (h200)")]
     assert review.memory_accuracy_series(runs)[0]["y"] == [2.0]
     assert review.mfu_rows(runs)[0]["MFU"] == "40.0%"
 

@@ -36,10 +36,12 @@ class Run:
     problems: list[str] = field(default_factory=list)  # unreadable files, a failed or unfinished run
     stopped: bool = False  # the manifest says running, but the process that wrote it is gone
     this_run: bool = False  # the run doing the reviewing (notebook 05's own, still running)
+    name: str = ""  # the folder as listed: its name, or for a reference's run folder 'h100/<run folder>'
 
     @property
     def label(self) -> str:
-        return ("reference/" if self.reference else "") + self.path.name + (" (this run)" if self.this_run else "")
+        return (("reference/" if self.reference else "") + (self.name or self.path.name)
+                + (" (this run)" if self.this_run else ""))
 
     @property
     def profile(self) -> str | None:
@@ -155,10 +157,14 @@ def load_runs(outputs_dir: Path = OUTPUTS_DIR, reference_dir: Path | None = None
         for folder in sorted((p for p in root.iterdir() if p.is_dir()), reverse=True):
             if not is_reference and folder.resolve() == reference_dir.resolve():
                 continue
-            own = this_run is not None and folder.resolve() == Path(this_run).resolve()
-            run = load_run(folder, is_reference, this_run=own)
-            if run.manifest is not None or run.metrics or run.problems:
-                runs.append(run)
+            # A GPU session's calls leave run folders inside the GPU's reference folder (gpu_session).
+            nested = sorted((p for p in folder.iterdir() if p.is_dir()), reverse=True) if is_reference else []
+            for candidate in [folder, *nested]:
+                own = this_run is not None and candidate.resolve() == Path(this_run).resolve()
+                run = load_run(candidate, is_reference, this_run=own)
+                run.name = str(candidate.relative_to(root))
+                if run.manifest is not None or run.metrics or run.problems:
+                    runs.append(run)
     return runs
 
 
