@@ -45,6 +45,18 @@ def test_the_summary_reads_each_goal_from_its_file_and_says_which(tmp_path):
     assert "Beside vLLM's published figures" in (folder / gpu_summary.SUMMARY_FILE).read_text()
 
 
+def test_a_goal_two_benchmarks_measured_has_a_row_from_each(tmp_path):
+    for run, mfu in (("20261201-000000-bench-h100", "41.0% (best training point)"),
+                     ("20261201-000100-bench-h100", "52.0% (best training point)")):
+        (tmp_path / run).mkdir()
+        goals = [{"goal": claims.GOALS[2], "measured": mfu, "met": "yes" if mfu.startswith("52") else "no: 91% of the goal"}]
+        (tmp_path / run / "benchmark.json").write_text(json.dumps({"goals": goals, "claims": []}))
+    rows = [row for row in gpu_summary.rows(gpu_summary.found(tmp_path)) if row["goal"] == claims.GOALS[2]]
+    assert [(row["measured"][:5], row["met"][:2], row["source"]) for row in rows] == [
+        ("41.0%", "no", "20261201-000000-bench-h100/benchmark.json"),
+        ("52.0%", "ye", "20261201-000100-bench-h100/benchmark.json")]
+
+
 def test_a_folder_without_results_is_an_error(tmp_path, capsys):
     assert gpu_summary.main([str(tmp_path)]) == 2
     assert "holds none of" in capsys.readouterr().out
