@@ -78,10 +78,20 @@ def test_records_without_a_usable_pair_are_listed_not_silently_dropped(tokenizer
     assert report.skipped == ["f.jsonl:2: field 'output' is missing", "f.jsonl:3: field 'input' is missing"]
 
 
-# flex_attention is what packed rows run on CUDA: its forward runs on CPU too (compiled, about 15 s), so the
-# BlockMask transformers builds from the restarts is checked here; only its backward needs the GPU.
+# flex_attention is what packed rows run on CUDA. Its forward runs on CPU too, so the BlockMask transformers
+# builds from the restarts is checked here, through torch's eager flex attention: compiling the mask and the
+# kernel for CPU takes 40 s on a cold cache and checks a CPU kernel the GPU never runs.
 @pytest.mark.parametrize("attention", ["sdpa", "eager", "flex_attention"])
-def test_a_packed_row_gives_the_logits_and_loss_of_its_examples_run_alone(tiny_model_path, tokenizer, attention):
+def test_a_packed_row_gives_the_logits_and_loss_of_its_examples_run_alone(tiny_model_path, tokenizer, attention,
+                                                                          monkeypatch):
+    if attention == "flex_attention":
+        import transformers.integrations.flex_attention as flex_integration
+        import transformers.masking_utils as masking_utils
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        monkeypatch.setattr(masking_utils, "create_block_mask",
+                            lambda *args, **kwargs: create_block_mask(*args, **{**kwargs, "_compile": False}))
+        monkeypatch.setattr(flex_integration, "compile_friendly_flex_attention",
+                            lambda query, key, value, training=False, **kwargs: flex_attention(query, key, value, **kwargs))
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, attn_implementation=attention).eval()
     records = [{"input": "What is 23 + 45?", "output": "68"}, {"input": "What is 7 - 3?", "output": "4"},
                {"input": "What is 99 + 99?", "output": "198"}]
