@@ -100,18 +100,19 @@ def planned_micro_batch(params, point: dict) -> dict:
     setting measured at the batch it makes fit, the question it answers. The run's own 'auto' rule
     (``training.plan_run``): a preset's synthetic rows are made to match, a dataset caps it at one step."""
     config = point_config(params, {**point, "micro_batch_size": 1}, Path(tempfile.gettempdir()))
-    rule = "auto: the planner's largest for these settings"
+    # A preset trains on rows of exactly seq_len tokens; a dataset's length comes from its data.
+    prepared = None if isinstance(config.max_seq_length, int) else training.prepare_data(config, log=lambda line: None)
+    seq_len = prepared.max_seq_length if prepared else config.max_seq_length
     try:
-        if isinstance(config.max_seq_length, int):  # a preset: rows of exactly seq_len tokens
-            micro = training.memory_plan(config, 1, config.max_seq_length).require_fit().max_batch_size
-        else:
-            prepared = training.prepare_data(dataclasses.replace(config, micro_batch_size=AUTO), log=lambda line: None)
-            run = training.plan_run(dataclasses.replace(config, micro_batch_size=AUTO), prepared)
-            micro, rule = run.micro_batch_size, run.micro_batch_rule
+        fits = training.memory_plan(config, 1, seq_len).require_fit().max_batch_size
     except DoesNotFitError as error:
         return {**point, "skipped": f"skipped: not even micro-batch 1 fits the plan ({error})"}
+    micro, rule = fits, "auto: the planner's largest for these settings"
+    if prepared is not None:
+        run = training.plan_run(dataclasses.replace(config, micro_batch_size=AUTO), prepared)
+        micro, rule = run.micro_batch_size, run.micro_batch_rule
     # A dataset smaller than what memory holds caps it (the run's own rule): then memory did not choose it.
-    return {**point, "micro_batch_size": micro, "micro_batch_rule": rule, "micro_batch_capped": "capped at" in rule}
+    return {**point, "micro_batch_size": micro, "micro_batch_rule": rule, "micro_batch_capped": micro < fits}
 
 
 def point_config(params, point: dict, output_dir: Path) -> training.TrainConfig:

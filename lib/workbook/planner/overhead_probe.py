@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-from workbook import gpu, params, presets
+from workbook import gpu, params, presets, runtime
 from workbook.paths import PARAMS_DIR
 from workbook.units import GiB
 
@@ -36,10 +36,8 @@ STAGES = ("context", "bf16 matmul (cuBLAS)", "generation (sdpa, sampling)", "tra
 
 
 def non_pytorch_bytes(device: torch.device) -> int:
-    """Device memory in use outside PyTorch's caching allocator, now."""
-    torch.cuda.synchronize(device)
-    free, total = torch.cuda.mem_get_info(device)
-    return total - free - torch.cuda.memory_reserved(device)
+    """Device memory in use outside PyTorch's caching allocator, now (``runtime.peak_memory`` reads it so)."""
+    return runtime.peak_memory(device).non_pytorch_bytes
 
 
 def measure(model_name: str, device: torch.device, read: Callable[[torch.device], int] = non_pytorch_bytes) -> dict:
