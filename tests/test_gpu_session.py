@@ -4,6 +4,7 @@ every command of every call names options and params keys that exist, so a typo 
 not in the GPU's minutes. The measured ceilings run on this CPU."""
 
 import json
+import os
 import re
 
 import pytest
@@ -26,7 +27,9 @@ def test_a_call_keeps_to_its_budget_and_runs_every_step_it_can(tmp_path, monkeyp
     steps = [
         python_step("fails", "import sys; print('broken'); sys.exit(4)"),
         python_step("writes a run folder", f"import pathlib; p = pathlib.Path({str(outputs)!r}) / 'bench-run'; "
-                                           "p.mkdir(); (p / 'benchmark.json').write_text('{}'); print('done')"),
+                                           "p.mkdir(); (p / 'benchmark.json').write_text('{}'); "
+                                           "m = p.parent / 'models' / 'tiny-1'; m.mkdir(parents=True); "
+                                           "(m / 'model.safetensors').write_text('weights'); print('done')"),
         python_step("told its budget", "import sys; print('budget', sys.argv[-1])", budget_flag="--time-budget-seconds"),
         python_step("overruns", "import time; print('started', flush=True); time.sleep(60)"),
         python_step("needs more than is left", "print('never')", needs=1000),
@@ -39,7 +42,7 @@ def test_a_call_keeps_to_its_budget_and_runs_every_step_it_can(tmp_path, monkeyp
     assert statuses[:3] == ["failed (exit 4)", "ok", "ok"]
     assert records[0]["last_line"] == "broken"
     assert (out / "bench-run" / "benchmark.json").is_file()  # the step's run folder, copied into the results
-    assert records[1]["run_folders"] == [str(out / "bench-run")]
+    assert records[1]["run_folders"] == [str(out / "bench-run")]  # not the model cache a fresh machine built
     budget_given = int(records[2]["last_line"].split()[-1])
     assert 0 < budget_given <= 8
     assert statuses[3].startswith("stopped: the budget ran out") and records[3]["seconds"] < 9
@@ -86,6 +89,32 @@ def test_every_command_of_every_call_names_options_and_keys_that_exist(profile, 
                 beginnings = step.argv[step.argv.index("--only") + 1].split(",")
                 chosen = calibration.chosen_cases(calibration.calibration_grid(profile), beginnings)
                 assert [case.mode for case in chosen] == ["generate", "train"]
+
+
+def test_a_call_comes_back_as_a_pack_the_device_returns_whole_and_unpacks_as_written(tmp_path, monkeypatch):
+    # The device returns 8 files of 16 MiB at most, none more than two folders down: a call's results
+    # (run folders three levels deep among them) must come back in full, in a few files under the limits.
+    monkeypatch.setattr(gpu_session, "PART_BYTES", 40_000)
+    monkeypatch.setattr(gpu_session, "LARGEST_MEMBER_BYTES", 60_000)
+    folder, out = tmp_path / "out" / "smoke", tmp_path / "out"
+    written = {"smoke.json": b"{}", "ceilings.json": b"{}",
+               "2026-bench-cuda/benchmark.json": b"{}", "2026-bench-cuda/plots/bench_mfu.png": os.urandom(50_000),
+               "forecast/deep/er/points.jsonl": os.urandom(30_000)}
+    for name, data in written.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    (folder / "checkpoint.safetensors").write_bytes(os.urandom(70_000))  # over the largest member
+
+    packed = gpu_session.pack(folder, out, "smoke")
+
+    returned = sorted(path for path in out.rglob("*") if path.is_file())
+    assert not folder.exists() and len(returned) == len(packed["files"]) >= 2  # split: over PART_BYTES
+    assert len(returned) <= gpu_session.MOST_PARTS and all(path.parent == out for path in returned)
+    assert all(path.stat().st_size <= gpu_session.PART_BYTES for path in returned)
+    assert packed["left_out"] == ["checkpoint.safetensors (0 MiB: over 0 MiB)"]
+    into = tmp_path / "reference" / "h100"
+    assert gpu_session.unpack(out, into) == ["smoke"]
+    assert {str(path.relative_to(into)): path.read_bytes() for path in into.rglob("*") if path.is_file()} == written
 
 
 def test_the_session_lists_its_commands_without_running_them(capsys, tmp_path):

@@ -7,3 +7,4 @@ NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 PARAMS_DIR = REPO_ROOT / "params"
 OUTPUTS_DIR = REPO_ROOT / "outputs"
 REFERENCE_DIR = OUTPUTS_DIR / "reference"
+MODELS_DIR = OUTPUTS_DIR / "models"  # built models (the tiny one); git-ignored

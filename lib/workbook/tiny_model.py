@@ -32,10 +32,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, proce
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from workbook import arithmetic
+from workbook.paths import MODELS_DIR
 
 TINY_MODEL_NAME = "tiny"  # what users write as `model: tiny` in a params file
 RECIPE_VERSION = 2  # bump when the build changes in a way the hashed values below do not show
-DEFAULT_CACHE_ROOT = Path(__file__).resolve().parents[2] / "outputs" / "models"  # git-ignored
+DEFAULT_CACHE_ROOT = MODELS_DIR  # git-ignored
 BUILD_INFO_FILE = "workbook_tiny.json"  # written last: its presence marks a complete build
 
 # Tokenizer: one token per character. Specials first, so <pad> is 0 like most Llama exports.

@@ -27,6 +27,13 @@ Calls, in the order a session spends them (``--list`` prints the commands):
   weights built first, and the generation forecast's projection to every profile beside seed 000's
   claims; it stops itself inside the budget and records a case it could not finish.
 
+The device returns at most 8 files of 16 MiB from ``$OUT``, none more than two folders down, so a call
+runs in ``<out>/<call>/`` and ends by packing that folder into ``<out>/<call>.tar.gz`` (split into
+``.partNN`` files of 15 MiB when larger; a file over 16 MiB is left out and named in ``<call>.json``)
+beside ``<call>.json``; ``--no-pack`` keeps the plain folder (a rented machine of one's own). Back
+here, ``--unpack <folder the files came back to> --into outputs/reference/h100`` puts the files where
+the call wrote them, as if it had run here.
+
 Every step runs as its own process (its output in ``<out>/<call>.log``, unbuffered), is given the
 time left (less a reserve for the summary) and is stopped when it runs out; a failed step does not
 stop the next. A step that writes a run folder under ``outputs/`` has it copied into ``<out>``, stopped or
@@ -45,12 +52,18 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
-from workbook.paths import OUTPUTS_DIR, REPO_ROOT
+from workbook.paths import MODELS_DIR, OUTPUTS_DIR, REPO_ROOT
 
 RESERVE_SECONDS = 20  # kept back from the last step: the summary and copying the results
+# What the device brings back from $OUT (its README's limits): 8 files of at most 16 MiB each. The pack
+# is split below that; a single file above it would not come back inside the pack either.
+PART_BYTES = 15 * 2 ** 20
+LARGEST_MEMBER_BYTES = 16 * 2 ** 20
+MOST_PARTS = 7  # and <call>.json: 8 files
 DEFAULT_BUDGET_SECONDS = 540  # 9 minutes: inside the device's 10-minute limit per command
 # The forecast call's 8B generation job, sized from bandwidth for about 2 minutes. The planner's batch is
 # 505 on an H100 and 995 on an H200 (prompt_len 512, 256 new tokens), so 5,000 and 10,000 prompts make 10
@@ -189,13 +202,68 @@ def _run_folders(outputs: Path) -> set[Path]:
 
 
 def _copy_new_folders(outputs: Path, before: set[Path], out: Path) -> list[Path]:
-    """Run folders the step made under ``outputs`` (a benchmark's), copied into ``out``."""
+    """Run folders the step made under ``outputs`` (a benchmark's), copied into ``out``; not the
+    model cache (``outputs/models``: the tiny model a fresh machine builds on first use)."""
     copied = []
     for folder in sorted(_run_folders(outputs) - before):
+        if folder.name == MODELS_DIR.name:
+            continue
         target = out / folder.name
         shutil.copytree(folder, target, dirs_exist_ok=True)
         copied.append(target)
     return copied
+
+
+def pack(folder: Path, out: Path, name: str) -> dict:
+    """``folder`` as ``<out>/<name>.tar.gz`` (members relative to ``folder``), split into parts of
+    PART_BYTES when larger, and ``folder`` removed: what the device returns. Returns what was
+    packed, split and left out (a file over LARGEST_MEMBER_BYTES)."""
+    archive = out / f"{name}.tar.gz"
+    left_out = []
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and not path.is_symlink():
+                size = path.stat().st_size
+                if size > LARGEST_MEMBER_BYTES:
+                    left_out.append(f"{path.relative_to(folder)} ({size / 2 ** 20:.0f} MiB: over "
+                                    f"{LARGEST_MEMBER_BYTES // 2 ** 20} MiB)")
+                    continue
+                tar.add(path, arcname=str(path.relative_to(folder)))
+    parts = _split(archive)
+    shutil.rmtree(folder)
+    return {"files": [part.name for part in parts], "bytes": sum(part.stat().st_size for part in parts),
+            "left_out": left_out,
+            "note": "" if len(parts) <= MOST_PARTS else f"{len(parts)} parts: more than the device returns"}
+
+
+def _split(archive: Path) -> list[Path]:
+    size = archive.stat().st_size
+    if size <= PART_BYTES:
+        return [archive]
+    parts = []
+    with archive.open("rb") as whole:
+        while chunk := whole.read(PART_BYTES):
+            parts.append(archive.with_name(f"{archive.name}.part{len(parts):02d}"))
+            parts[-1].write_bytes(chunk)
+    archive.unlink()
+    return parts
+
+
+def unpack(returned: Path, into: Path) -> list[str]:
+    """Every call's pack found in ``returned`` (whole or in parts), extracted into ``into``;
+    returns the names of the packs."""
+    into.mkdir(parents=True, exist_ok=True)
+    names = sorted({path.name.split(".tar.gz")[0] for path in returned.glob("*.tar.gz*")})
+    for name in names:
+        parts = sorted(returned.glob(f"{name}.tar.gz.part*")) or [returned / f"{name}.tar.gz"]
+        joined = into / f".{name}.tar.gz"
+        joined.write_bytes(b"".join(part.read_bytes() for part in parts))
+        try:
+            with tarfile.open(joined) as tar:
+                tar.extractall(into, filter="data")  # no member may land outside ``into``
+        finally:
+            joined.unlink()
+    return names
 
 
 def table(call: str, records: list[dict]) -> str:
@@ -207,23 +275,39 @@ def table(call: str, records: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbook.bench.gpu_session", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--call", choices=list(calls("", Path())), required=True)
-    parser.add_argument("--profile", required=True, help="the lent GPU's profile: h100 or h200")
-    parser.add_argument("--out", required=True, help="results folder ($OUT on the device)")
+    parser.add_argument("--call", choices=list(calls("", Path())))
+    parser.add_argument("--profile", help="the lent GPU's profile: h100 or h200")
+    parser.add_argument("--out", help="results folder ($OUT on the device)")
     parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
     parser.add_argument("--list", action="store_true", help="print the call's commands and stop")
+    parser.add_argument("--no-pack", action="store_true", help="leave the results as a folder under --out")
+    parser.add_argument("--unpack", metavar="FOLDER", help="here: extract the packs the device returned into --into")
+    parser.add_argument("--into", help="with --unpack: e.g. outputs/reference/h100")
     args = parser.parse_args(argv)
+    if args.unpack:
+        if not args.into:
+            parser.error("--unpack needs --into (e.g. outputs/reference/h100)")
+        names = unpack(Path(args.unpack), Path(args.into))
+        print(f"unpacked {', '.join(names) or 'nothing (no <call>.tar.gz found)'} into {args.into}")
+        return 0 if names else 1
+    if not (args.call and args.profile and args.out):
+        parser.error("--call, --profile and --out are required (or --unpack FOLDER --into FOLDER)")
     out = Path(args.out)
-    steps = calls(args.profile, out)[args.call]
+    folder = out if args.no_pack else out / args.call
+    steps = calls(args.profile, folder)[args.call]
     if args.list:
         print("\n".join(f"{step.name}: python3 {' '.join(step.argv)}" for step in steps))
         return 0
-    out.mkdir(parents=True, exist_ok=True)
-    records = run_call(steps, out, out / f"{args.call}.log", args.budget_seconds)
-    (out / f"{args.call}.json").write_text(json.dumps({"call": args.call, "profile": args.profile,
-                                                       "budget_seconds": args.budget_seconds, "steps": records},
-                                                      indent=2) + "\n")
+    folder.mkdir(parents=True, exist_ok=True)
+    records = run_call(steps, folder, folder / f"{args.call}.log", args.budget_seconds)
+    summary = {"call": args.call, "profile": args.profile, "budget_seconds": args.budget_seconds, "steps": records}
+    (folder / f"{args.call}.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table(args.call, records))
+    if not args.no_pack:
+        summary["pack"] = pack(folder, out, args.call)
+        (out / f"{args.call}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(f"packed into {', '.join(summary['pack']['files'])} ({summary['pack']['bytes'] / 2 ** 20:.1f} MiB)"
+              + "".join(f"; left out {item}" for item in summary["pack"]["left_out"]) + summary["pack"]["note"])
     return 0 if all(record["status"] == "ok" for record in records) else 1
 
 
