@@ -43,28 +43,68 @@ def test_simulation_adds_up_the_engines_batches_on_synthetic_timings():
     assert result.prefill_tokens == 2 * 50 + 2 * 30 + 10
 
 
+def fake_call(truth: GenerationTimings, rows: int, longest: int, outputs: list[int]) -> pilot.Call:
+    """A pilot call whose forwards take exactly what ``truth`` says."""
+    forwards, clock = [], 0.0
+    prefill = forecast.batch_seconds(rows, longest, 1, truth)[0]
+    forwards.append((clock, clock + prefill, longest))
+    clock += prefill
+    for step in range(1, max(outputs)):
+        seconds = truth.step_fixed_seconds + truth.step_seconds_per_context_token * rows * (longest + step)
+        forwards.append((clock, clock + seconds, longest + step))
+        clock += seconds
+    return pilot.Call(rows, longest, clock, forwards, outputs, written_seconds=clock)
+
+
+def test_a_long_prompts_dearer_tokens_are_fitted_and_carried_to_lengths_the_pilot_did_not_run():
+    """Attention makes a prefill's cost grow with rows x length squared (on CPU the tiny model's
+    token at 200 positions costs 1.6x one at 20): a line through the pilot's total put the job's
+    longest batches 20% low and its shortest 10% high. From pilot batches across the lengths the
+    fit recovers the pairs' cost and predicts a batch longer than any it ran."""
+    truth = timings(call_overhead_seconds=0.0, write_seconds_per_output=0.0, prefill_fixed_seconds=0.0,
+                    prefill_seconds_per_token=2e-5, prefill_seconds_per_token_pair=7e-8)
+    calls = [fake_call(truth, 32, length, [4] * 32) for length in (180, 120, 60, 30)]
+    fitted, error = pilot.fit_generation(calls, warm_up_seconds=0.0, startup_seconds=0.0)
+    assert fitted.prefill_seconds_per_token_pair == pytest.approx(7e-8, rel=1e-6)
+    assert fitted.prefill_seconds_per_token == pytest.approx(2e-5, rel=1e-6)
+    assert error == pytest.approx(0.0, abs=1e-9)
+    longer = fake_call(truth, 32, 220, [4] * 32)
+    predicted = forecast.simulate_generation([220] * 32, prompts_per_call=32, max_new_tokens=8, timings=fitted,
+                                             outputs=OutputLengths([(220, [4])]), include_startup=False)
+    assert predicted.seconds == pytest.approx(longer.seconds, rel=1e-6)
+    # The same calls fitted with a line alone (what the forecast did before) put its prefill over 10% low.
+    line = timings(call_overhead_seconds=0.0, write_seconds_per_output=0.0, step_fixed_seconds=fitted.step_fixed_seconds,
+                   step_seconds_per_context_token=fitted.step_seconds_per_context_token,
+                   **dict(zip(("prefill_fixed_seconds", "prefill_seconds_per_token"), forecast.fit_line(
+                       [32 * c.longest_prompt for c in calls], [c.forwards[1][0] for c in calls], single="slope"))))
+    by_line = forecast.simulate_generation([220] * 32, prompts_per_call=32, max_new_tokens=8, timings=line,
+                                           outputs=OutputLengths([(220, [4])]), include_startup=False)
+    assert by_line.prefill_seconds < 0.9 * longer.forwards[1][0]
+
+
+def test_the_nonnegative_fit_drops_a_negative_cost_and_keeps_the_total():
+    columns = [[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0], [1.0, 4.0, 9.0, 16.0]]
+    assert forecast.fit_nonnegative(columns, [2.0, 3.0, 4.0, 5.0]) == pytest.approx([1.0, 1.0, 0.0], abs=1e-9)
+    # Time falling with size fits no positive slope: the mean, as a fixed cost.
+    assert forecast.fit_nonnegative(columns, [5.0, 4.0, 3.0, 2.0]) == pytest.approx([3.5, 0.0, 0.0], abs=1e-9)
+    # Convex data whose exact fit has a negative fixed cost: none, and the total kept.
+    ys = [0.5, 3.0, 7.5, 14.0]  # 1 * x^2 - 0.5 ... without the constant
+    fixed, per_token, per_pair = forecast.fit_nonnegative(columns, ys)
+    assert fixed == 0.0 and per_token >= 0 and per_pair > 0
+    assert sum(per_token * x + per_pair * x * x for x in (1, 2, 3, 4)) == pytest.approx(sum(ys))
+
+
 def test_fitted_timings_predict_batches_the_pilot_did_not_run():
     """Calls made from known costs: the fit recovers them, and the simulation then predicts the
     time of a batch of other lengths."""
     truth = timings(call_overhead_seconds=0.0, write_seconds_per_output=0.0)
 
-    def fake_call(rows, longest, outputs):
-        forwards, clock = [], 0.0
-        prefill = truth.prefill_fixed_seconds + truth.prefill_seconds_per_token * rows * longest
-        forwards.append((clock, clock + prefill, longest))
-        clock += prefill
-        for step in range(1, max(outputs)):
-            seconds = truth.step_fixed_seconds + truth.step_seconds_per_context_token * rows * (longest + step)
-            forwards.append((clock, clock + seconds, longest + step))
-            clock += seconds
-        return pilot.Call(rows, longest, clock, forwards, outputs, written_seconds=clock)
-
-    calls = [fake_call(8, 100, [6] * 8), fake_call(8, 20, [6] * 8)]
+    calls = [fake_call(truth, 8, 100, [6] * 8), fake_call(truth, 8, 20, [6] * 8)]
     fitted, error = pilot.fit_generation(calls, warm_up_seconds=0.0, startup_seconds=0.0)
     assert fitted.prefill_seconds_per_token == pytest.approx(truth.prefill_seconds_per_token, rel=1e-6)
     assert fitted.step_seconds_per_context_token == pytest.approx(truth.step_seconds_per_context_token, rel=1e-6)
     assert error == pytest.approx(0.0, abs=1e-9)
-    unseen = fake_call(8, 60, [6] * 8)
+    unseen = fake_call(truth, 8, 60, [6] * 8)
     predicted = forecast.simulate_generation([60] * 8, prompts_per_call=8, max_new_tokens=8, timings=fitted,
                                              outputs=OutputLengths([(60, [6])]), include_startup=False)
     assert predicted.seconds == pytest.approx(unseen.seconds, rel=1e-6)
@@ -264,6 +304,24 @@ def test_a_generation_forecast_over_two_nodes_shards_the_prompts_and_sends_nothi
     assert result.network["num_nodes"] == 2 and result.network["network_bytes_per_node_per_step"] == 0
     assert "nothing crosses the network per token" in result.network["explanation"]
     assert any(line.startswith("network: 2 node(s)") for line in forecast_command.forecast_lines(result))
+    # The job's own start and exit, timed in a fresh process that imports what the job imports.
+    fresh = result.pilot["fresh_process"]
+    assert fresh["measured"] and "workbook.generation.job" in fresh["modules"]
+    assert any(".modeling_llama" in name for name in fresh["modules"])  # the model's own transformers module
+    assert 0 < fresh["startup_seconds"] < 120 and result.timings["exit_seconds"] == pytest.approx(fresh["exit_seconds"], rel=1e-3)
+    assert result.timings["startup_seconds"] <= fresh["this_process_start_seconds"] + 600  # reading and loading added
+
+
+def test_a_cold_first_start_is_not_charged_to_the_job_run_after_it():
+    """The first command on a fresh machine imports from a cold disk (48 s measured on a fresh VM,
+    2 s warm); the job run after the forecast starts warm. Its own work before the pilot (reading,
+    tokenizing, loading) is kept; CPU seconds never counted the wait."""
+    warm = pilot.FreshProcess(startup_seconds=2.0, exit_seconds=0.5, modules=[])
+    assert pilot.job_startup("wall", entered=48.0, before_pilot=51.0, fresh=warm) == pytest.approx(5.0)
+    assert pilot.job_startup("wall", entered=1.5, before_pilot=4.5, fresh=warm) == pytest.approx(4.5)  # already warm
+    assert pilot.job_startup("wall", entered=48.0, before_pilot=51.0, fresh=None) == 51.0  # not measured: its own
+    assert pilot.job_startup("cpu", entered=3.0, before_pilot=6.0, fresh=warm) == 6.0
+    assert forecast.simulate_training(10, 0, forecast.TrainingTimings(5.0, 1.0, 0.5, 0.0, 0.0, exit_seconds=0.5)) == 11.5
 
 
 def test_a_training_forecast_over_two_nodes_names_the_gradient_all_reduce(tmp_path):

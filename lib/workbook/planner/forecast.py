@@ -20,6 +20,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy
+
 from workbook.paths import REFERENCE_DIR
 
 SECONDS_PER_HOUR = 3600.0
@@ -67,6 +69,11 @@ class GenerationTimings:
     warm_up_seconds: float = 0.0  # the first forward's extra cost, paid once per process
     startup_seconds: float = 0.0  # interpreter, imports, model load, reading and tokenizing the prompts
     finish_seconds_per_output: float = 0.0  # merging, verifying and summarizing after the last batch
+    exit_seconds: float = 0.0  # the process ending (a process holding torch takes a moment to exit)
+    # Per row x longest prompt squared: attention over every pair of prompt positions. It is what makes a
+    # long prompt's tokens dearer (measured on CPU, tiny model, 32 rows: 20 us a token at 20 tokens,
+    # 32 us at 200); without it a fit through the pilot's total put the longest batches 20% low.
+    prefill_seconds_per_token_pair: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,7 +100,8 @@ def batch_plan(prompt_lengths: list[int], prompts_per_call: int) -> list[list[in
 def batch_seconds(rows: int, longest_prompt: int, steps: float, timings: GenerationTimings) -> tuple[float, float, float]:
     """(prefill, decode, overhead) seconds of one static call: one prefill over the padded prompts,
     then ``steps - 1`` decode steps (the prefill yields the first token) at a growing context."""
-    prefill = timings.prefill_fixed_seconds + timings.prefill_seconds_per_token * rows * longest_prompt
+    prefill = (timings.prefill_fixed_seconds + timings.prefill_seconds_per_token * rows * longest_prompt
+               + timings.prefill_seconds_per_token_pair * rows * longest_prompt ** 2)
     decode_steps = max(steps - 1, 0.0)
     context_sum = decode_steps * longest_prompt + decode_steps * (decode_steps + 1) / 2  # sum of contexts
     decode = decode_steps * timings.step_fixed_seconds + timings.step_seconds_per_context_token * rows * context_sum
@@ -121,7 +129,7 @@ def simulate_generation(prompt_lengths: list[int], *, prompts_per_call: int, max
             steps_total += steps
             tokens += len(batch) * batch[0]
         fixed = timings.warm_up_seconds + timings.finish_seconds_per_output * len(prompt_lengths)
-        fixed += timings.startup_seconds if include_startup else 0.0
+        fixed += timings.startup_seconds + timings.exit_seconds if include_startup else 0.0
         result = GenerationSimulation(prefill + decode + overhead + fixed, seconds_each, prefill, decode,
                                       overhead + fixed, steps_total, tokens)
         if slowest is None or result.seconds > slowest.seconds:
@@ -234,6 +242,7 @@ class TrainingTimings:
     step_seconds: float  # one optimizer step at the planned micro-batch, steady state
     evaluation_seconds: float  # one validation pass
     save_seconds: float  # the final model
+    exit_seconds: float = 0.0  # the process ending
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -243,7 +252,7 @@ def simulate_training(total_steps: int, evaluations: int, timings: TrainingTimin
     """Wall seconds of a training run of ``total_steps`` with ``evaluations`` validation passes
     besides the one before the first step (counted in fixed_seconds)."""
     return (timings.startup_seconds + timings.fixed_seconds + total_steps * timings.step_seconds
-            + evaluations * timings.evaluation_seconds + timings.save_seconds)
+            + evaluations * timings.evaluation_seconds + timings.save_seconds + timings.exit_seconds)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,6 +378,27 @@ def fit_line(xs: list[float], ys: list[float], single: str = "slope") -> tuple[f
         # the pilot's prefill +27%); through 0, the slope that keeps the pilot's total is the ratio.
         return 0.0, mean_y / mean_x
     return mean_y - slope * mean_x, slope
+
+
+def fit_nonnegative(columns: list[list[float]], ys: list[float]) -> list[float]:
+    """Coefficients of ``ys ~ sum_j c_j * columns[j]`` by least squares with every c_j >= 0 (a
+    negative cost is noise): the best fit among the subsets of columns whose own least squares is
+    nonnegative (a handful of columns: every subset is tried), scaled to keep the pilot's total."""
+    target = numpy.asarray(ys, dtype=float)
+    best, best_residual = [0.0] * len(columns), float("inf")
+    for chosen in range(1, 2 ** len(columns)):
+        used = [j for j in range(len(columns)) if chosen >> j & 1]
+        design = numpy.asarray([columns[j] for j in used], dtype=float).T
+        solution, *_ = numpy.linalg.lstsq(design, target, rcond=None)
+        if (solution < 0).any():
+            continue
+        residual = float(((design @ solution - target) ** 2).sum())
+        if residual < best_residual - 1e-15:
+            best_residual, best = residual, [0.0] * len(columns)
+            for j, value in zip(used, solution):
+                best[j] = float(value)
+    fitted = sum(c * sum(column) for c, column in zip(best, columns))
+    return [c * float(target.sum()) / fitted for c in best] if fitted > 0 else best
 
 
 def relative_error(predicted: list[float], measured: list[float]) -> float:

@@ -19,6 +19,8 @@ import inspect
 import math
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -101,21 +103,21 @@ def pick_batches(batches: list[list], share: float) -> list[int]:
 
 def fit_generation(calls: list[Call], warm_up_seconds: float, startup_seconds: float) -> tuple[GenerationTimings, float]:
     """Timings from the pilot's calls, and the largest relative error of the fitted model on them."""
-    prefill_x, prefill_y, step_x, step_y = [], [], [], []
+    prefill_shapes, prefill_y, step_x, step_y = [], [], [], []
     for call in calls:
         starts = [start for start, _, _ in call.forwards]
         if len(starts) > 1:
-            prefill_x.append(call.rows * call.longest_prompt)
+            prefill_shapes.append((call.rows, call.longest_prompt))
             prefill_y.append(starts[1] - starts[0])
         for (start, _, context), following in zip(call.forwards[1:], starts[2:]):
             step_x.append(call.rows * context)
             step_y.append(following - start)
     # One distinct prefill size: its time is per token (what scales); one distinct context: a step's
     # time is fixed (reading the weights, launching the kernels).
-    prefill_fixed, prefill_slope = forecast.fit_line(prefill_x, prefill_y, single="slope") if prefill_x else (0.0, 0.0)
+    prefill_fixed, prefill_slope, prefill_pair = fit_prefill(prefill_shapes, prefill_y)
     step_fixed, step_slope = forecast.fit_line(step_x, step_y, single="intercept") if step_x else (0.0, 0.0)
     timings = GenerationTimings(prefill_fixed, prefill_slope, step_fixed, step_slope, 0.0, 0.0,
-                                warm_up_seconds, startup_seconds)
+                                warm_up_seconds, startup_seconds, prefill_seconds_per_token_pair=prefill_pair)
     modelled = [sum(forecast.batch_seconds(c.rows, c.longest_prompt, max(c.output_lengths, default=0), timings)[:2])
                 for c in calls]
     timings.call_overhead_seconds = max(statistics.fmean(c.seconds - m for c, m in zip(calls, modelled)), 0.0)
@@ -123,6 +125,19 @@ def fit_generation(calls: list[Call], warm_up_seconds: float, startup_seconds: f
     predicted = [sum(forecast.batch_seconds(c.rows, c.longest_prompt, max(c.output_lengths, default=0), timings))
                  for c in calls]
     return timings, forecast.relative_error(predicted, [c.written_seconds for c in calls])
+
+
+def fit_prefill(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[float, float, float]:
+    """(fixed, per token, per token pair) prefill seconds from (rows, longest prompt) shapes. Three
+    prompt lengths or more tell the pairs' (attention's) cost from the tokens'; fewer fit a line."""
+    if len({length for _, length in shapes}) < 3:
+        fixed, per_token = forecast.fit_line([rows * length for rows, length in shapes], seconds,
+                                             single="slope") if shapes else (0.0, 0.0)
+        return fixed, per_token, 0.0
+    columns = [[1.0] * len(shapes), [float(rows * length) for rows, length in shapes],
+               [float(rows * length ** 2) for rows, length in shapes]]
+    fixed, per_token, per_pair = forecast.fit_nonnegative(columns, seconds)
+    return fixed, per_token, per_pair
 
 
 def warm_up(model, device: torch.device, token_id: int, rows: int, length: int,
@@ -165,6 +180,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     from workbook.generation.files import OutputFiles, lock_output, resolve_input_path
     from workbook.generation.inputs import read_inputs
 
+    entered = _startup_seconds(clock)
     job.require_keys(params)
     files = OutputFiles(resolve_input_path(params["output_path"]))
     rank = job.Rank(0, 1, runtime.default_device())
@@ -179,7 +195,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         ordered, size = sort_longest_first(share_.prompts), backend.prompts_per_call
         pending = [ordered[start:start + size] for start in range(0, len(ordered), size)]  # the engine's batches
         chosen = pick_batches(pending, share) if pending else []
-        startup_seconds = _startup_seconds(clock)
+        before_pilot = _startup_seconds(clock)
         first = pending[chosen[0]] if chosen else []
         warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id, len(first),
                                   max((len(p.token_ids) for p in first), default=1), CLOCKS[clock])
@@ -189,7 +205,9 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     if not calls:
         raise job.GenerationError(f"nothing left to generate in {files.output}: the job is done, so there is "
                                   "nothing to forecast (point output_path at a new file to forecast a fresh run)")
-    timings, fit_error = fit_generation(calls, warm_up_seconds, startup_seconds)
+    fresh = fresh_process("workbook.generation.job")
+    timings, fit_error = fit_generation(calls, warm_up_seconds, job_startup(clock, entered, before_pilot, fresh))
+    timings.exit_seconds = fresh.exit_seconds if fresh else 0.0
     outputs = OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls])
     processes = params["data_parallel_processes"] * params["num_nodes"]  # the job's global split, every node's
     simulate = dict(prompts_per_call=backend.prompts_per_call, max_new_tokens=params["max_new_tokens"],
@@ -205,6 +223,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         "share_of_job_batches": len(calls) / max(len(forecast.batch_plan(every, backend.prompts_per_call)), 1),
         "batch_indices": chosen[:len(calls)], "written_to": str(files.output),
         "fit_error": fit_error, "output_lengths": outputs.by_prompt_length,
+        "fresh_process": _fresh_record(fresh, entered),
     }, {"prompts": len(every), "batches": len(whole.batch_seconds), "batch_size": share_.batch_size,
         "backend": backend.name, "model": params["model"], "prompt_tokens": {
             "min": min(every), "median": statistics.median(every), "max": max(every)},
@@ -248,9 +267,53 @@ def run_pilot(params, share_, files, rank, batches: list[list], seconds: float |
 
 
 def _startup_seconds(clock: str) -> float:
-    """What this process spent before the pilot (interpreter, imports, reading, model load): a fresh
-    run of the job spends the same before its first batch."""
+    """What this process has spent so far (interpreter, imports, then reading and model load): a
+    fresh run of the job spends the same before its first batch."""
     return time.process_time() if clock == "cpu" else runtime.process_age_seconds() or 0.0
+
+
+@dataclasses.dataclass
+class FreshProcess:
+    """A fresh interpreter that imports what the job imports and exits, timed from here."""
+
+    startup_seconds: float  # interpreter and imports
+    exit_seconds: float
+    modules: list[str]
+
+
+def fresh_process(entry: str) -> FreshProcess | None:
+    """Time a fresh process importing the job's modules (``workbook.cli``, ``entry`` and the model's
+    transformers module), after the pilot: the job run after the forecast finds the disk cache as
+    this process leaves it, where this process's own first imports may have been cold (the first
+    command on a fresh machine: 48 s measured on a fresh 2-core VM, against 2 s warm). It times
+    the exit too, which the job pays and the pilot never sees (0.5 s there with torch loaded).
+    None when the child fails: the forecast then keeps this process's own start-up."""
+    modules = ["workbook.cli", entry, *sorted(name for name in sys.modules
+                                              if name.startswith("transformers.models.") and ".modeling_" in name)]
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ready', flush=True)"
+    package_root = str(Path(__file__).resolve().parents[2])  # lib/, where workbook is importable from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    began = time.perf_counter()
+    try:
+        child = subprocess.Popen([sys.executable, "-c", code, *modules], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True, env=env)
+        ready_line = child.stdout.readline()
+        ready = time.perf_counter()
+        child.wait(timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if child.returncode != 0 or ready_line.strip() != "ready":
+        return None
+    return FreshProcess(ready - began, time.perf_counter() - ready, modules)
+
+
+def job_startup(clock: str, entered: float, before_pilot: float, fresh: FreshProcess | None) -> float:
+    """The job's start-up: this process's own up to the pilot, with its interpreter and imports
+    (``entered``: its age on entering the forecast) as a fresh process takes them now when that is
+    less (wall clock; CPU seconds do not count waiting on a cold disk)."""
+    if clock == "wall" and fresh is not None:
+        return before_pilot - entered + min(entered, fresh.startup_seconds)
+    return before_pilot
 
 
 def generation_phases(model, dtype: str, whole: forecast.GenerationSimulation) -> Phases:
@@ -274,6 +337,11 @@ def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings
     network = profile.plan(params, mode=mode).network
     notes = [f"not in the time: the network ({network['explanation']}); the profiles state no network bandwidth"
              ] if params["num_nodes"] > 1 and network["network_bytes_per_node_per_step"] else []
+    fresh = pilot.get("fresh_process", {})
+    if clock == "wall" and fresh.get("measured") and fresh["this_process_start_seconds"] > 2 * fresh["startup_seconds"] + 1:
+        notes.append(f"this process took {fresh['this_process_start_seconds']:.1f} s to start and a fresh one "
+                     f"{fresh['startup_seconds']:.1f} s after it (a cold disk cache: the first command on this machine); "
+                     "the forecast counts the second, as the job run next will find the cache")
     notes += ["projections keep start-up and per-call overheads as measured here and scale only the decode "
              "(bandwidth) and compute phases; a small model on a CPU is overhead-bound, so its projections "
              "understate GPU overheads"] if not forecast.profile_peaks(params, params["dtype"]) else []
@@ -296,6 +364,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     from workbook.training.processes import launch
     from workbook.training.run_plan import plan_run
 
+    entered = _startup_seconds(clock)
     with tempfile.TemporaryDirectory(prefix="forecast-") as scratch:
         config = training_config.config_from_params(params, scratch)
         prepared = prepare_data(config, log=log)
@@ -303,7 +372,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
         # processes make a larger effective batch and (by epochs) fewer steps.
         run = plan_run(config, prepared, processes=config.processes * params["num_nodes"])
         steps = min(run.total_steps, max(2, math.floor(share * run.total_steps)))
-        startup_seconds = _startup_seconds(clock)
+        before_pilot = _startup_seconds(clock)
         pilot_config = dataclasses.replace(config, stop_after_steps=steps, output_dir=str(Path(scratch) / "pilot"),
                                            save_every_steps=0)
         began, cpu_began = time.perf_counter(), time.process_time()
@@ -321,7 +390,9 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     pilot_evaluations = (steps // eval_every) if validation_tokens else 0
     fixed = result["time"]["wall_seconds"] * to_clock - steps * step_seconds - pilot_evaluations * evaluation_seconds
     save_seconds = _save_seconds(result["parameters"], params["dtype"])
-    timings = forecast.TrainingTimings(startup_seconds, max(fixed, 0.0), step_seconds, evaluation_seconds, save_seconds)
+    fresh = fresh_process("workbook.training.loop")
+    timings = forecast.TrainingTimings(job_startup(clock, entered, before_pilot, fresh), max(fixed, 0.0), step_seconds,
+                                       evaluation_seconds, save_seconds, fresh.exit_seconds if fresh else 0.0)
     wall = forecast.simulate_training(run.total_steps, evaluations, timings)
     # The range: the steps' own spread (coefficient of variation) over the steps' share of the run.
     variation = statistics.pstdev(r["seconds"] for r in history[1:]) / step_seconds if len(history) > 2 else 0.0
@@ -333,12 +404,21 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
                     compute_flops=flops_per_step * (run.total_steps + evaluations * validation_tokens / tokens_per_step / 3))
     return _assemble("train", params, wall, (wall * (1 - spread), wall * (1 + spread)), wall, phases, timings.to_dict(), runtime.default_device(), {
                          "steps": steps, "seconds": pilot_seconds, "share_of_job_steps": steps / run.total_steps,
-                         "step_seconds": [r["seconds"] for r in history], "reused_by_the_job": False},
+                         "step_seconds": [r["seconds"] for r in history], "reused_by_the_job": False,
+                         "fresh_process": _fresh_record(fresh, entered)},
                      {"total_steps": run.total_steps, "micro_batch_size": run.micro_batch_size,
                       "max_seq_length": prepared.max_seq_length, "padding": config.padding,
                       "train_examples": len(prepared.train), "validation_examples": len(prepared.validation),
                       "evaluations": evaluations, "tokens_per_step": tokens_per_step, "processes": run.processes},
                      clock)
+
+
+def _fresh_record(fresh: FreshProcess | None, entered: float) -> dict:
+    """What the forecast's JSON says of the fresh process it timed."""
+    if fresh is None:
+        return {"measured": False, "this_process_start_seconds": entered}
+    return {"measured": True, "startup_seconds": fresh.startup_seconds, "exit_seconds": fresh.exit_seconds,
+            "this_process_start_seconds": entered, "modules": fresh.modules}
 
 
 def _save_seconds(parameters: int, dtype: str) -> float:
