@@ -277,6 +277,31 @@ def test_review_collects_forecast_against_measured_and_plots_it(tmp_path):
     assert len(plots.forecast_costs(rows, "test").axes) == 2
 
 
+def test_a_gpu_sessions_forecast_check_becomes_that_gpus_reference_for_projections(tmp_path):
+    """The GPU session leaves the forecast check's file in a subfolder of the GPU's reference folder:
+    its median efficiencies are what a forecast elsewhere projects that GPU's row with."""
+    from workbook.bench import forecast_check
+    trial = lambda decode, compute: {"wall": {"efficiency": {"decode_bandwidth": decode, "compute": compute}}}
+    rows = [{"mode": "generate", "trials": [trial(0.5, 0.3), trial(0.7, 0.4), trial(0.6, 0.2)]},
+            {"mode": "train", "trials": [trial(None, 0.45)]}]
+    checked = {"cases": rows, "efficiency": forecast_check.measured_efficiency(rows)}
+    assert checked["efficiency"] == {"generate": {"decode_bandwidth": 0.6, "compute": 0.3}, "train": {"compute": 0.45}}
+    reference = tmp_path / "reference"
+    (reference / "h100" / "forecast").mkdir(parents=True)
+    (reference / "h100" / "forecast" / "forecast.json").write_text(json.dumps(checked))
+    (reference / "cpu").mkdir()
+    (reference / "cpu" / "forecast.json").write_text(json.dumps({"cases": []}))  # a check without efficiencies
+
+    generate = forecast.reference_efficiencies("h100", "generate", root=reference)
+    assert generate["decode_bandwidth"] == 0.6 and generate["file"] == str(reference / "h100/forecast/forecast.json")
+    assert forecast.reference_efficiencies("h100", "train", root=reference)["compute"] == 0.45  # no decode in training
+    assert forecast.reference_efficiencies("cpu", "generate", root=reference) is None
+    assert forecast.reference_efficiencies("h200", "generate", root=reference) is None
+    phases = forecast.Phases(decode_seconds=99.0, compute_seconds=99.0, other_seconds=1.0, decode_bytes=6e12, compute_flops=3e15)
+    there = forecast.Peaks(flops=1e15, bytes_per_second=2e12, source="test")
+    assert forecast.project(phases, there, there, 1, 1, generate) == pytest.approx(1 + 6e12 / (2e12 * 0.6) + 3e15 / (1e15 * 0.3))
+
+
 def test_every_profile_is_projected_and_costed_on_as_many_nodes():
     """A job over two nodes: each profile runs it on two machines of its gpu_count GPUs, so its
     data-parallel phases split over all of them and it pays for all of them."""

@@ -210,7 +210,8 @@ def _trial(name: str, mode: str, settings: list[str], fresh: list[str], session:
                         "forecast_command_wall_seconds": round(seconds, 2),
                         "pilot": {k: result["pilot"].get(k) for k in ("batches", "prompts", "steps", "seconds",
                                                                       "share_of_job_batches", "share_of_job_steps")},
-                        "timings": result["timings"]}
+                        "timings": result["timings"],
+                        "efficiency": result.get("efficiency", {}).get(mode)}
         session.log(f"{name} [{clock}]: forecast {predicted:.1f} s ({low:.1f}-{high:.1f}), measured {measured[clock]:.1f} s, "
                     f"error {error:+.1%}")
     trial["job"] = forecast["job"]
@@ -293,12 +294,25 @@ def run(args, work: Path, log=say) -> dict:
                                "on the median error, every trial's error listed"),
               "load_average_1_5_15_min": {"start": [round(x, 2) for x in load_at_start],
                                           "end": [round(x, 2) for x in os.getloadavg()]},
-              "cases": rows}
+              "cases": rows, "efficiency": measured_efficiency(rows)}
     if built:
         result["models_built"] = built
     if on_gpu:
         result.update(profile=args.profile, seed_000={"job": SEED_000_JOB, "claims": SEED_000_CLAIMS})
     return result
+
+
+def measured_efficiency(rows: list[dict]) -> dict:
+    """Each mode's achieved share of the profile's peaks (decode: bandwidth, prefill and steps:
+    compute), the median over the wall-clock forecasts of its cases: what a forecast on another
+    machine projects this one's rows with (``forecast.reference_efficiencies``)."""
+    found = {}
+    for row in rows:
+        for trial in row["trials"]:
+            for key, share in ((trial.get("wall") or {}).get("efficiency") or {}).items():
+                if share:
+                    found.setdefault(row["mode"], {}).setdefault(key, []).append(share)
+    return {mode: {key: statistics.median(shares) for key, shares in by_key.items()} for mode, by_key in found.items()}
 
 
 def command_line(args) -> str:
@@ -336,6 +350,10 @@ def markdown(result: dict) -> str:
                   + (f" (its forecast: {stopped['forecast']['predicted_seconds']:.1f} s)" if stopped["forecast"] else "")
                   for row in result["cases"] if (stopped := row.get("not_finished"))]
     lines += ["", "Not finished (the table holds only the trials that finished before):", *unfinished] if unfinished else []
+    shares = [f"{mode}: " + ", ".join(f"{key.replace('_', ' ')} {share:.1%}" for key, share in by_key.items())
+              for mode, by_key in result.get("efficiency", {}).items()]
+    lines += ["", "Achieved share of this machine's peaks (the forecasts' median; a forecast elsewhere projects "
+              "this profile's rows with it): " + "; ".join(shares)] if shares else []
     if "seed_000" in result:
         lines += projection_lines(result)
     return "\n".join(lines) + "\n"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy
 
-from workbook.paths import REFERENCE_DIR
+from workbook.paths import REFERENCE_DIR, REPO_ROOT
 
 SECONDS_PER_HOUR = 3600.0
 BOOTSTRAP_DRAWS = 200  # resamples of the pilot's output lengths behind the range
@@ -309,13 +309,21 @@ def efficiencies(phases: Phases, peaks: Peaks) -> dict:
 
 
 def reference_efficiencies(profile_name: str, mode: str, root: Path = REFERENCE_DIR) -> dict | None:
-    """Efficiencies a committed reference measured on that GPU (``outputs/reference/<profile>/
-    forecast.json``, written by this forecast run there), or None when there is none."""
-    path = root / profile_name / "forecast.json"
-    if not path.is_file():
-        return None
-    recorded = json.loads(path.read_text()).get("efficiency", {}).get(mode)
-    return recorded if recorded and all(recorded.get(key) for key in ("decode_bandwidth", "compute")) else None
+    """Efficiencies a committed reference measured on that GPU, or None when there is none: the
+    ``efficiency`` of a ``forecast.json`` under ``outputs/reference/<profile>/`` (a forecast's own
+    --json, or the forecast check's median over its trials, which a GPU session leaves in a
+    subfolder), the shallowest first. Training needs the compute share only, generation both."""
+    folder = root / profile_name
+    needed = ("compute",) if mode == "train" else ("decode_bandwidth", "compute")
+    paths = sorted(folder.rglob("forecast.json"), key=lambda path: (len(path.parts), str(path))) if folder.is_dir() else []
+    for path in paths:
+        try:
+            recorded = json.loads(path.read_text()).get("efficiency", {}).get(mode)
+        except (OSError, ValueError, AttributeError):
+            continue
+        if recorded and all(recorded.get(key) for key in needed):
+            return {**recorded, "file": str(path.relative_to(REPO_ROOT)) if REPO_ROOT in path.parents else str(path)}
+    return None
 
 
 def project(phases: Phases, here: Peaks, there: Peaks, gpus_there: int, processes_here: int,
@@ -352,7 +360,7 @@ def profile_rows(phases: Phases, this_profile: dict, here: Peaks, profiles: dict
                 continue
             reference = reference_efficiencies(name, mode)
             seconds = project(phases, here, there, profile["gpu_count"] * num_nodes, processes_here, reference)
-            basis = (f"projected from {name}'s committed reference (outputs/reference/{name}/forecast.json)"
+            basis = (f"projected from {name}'s committed reference ({reference['file']})"
                      if reference else f"projected from here ({this_profile['profile']}: {here.source}) by "
                      "bandwidth (decode) and compute (prefill, steps) ratios")
         rows.append({"profile": name, "wall_seconds": round(seconds, 2), **cost(seconds, profile, num_nodes),
