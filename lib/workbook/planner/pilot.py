@@ -297,10 +297,14 @@ def fresh_process(entry: str) -> FreshProcess | None:
     try:
         child = subprocess.Popen([sys.executable, "-c", code, *modules], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True, env=env)
+    except OSError:
+        return None
+    try:
         ready_line = child.stdout.readline()
         ready = time.perf_counter()
         child.wait(timeout=300)
-    except (OSError, subprocess.TimeoutExpired):
+    except subprocess.TimeoutExpired:
+        child.kill()
         return None
     if child.returncode != 0 or ready_line.strip() != "ready":
         return None
