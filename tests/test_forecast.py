@@ -1,6 +1,7 @@
 """The forecast: the job simulated from a pilot's timings, the pilot drawn across the length
 distribution, its outputs kept by the job (generated once), and the ETA from the same model."""
 
+import dataclasses
 import json
 import random
 
@@ -9,7 +10,7 @@ import torch
 
 from workbook import cli, generation, params
 from workbook.paths import PARAMS_DIR
-from workbook.planner import forecast, pilot
+from workbook.planner import forecast, pilot, startup, stream_forecast
 from workbook.planner.forecast import GenerationTimings, OutputLengths
 
 
@@ -80,6 +81,55 @@ def test_a_long_prompts_dearer_tokens_are_fitted_and_carried_to_lengths_the_pilo
     by_line = forecast.simulate_generation([220] * 32, prompts_per_call=32, max_new_tokens=8, timings=line,
                                            outputs=OutputLengths([(220, [4])]), include_startup=False)
     assert by_line.prefill_seconds < 0.9 * longer.forwards[1][0]
+
+
+def stream_timings(**changes) -> stream_forecast.StreamTimings:
+    values = dict(step_fixed_seconds=0.01, seconds_per_token=0.001, steps_scale=1.0, tokens_scale=1.0,
+                  call_overhead_seconds=0.5)
+    return stream_forecast.StreamTimings(**{**values, **changes})
+
+
+def test_a_stream_takes_the_steps_of_its_slots_makespan():
+    assert stream_forecast.makespan([4, 9, 2], slots=2) == 9  # 4 then 2 in one slot, 9 in the other
+    assert stream_forecast.makespan([3, 3, 3, 3], slots=2) == 6
+    assert stream_forecast.makespan([5, 1], slots=32) == 5  # more slots than requests
+    assert stream_forecast.makespan([], slots=4) == 0
+
+
+def test_a_stream_of_uneven_outputs_takes_far_fewer_steps_than_static_batches():
+    """What continuous batching is for: a static batch decodes until its longest row ends, a stream
+    refills each finished slot. Each group of 4 has one 30-token answer and three of 2 tokens."""
+    lengths = [50] * 16
+    outputs = OutputLengths([(50, [30, 2, 2, 2])])
+    stream = stream_forecast.simulate_stream(lengths, prompts_per_call=4, max_new_tokens=32, timings=stream_timings(),
+                                             outputs=outputs, include_startup=False)
+    # The long answers start as slots free, at steps 0, 2, 4 and 12: the last ends at 42, where four static
+    # batches of these groups decode 4 x 30 = 120 steps, each waiting for its long answer.
+    assert stream.decode_steps == 42
+    # By hand: steps x fixed + every prompt token and every decoded token x per token + the manager's start.
+    decoded = 4 * 29 + 12 * 1
+    assert stream.seconds == pytest.approx(stream.decode_steps * 0.01 + 0.001 * (16 * 50 + decoded) + 0.5)
+    assert sum(stream.batch_seconds) == pytest.approx(stream.seconds - 0.5)
+
+
+def test_a_streams_fit_recovers_its_step_costs_and_the_managers_own_scheduling():
+    requests = [(40, 6), (30, 3), (20, 2), (10, 5)]
+    steps, clock = [], 1.0  # the manager started 1 s before its first step
+    for tokens in [40 + 30, 2 + 20, 2, 2, 1 + 10, 1, 1, 1]:
+        seconds = 0.02 + 0.0005 * tokens
+        steps.append((clock, clock + seconds, tokens))
+        clock += seconds
+    run = stream_forecast.StreamPilot(seconds=clock + 0.25, steps=steps, requests=requests, groups=[(40, [6, 3, 2, 5])])
+    fitted, error, how = stream_forecast.fit_stream(run, slots=2, warm_up_seconds=0.0, startup_seconds=3.0)
+    assert fitted.step_fixed_seconds == pytest.approx(0.02) and fitted.seconds_per_token == pytest.approx(0.0005)
+    assert fitted.call_overhead_seconds == pytest.approx(1.25) and error == pytest.approx(0.0, abs=1e-9)
+    assert fitted.steps_scale == pytest.approx(8 / stream_forecast.makespan([6, 3, 2, 5], 2))
+    assert "8 model steps timed" in how
+    # No step seen (CUDA graphs replay without the forward hooks): the stream's time per simulated step.
+    blind, _, how = stream_forecast.fit_stream(dataclasses.replace(run, steps=[]), slots=2, warm_up_seconds=0.0,
+                                               startup_seconds=3.0)
+    assert blind.step_fixed_seconds == pytest.approx(run.seconds / stream_forecast.makespan([6, 3, 2, 5], 2))
+    assert "no model step seen" in how
 
 
 def test_the_nonnegative_fit_drops_a_negative_cost_and_keeps_the_total():
@@ -221,13 +271,17 @@ def job_params(prompts_path, output_path, **changes):
     return values
 
 
-def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("backend", ["static", "continuous"])
+def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_model_path, backend):
     model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")
     prompts, output = write_prompts(tmp_path / "prompts.jsonl", 40), tmp_path / "out.jsonl"
-    job = job_params(prompts, output, batch_size=4, max_new_tokens=4)
+    job = job_params(prompts, output, batch_size=4, max_new_tokens=4, backend=backend)
     result = pilot.forecast_generation(job, share=0.2, log=lambda line: None, model=model, tokenizer=tokenizer)
     piloted = [json.loads(line)["metadata"]["example_id"] for line in output.read_text().splitlines()]
     assert result.pilot["batches"] == 2 and len(piloted) == 8  # 20% of the 10 batches
+    # continuous: the chosen batches' prompts as one stream, its model steps timed; the job simulated as a stream
+    assert ("steps_scale" in result.timings) == (backend == "continuous")
+    assert ("model steps timed" in result.pilot["timed"]) == (backend == "continuous")
     assert result.predicted_wall_seconds_range[0] <= result.predicted_wall_seconds <= result.predicted_wall_seconds_range[1]
     assert result.remaining_wall_seconds < result.predicted_wall_seconds
     assert {row["profile"] for row in result.profiles} == set(params.profile_names())
@@ -341,11 +395,11 @@ def test_a_cold_first_start_is_not_charged_to_the_job_run_after_it():
     """The first command on a fresh machine imports from a cold disk (48 s measured on a fresh VM,
     2 s warm); the job run after the forecast starts warm. Its own work before the pilot (reading,
     tokenizing, loading) is kept; CPU seconds never counted the wait."""
-    warm = pilot.FreshProcess(startup_seconds=2.0, exit_seconds=0.5, modules=[])
-    assert pilot.job_startup("wall", entered=48.0, before_pilot=51.0, fresh=warm) == pytest.approx(5.0)
-    assert pilot.job_startup("wall", entered=1.5, before_pilot=4.5, fresh=warm) == pytest.approx(4.5)  # already warm
-    assert pilot.job_startup("wall", entered=48.0, before_pilot=51.0, fresh=None) == 51.0  # not measured: its own
-    assert pilot.job_startup("cpu", entered=3.0, before_pilot=6.0, fresh=warm) == 6.0
+    warm = startup.FreshProcess(startup_seconds=2.0, exit_seconds=0.5, modules=[])
+    assert startup.job_startup("wall", entered=48.0, before_pilot=51.0, fresh=warm) == pytest.approx(5.0)
+    assert startup.job_startup("wall", entered=1.5, before_pilot=4.5, fresh=warm) == pytest.approx(4.5)  # already warm
+    assert startup.job_startup("wall", entered=48.0, before_pilot=51.0, fresh=None) == 51.0  # not measured: its own
+    assert startup.job_startup("cpu", entered=3.0, before_pilot=6.0, fresh=warm) == 6.0
     assert forecast.simulate_training(10, 0, forecast.TrainingTimings(5.0, 1.0, 0.5, 0.0, 0.0, exit_seconds=0.5)) == 11.5
 
 

@@ -181,8 +181,8 @@ def planned_batch_seconds(forecast_file: Path):
     if not forecast_file.is_file():
         return None
     made = json.loads(forecast_file.read_text())
-    if made.get("mode") != "generate":
-        return None
+    if made.get("mode") != "generate" or "prefill_seconds_per_token" not in made["timings"]:
+        return None  # training, or a stream (continuous): the ETA plans by positions, scaled by the run's pace
     timings = GenerationTimings(**made["timings"])
     outputs = OutputLengths([(length, lengths) for length, lengths in made["pilot"]["output_lengths"]])
 

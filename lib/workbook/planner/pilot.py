@@ -19,8 +19,6 @@ import inspect
 import math
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,7 +28,7 @@ import torch
 
 from workbook import ceilings, models, params as params_module, runtime
 from workbook.paths import OUTPUTS_DIR
-from workbook.planner import forecast
+from workbook.planner import forecast, startup, stream_forecast
 from workbook.planner.forecast import GenerationTimings, OutputLengths, Phases, Peaks
 
 # The params keys `workbook forecast` reads: the generation job's and the training run's (it pilots
@@ -180,7 +178,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     from workbook.generation.files import OutputFiles, lock_output, resolve_input_path
     from workbook.generation.inputs import read_inputs
 
-    entered = _startup_seconds(clock)
+    entered = startup.seconds_so_far(clock)
     job.require_keys(params)
     files = OutputFiles(resolve_input_path(params["output_path"]))
     rank = job.Rank(0, 1, runtime.default_device())
@@ -195,35 +193,51 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         ordered, size = sort_longest_first(share_.prompts), backend.prompts_per_call
         pending = [ordered[start:start + size] for start in range(0, len(ordered), size)]  # the engine's batches
         chosen = pick_batches(pending, share) if pending else []
-        before_pilot = _startup_seconds(clock)
+        before_pilot = startup.seconds_so_far(clock)
         first = pending[chosen[0]] if chosen else []
         warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id, len(first),
                                   max((len(p.token_ids) for p in first), default=1), CLOCKS[clock])
         pilot_began = time.perf_counter()
-        calls = run_pilot(params, share_, files, rank, [pending[i] for i in chosen], seconds, log, CLOCKS[clock])
+        # A streaming backend (continuous) runs the chosen batches' prompts as one stream, as the job does.
+        streaming = callable(getattr(backend, "stream", None)) and chosen
+        if streaming:
+            stream = stream_forecast.run_stream_pilot(params, share_, files, rank, [pending[i] for i in chosen], log,
+                                                      CLOCKS[clock])
+        else:
+            calls = run_pilot(params, share_, files, rank, [pending[i] for i in chosen], seconds, log, CLOCKS[clock])
         pilot_seconds = time.perf_counter() - pilot_began
-    if not calls:
+    piloted_batches = len(chosen) if streaming else len(calls)
+    if not piloted_batches:
         raise job.GenerationError(f"nothing left to generate in {files.output}: the job is done, so there is "
                                   "nothing to forecast (point output_path at a new file to forecast a fresh run)")
-    fresh = fresh_process("workbook.generation.job")
-    timings, fit_error = fit_generation(calls, warm_up_seconds, job_startup(clock, entered, before_pilot, fresh))
+    fresh = startup.fresh_process("workbook.generation.job")
+    job_start = startup.job_startup(clock, entered, before_pilot, fresh)
+    if streaming:
+        timings, fit_error, timed_how = stream_forecast.fit_stream(stream, backend.prompts_per_call, warm_up_seconds, job_start)
+        outputs, rows, simulate_job, job_range = (OutputLengths(stream.groups), len(stream.requests),
+                                                  stream_forecast.simulate_stream, stream_forecast.stream_range)
+    else:
+        timings, fit_error = fit_generation(calls, warm_up_seconds, job_start)
+        timed_how = f"{sum(len(c.forwards) for c in calls)} forwards timed by forward hooks over {len(calls)} static calls"
+        outputs, rows, simulate_job, job_range = (OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls]),
+                                                  sum(c.rows for c in calls), forecast.simulate_generation,
+                                                  forecast.generation_range)
     timings.exit_seconds = fresh.exit_seconds if fresh else 0.0
-    outputs = OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls])
     processes = params["data_parallel_processes"] * params["num_nodes"]  # the job's global split, every node's
     simulate = dict(prompts_per_call=backend.prompts_per_call, max_new_tokens=params["max_new_tokens"],
                     timings=timings, outputs=outputs, processes=processes)
-    whole = forecast.simulate_generation(every, **simulate)
-    low, high = forecast.generation_range(every, fit_error=fit_error, **simulate)
-    piloted = {(p.index, p.sample) for i in chosen[:len(calls)] for p in pending[i]}
+    whole = simulate_job(every, **simulate)
+    low, high = job_range(every, fit_error=fit_error, **simulate)
+    piloted = {(p.index, p.sample) for i in chosen[:piloted_batches] for p in pending[i]}
     left = [len(p.token_ids) for p in share_.prompts if (p.index, p.sample) not in piloted]
-    remaining = forecast.simulate_generation(left, **simulate).seconds if left else 0.0
+    remaining = simulate_job(left, **simulate).seconds if left else 0.0
     phases = generation_phases(model, params["dtype"], whole)
     return _assemble("generate", params, whole.seconds, (low, high), remaining, phases, timings.to_dict(), rank.device, {
-        "batches": len(calls), "prompts": sum(c.rows for c in calls), "seconds": pilot_seconds,
-        "share_of_job_batches": len(calls) / max(len(forecast.batch_plan(every, backend.prompts_per_call)), 1),
-        "batch_indices": chosen[:len(calls)], "written_to": str(files.output),
+        "batches": piloted_batches, "prompts": rows, "seconds": pilot_seconds, "timed": timed_how,
+        "share_of_job_batches": piloted_batches / max(len(forecast.batch_plan(every, backend.prompts_per_call)), 1),
+        "batch_indices": chosen[:piloted_batches], "written_to": str(files.output),
         "fit_error": fit_error, "output_lengths": outputs.by_prompt_length,
-        "fresh_process": _fresh_record(fresh, entered),
+        "fresh_process": startup.record(fresh, entered),
     }, {"prompts": len(every), "batches": len(whole.batch_seconds), "batch_size": share_.batch_size,
         "backend": backend.name, "model": params["model"], "prompt_tokens": {
             "min": min(every), "median": statistics.median(every), "max": max(every)},
@@ -264,60 +278,6 @@ def run_pilot(params, share_, files, rank, batches: list[list], seconds: float |
         backend.generate = original
         timer.remove()
     return calls
-
-
-def _startup_seconds(clock: str) -> float:
-    """What this process has spent so far (interpreter, imports, then reading and model load): a
-    fresh run of the job spends the same before its first batch."""
-    return time.process_time() if clock == "cpu" else runtime.process_age_seconds() or 0.0
-
-
-@dataclasses.dataclass
-class FreshProcess:
-    """A fresh interpreter that imports what the job imports and exits, timed from here."""
-
-    startup_seconds: float  # interpreter and imports
-    exit_seconds: float
-    modules: list[str]
-
-
-def fresh_process(entry: str) -> FreshProcess | None:
-    """Time a fresh process importing the job's modules (``workbook.cli``, ``entry`` and the model's
-    transformers module), after the pilot: the job run after the forecast finds the disk cache as
-    this process leaves it, where this process's own first imports may have been cold (the first
-    command on a fresh machine: 48 s measured on a fresh 2-core VM, against 2 s warm). It times
-    the exit too, which the job pays and the pilot never sees (0.5 s there with torch loaded).
-    None when the child fails: the forecast then keeps this process's own start-up."""
-    modules = ["workbook.cli", entry, *sorted(name for name in sys.modules
-                                              if name.startswith("transformers.models.") and ".modeling_" in name)]
-    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ready', flush=True)"
-    package_root = str(Path(__file__).resolve().parents[2])  # lib/, where workbook is importable from
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
-    began = time.perf_counter()
-    try:
-        child = subprocess.Popen([sys.executable, "-c", code, *modules], stdout=subprocess.PIPE,
-                                 stderr=subprocess.DEVNULL, text=True, env=env)
-    except OSError:
-        return None
-    try:
-        ready_line = child.stdout.readline()
-        ready = time.perf_counter()
-        child.wait(timeout=300)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        return None
-    if child.returncode != 0 or ready_line.strip() != "ready":
-        return None
-    return FreshProcess(ready - began, time.perf_counter() - ready, modules)
-
-
-def job_startup(clock: str, entered: float, before_pilot: float, fresh: FreshProcess | None) -> float:
-    """The job's start-up: this process's own up to the pilot, with its interpreter and imports
-    (``entered``: its age on entering the forecast) as a fresh process takes them now when that is
-    less (wall clock; CPU seconds do not count waiting on a cold disk)."""
-    if clock == "wall" and fresh is not None:
-        return before_pilot - entered + min(entered, fresh.startup_seconds)
-    return before_pilot
 
 
 def generation_phases(model, dtype: str, whole: forecast.GenerationSimulation) -> Phases:
@@ -368,7 +328,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     from workbook.training.processes import launch
     from workbook.training.run_plan import plan_run
 
-    entered = _startup_seconds(clock)
+    entered = startup.seconds_so_far(clock)
     with tempfile.TemporaryDirectory(prefix="forecast-") as scratch:
         config = training_config.config_from_params(params, scratch)
         prepared = prepare_data(config, log=log)
@@ -376,7 +336,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
         # processes make a larger effective batch and (by epochs) fewer steps.
         run = plan_run(config, prepared, processes=config.processes * params["num_nodes"])
         steps = min(run.total_steps, max(2, math.floor(share * run.total_steps)))
-        before_pilot = _startup_seconds(clock)
+        before_pilot = startup.seconds_so_far(clock)
         pilot_config = dataclasses.replace(config, stop_after_steps=steps, output_dir=str(Path(scratch) / "pilot"),
                                            save_every_steps=0)
         began, cpu_began = time.perf_counter(), time.process_time()
@@ -394,8 +354,8 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     pilot_evaluations = (steps // eval_every) if validation_tokens else 0
     fixed = result["time"]["wall_seconds"] * to_clock - steps * step_seconds - pilot_evaluations * evaluation_seconds
     save_seconds = _save_seconds(result["parameters"], params["dtype"])
-    fresh = fresh_process("workbook.training.loop")
-    timings = forecast.TrainingTimings(job_startup(clock, entered, before_pilot, fresh), max(fixed, 0.0), step_seconds,
+    fresh = startup.fresh_process("workbook.training.loop")
+    timings = forecast.TrainingTimings(startup.job_startup(clock, entered, before_pilot, fresh), max(fixed, 0.0), step_seconds,
                                        evaluation_seconds, save_seconds, fresh.exit_seconds if fresh else 0.0)
     wall = forecast.simulate_training(run.total_steps, evaluations, timings)
     # The range: the steps' own spread (coefficient of variation) over the steps' share of the run.
@@ -409,20 +369,12 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     return _assemble("train", params, wall, (wall * (1 - spread), wall * (1 + spread)), wall, phases, timings.to_dict(), runtime.default_device(), {
                          "steps": steps, "seconds": pilot_seconds, "share_of_job_steps": steps / run.total_steps,
                          "step_seconds": [r["seconds"] for r in history], "reused_by_the_job": False,
-                         "fresh_process": _fresh_record(fresh, entered)},
+                         "fresh_process": startup.record(fresh, entered)},
                      {"total_steps": run.total_steps, "micro_batch_size": run.micro_batch_size,
                       "max_seq_length": prepared.max_seq_length, "padding": config.padding,
                       "train_examples": len(prepared.train), "validation_examples": len(prepared.validation),
                       "evaluations": evaluations, "tokens_per_step": tokens_per_step, "processes": run.processes},
                      clock)
-
-
-def _fresh_record(fresh: FreshProcess | None, entered: float) -> dict:
-    """What the forecast's JSON says of the fresh process it timed."""
-    if fresh is None:
-        return {"measured": False, "this_process_start_seconds": entered}
-    return {"measured": True, "startup_seconds": fresh.startup_seconds, "exit_seconds": fresh.exit_seconds,
-            "this_process_start_seconds": entered, "modules": fresh.modules}
 
 
 def _save_seconds(parameters: int, dtype: str) -> float:

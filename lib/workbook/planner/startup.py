@@ -1,0 +1,76 @@
+"""The job's own start-up and exit, which a pilot inside an already running process never sees:
+this process's time before its pilot, and a fresh interpreter importing what the job imports,
+timed after the pilot (when the disk cache holds what the job will read) until it exits."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from workbook import runtime
+
+
+def seconds_so_far(clock: str) -> float:
+    """What this process has spent so far (interpreter, imports, then reading and model load): a
+    fresh run of the job spends the same before its first batch."""
+    return time.process_time() if clock == "cpu" else runtime.process_age_seconds() or 0.0
+
+
+@dataclasses.dataclass
+class FreshProcess:
+    """A fresh interpreter that imports what the job imports and exits, timed from here."""
+
+    startup_seconds: float  # interpreter and imports
+    exit_seconds: float
+    modules: list[str]
+
+
+def fresh_process(entry: str) -> FreshProcess | None:
+    """Time a fresh process importing the job's modules (``workbook.cli``, ``entry`` and the model's
+    transformers module), after the pilot: the job run after the forecast finds the disk cache as
+    this process leaves it, where this process's own first imports may have been cold (the first
+    command on a fresh machine: 48 s measured on a fresh 2-core VM, against 2 s warm). It times
+    the exit too, which the job pays and the pilot never sees (0.5 s there with torch loaded).
+    None when the child fails: the forecast then keeps this process's own start-up."""
+    modules = ["workbook.cli", entry, *sorted(name for name in sys.modules
+                                              if name.startswith("transformers.models.") and ".modeling_" in name)]
+    code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ready', flush=True)"
+    package_root = str(Path(__file__).resolve().parents[2])  # lib/, where workbook is importable from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    began = time.perf_counter()
+    try:
+        child = subprocess.Popen([sys.executable, "-c", code, *modules], stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True, env=env)
+    except OSError:
+        return None
+    try:
+        ready_line = child.stdout.readline()
+        ready = time.perf_counter()
+        child.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        return None
+    if child.returncode != 0 or ready_line.strip() != "ready":
+        return None
+    return FreshProcess(ready - began, time.perf_counter() - ready, modules)
+
+
+def job_startup(clock: str, entered: float, before_pilot: float, fresh: FreshProcess | None) -> float:
+    """The job's start-up: this process's own up to the pilot, with its interpreter and imports
+    (``entered``: its age on entering the forecast) as a fresh process takes them now when that is
+    less (wall clock; CPU seconds do not count waiting on a cold disk)."""
+    if clock == "wall" and fresh is not None:
+        return before_pilot - entered + min(entered, fresh.startup_seconds)
+    return before_pilot
+
+
+def record(fresh: FreshProcess | None, entered: float) -> dict:
+    """What the forecast's JSON says of the fresh process it timed."""
+    if fresh is None:
+        return {"measured": False, "this_process_start_seconds": entered}
+    return {"measured": True, "startup_seconds": fresh.startup_seconds, "exit_seconds": fresh.exit_seconds,
+            "this_process_start_seconds": entered, "modules": fresh.modules}

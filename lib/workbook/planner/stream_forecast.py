@@ -1,0 +1,210 @@
+"""The forecast of a streaming job (the ``continuous`` backend): one stream, ``batch_size`` requests
+in flight, a finished request's slot refilled at once, so no row waits for its batch's longest.
+
+The pilot runs the chosen batches' prompts (spread across the length distribution, as for static
+batches) as one stream through the job's own code into the job's output, and times every model step
+(each advances every in-flight request by a token and prefills the ones just admitted). A step's cost
+is fitted as fixed + per token processed. The job is then simulated slot by slot: requests in queue
+order (longest prompt first) each take the earliest free of ``batch_size`` slots for as many steps
+as they generate tokens; the steps are the makespan, the tokens every prompt's and every output's::
+
+    steps = makespan([4, 9, 2, ...], slots=32)       # model steps the stream takes
+    result = simulate_stream(prompt_lengths, prompts_per_call=32, max_new_tokens=256,
+                             timings=timings, outputs=outputs)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from workbook import runtime
+from workbook.planner import forecast
+from workbook.planner.forecast import GenerationSimulation, OutputLengths
+
+
+@dataclass
+class StreamTimings:
+    """What a stream costs, in seconds, as a pilot measured it."""
+
+    step_fixed_seconds: float  # per model step, whatever it processes (the weights read, the launches)
+    seconds_per_token: float  # per token a step processes (a prompt's at admission, one per decoding request)
+    steps_scale: float  # the pilot's measured steps over its simulated ones (the manager's own scheduling)
+    tokens_scale: float  # the pilot's measured tokens over its simulated ones
+    call_overhead_seconds: float  # starting and stopping the manager, once per stream
+    warm_up_seconds: float = 0.0
+    startup_seconds: float = 0.0
+    exit_seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def makespan(output_lengths: list[int], slots: int) -> int:
+    """Steps a stream takes: each request, in queue order, takes the earliest free of ``slots``
+    slots for as many steps as it generates tokens (the first comes from its prefill)."""
+    free = [0] * max(min(slots, len(output_lengths)), 1)
+    for steps in output_lengths:
+        heapq.heapreplace(free, free[0] + max(steps, 1))
+    return max(free)
+
+
+def queue_outputs(prompt_lengths: list[int], prompts_per_call: int, max_new_tokens: int,
+                  outputs: OutputLengths) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of every request in queue order (longest prompt first): each group
+    of ``prompts_per_call`` takes, in turn, the lengths the pilot saw nearest its longest prompt."""
+    requests = []
+    for batch in forecast.batch_plan(prompt_lengths, prompts_per_call):
+        seen = outputs.nearest(batch[0])
+        requests += [(length, min(seen[i % len(seen)], max_new_tokens)) for i, length in enumerate(batch)]
+    return requests
+
+
+def stream_cost(requests: list[tuple[int, int]], slots: int, timings: StreamTimings) -> tuple[float, float, float, int]:
+    """(prefill, decode, steps) of one stream: steps x fixed + tokens x per token, as the pilot scaled them."""
+    steps = makespan([output for _, output in requests], slots) * timings.steps_scale
+    per_token = timings.seconds_per_token * timings.tokens_scale
+    prefill = per_token * sum(prompt for prompt, _ in requests)
+    decode = steps * timings.step_fixed_seconds + per_token * sum(max(output - 1, 0) for _, output in requests)
+    return prefill, decode, steps, sum(prompt for prompt, _ in requests)
+
+
+def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int, timings: StreamTimings,
+                    outputs: OutputLengths, processes: int = 1, include_startup: bool = True) -> GenerationSimulation:
+    """The job's wall time as one stream per process (each takes every ``processes``-th prompt of
+    the sorted list, the job's split); the slowest process's. ``batch_seconds``: each group of
+    ``prompts_per_call`` requests in queue order, its share of the stream (the ETA's units)."""
+    slowest = None
+    for rank in range(processes):
+        lengths = sorted(prompt_lengths, reverse=True)[rank::processes]
+        requests = queue_outputs(lengths, prompts_per_call, max_new_tokens, outputs) if lengths else []
+        prefill, decode, steps, tokens = stream_cost(requests, prompts_per_call, timings) if requests else (0, 0, 0, 0)
+        fixed = timings.call_overhead_seconds + timings.warm_up_seconds
+        fixed += timings.startup_seconds + timings.exit_seconds if include_startup else 0.0
+        weights = [sum(prompt + output for prompt, output in requests[start:start + prompts_per_call])
+                   for start in range(0, len(requests), prompts_per_call)]
+        total = sum(weights) or 1
+        result = GenerationSimulation(prefill + decode + fixed, [(prefill + decode) * w / total for w in weights],
+                                      prefill, decode, fixed, steps, tokens)
+        if slowest is None or result.seconds > slowest.seconds:
+            slowest = result
+    return slowest
+
+
+def stream_range(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int, timings: StreamTimings,
+                 outputs: OutputLengths, processes: int = 1, fit_error: float = 0.0, seed: int = 0) -> tuple[float, float]:
+    """(low, high) wall seconds: as ``forecast.generation_range``, over resamples of the pilot's output lengths."""
+    rng = random.Random(seed)
+    simulate = dict(prompts_per_call=prompts_per_call, max_new_tokens=max_new_tokens, timings=timings, processes=processes)
+    draws = sorted(simulate_stream(prompt_lengths, outputs=outputs.resampled(rng), **simulate).seconds
+                   for _ in range(forecast.BOOTSTRAP_DRAWS))
+    middle = simulate_stream(prompt_lengths, outputs=outputs, **simulate).seconds
+    spread = max(fit_error, forecast.MINIMUM_SPREAD)
+    low, high = draws[len(draws) // 10], draws[(9 * len(draws)) // 10]
+    return min(low, middle) * (1 - spread), max(high, middle) * (1 + spread)
+
+
+@dataclass
+class StreamPilot:
+    """What the pilot's stream measured."""
+
+    seconds: float  # the whole call, the manager's start and stop and the writing included
+    steps: list[tuple[float, float, int]]  # (start, end, tokens) of every model step
+    requests: list[tuple[int, int]]  # (prompt, output) lengths in the order they were queued
+    groups: list[tuple[int, list[int]]]  # (longest prompt, output lengths) of each chosen batch
+
+
+def fit_stream(pilot: StreamPilot, slots: int, warm_up_seconds: float, startup_seconds: float
+               ) -> tuple[StreamTimings, float, str]:
+    """Timings from the pilot's stream, the relative error of the fitted steps on its own, and how
+    the steps were timed. A step's seconds run to the next step's start (the manager's scheduling
+    between steps included). No step seen (a step replayed as a CUDA graph runs no forward hook):
+    the stream's time per simulated step, every cost in it."""
+    simulated_steps = makespan([output for _, output in pilot.requests], slots)
+    simulated_tokens = sum(prompt + max(output - 1, 0) for prompt, output in pilot.requests)
+    if len(pilot.steps) < 2:
+        timings = StreamTimings(pilot.seconds / max(simulated_steps, 1), 0.0, 1.0, 1.0, 0.0,
+                                warm_up_seconds, startup_seconds)
+        return timings, 0.0, "no model step seen by the forward hooks: the stream's seconds per simulated step"
+    starts = [start for start, _, _ in pilot.steps]
+    seconds = [following - start for start, following in zip(starts, starts[1:])] + [pilot.steps[-1][1] - starts[-1]]
+    tokens = [count for _, _, count in pilot.steps]
+    fixed, per_token = forecast.fit_line(tokens, seconds, single="intercept")
+    stepping = pilot.steps[-1][1] - starts[0]
+    timings = StreamTimings(fixed, per_token, len(pilot.steps) / max(simulated_steps, 1),
+                            sum(tokens) / max(simulated_tokens, 1), max(pilot.seconds - stepping, 0.0),
+                            warm_up_seconds, startup_seconds)
+    predicted = [fixed + per_token * count for count in tokens]
+    error = abs(sum(predicted) - stepping) / stepping if stepping > 0 else 0.0
+    return timings, error, (f"{len(pilot.steps)} model steps timed by forward hooks ({simulated_steps} simulated "
+                            f"for the pilot's own requests)")
+
+
+class StepTimer:
+    """Times every model step of a stream with the tokens it processes (hooks on the model, which
+    transformers' manager calls from its own thread; synchronized on CUDA so the clock sees the work)."""
+
+    def __init__(self, model, device, clock: Callable[[], float]):
+        self.device, self.clock, self.events, self._started = device, clock, [], None
+        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
+                         model.register_forward_hook(self._after)]
+
+    def _before(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        runtime.synchronize(self.device)
+        self._started = (self.clock(), int(ids.numel()) if ids is not None else 0)
+
+    def _after(self, module, args, output):
+        runtime.synchronize(self.device)
+        self.events.append((self._started[0], self.clock(), self._started[1]))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def run_stream_pilot(params, share_, files, rank, batches: list[list], log, clock: Callable[[], float] = time.perf_counter
+                     ) -> StreamPilot:
+    """The chosen batches' prompts as one stream through the job's writer into the job's output,
+    every model step timed."""
+    from workbook.generation import job
+    backend = share_.backend
+    prompts = [prompt for batch in batches for prompt in batch]
+    finished: dict[tuple[int, int], int] = {}
+    original = backend._completed
+
+    def completed(prompt, tokens):
+        outcome = original(prompt, tokens)
+        finished[(prompt.index, prompt.sample)] = len(outcome.completed[0][1].token_ids)
+        return outcome
+
+    timer = StepTimer(share_.model, rank.device, clock)
+    backend._completed = completed
+    began = clock()
+    try:
+        job.generate_share(params, dataclasses.replace(share_, prompts=prompts, bad_lines=[], too_long=[]),
+                           files, rank, log=lambda line: None, show_progress=False)
+    finally:
+        backend._completed = original
+        timer.remove()
+    seconds = clock() - began
+    if len(finished) < len(prompts):
+        raise job.GenerationError(f"the pilot's stream finished {len(finished)} of its {len(prompts)} requests (an "
+                                  "error or out of memory in flight): lower batch_size so the forecast times the "
+                                  "stream the job will run")
+    requests = [(len(p.token_ids), finished[(p.index, p.sample)]) for p in prompts]
+    groups = [(max(len(p.token_ids) for p in batch), [finished[(p.index, p.sample)] for p in batch]) for batch in batches]
+    steps = [(start, end, tokens) for start, end, tokens in timer.events]
+    log(f"pilot: one stream of {len(prompts)} requests, {len(steps)} model steps, {seconds:.1f} s")
+    return StreamPilot(seconds, steps, requests, groups)
+
+
+def fit_summary(pilot: StreamPilot) -> dict:
+    return {"steps_timed": len(pilot.steps), "requests": len(pilot.requests),
+            "output_tokens": sum(output for _, output in pilot.requests),
+            "median_output_tokens": statistics.median(output for _, output in pilot.requests) if pilot.requests else 0}
