@@ -40,6 +40,7 @@ def test_the_cpu_profile_keeps_its_cases_and_its_recorded_command(tmp_path):
     names = [name for name, _, _ in forecast_check.cases(args, tmp_path, on_gpu=False)]
     assert names == ["shipped prompts (300), EOS-ended", "1000 mixed-length prompts, EOS-ended",
                      "1000 mixed-length prompts, fixed length (cut at max_new_tokens 3)",
+                     "1000 mixed-length prompts, EOS-ended, continuous backend (one sample each, up to 16 new tokens)",
                      "training, 100 steps (shipped sample, micro-batch 4)"]
     assert forecast_check.command_line(args) == (
         "PYTHONPATH=lib python -m workbook.bench.forecast_check --out outputs/reference/cpu --mixed-prompts 1000 "

@@ -247,6 +247,10 @@ def cases(args, work: Path, on_gpu: bool) -> list[tuple[str, str, list[str]]]:
              [f"prompts_path={mixed}", "verifier=", "max_new_tokens=8"]),
             (f"{args.mixed_prompts} mixed-length prompts, fixed length (cut at max_new_tokens 3)", "generate",
              [f"prompts_path={mixed}", "verifier=", "max_new_tokens=3"]),
+            # One sample each: a stream of 8 samples of every prompt would run minutes on this CPU.
+            (f"{args.mixed_prompts} mixed-length prompts, EOS-ended, continuous backend (one sample each, "
+             "up to 16 new tokens)", "generate",
+             [f"prompts_path={mixed}", "verifier=", "max_new_tokens=16", "samples_per_prompt=1", "backend=continuous"]),
         ]
     train = [f"max_steps={args.train_steps}", "save_every_steps=0", f"micro_batch_size={args.train_micro_batch}"]
     return [*generation[:1 if args.only_first else None],
