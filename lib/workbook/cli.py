@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
                              help="the pilot runs at most this share of the job's batches (training: steps), "
                                   "at least one; default 0.1")
             job.add_argument("--pilot-seconds", type=float,
-                             help="generation: also stop the pilot after this many seconds (after its first batch)")
+                             help="generation: also stop the pilot after this many seconds (after its first batch; "
+                                  "the continuous backend's pilot is one stream, run whole: lower --pilot-share)")
             job.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                              help="forecast wall seconds (default), or this process's CPU seconds: a machine "
                                   "shared with other work stretches wall time, not CPU time (use OMP_NUM_THREADS=1)")
