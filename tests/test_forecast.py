@@ -117,7 +117,7 @@ def test_a_streams_fit_recovers_its_step_costs_and_the_managers_own_scheduling()
     steps, clock = [], 1.0  # the manager started 1 s before its first step
     for tokens in [40 + 30, 2 + 20, 2, 2, 1 + 10, 1, 1, 1]:
         seconds = 0.02 + 0.0005 * tokens
-        steps.append((clock, clock + seconds, tokens))
+        steps.append((clock, clock + seconds, tokens, 0))
         clock += seconds
     run = stream_forecast.StreamPilot(seconds=clock + 0.25, steps=steps, requests=requests, groups=[(40, [6, 3, 2, 5])])
     fitted, error, how = stream_forecast.fit_stream(run, slots=2, warm_up_seconds=0.0, startup_seconds=3.0)

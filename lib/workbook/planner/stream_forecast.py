@@ -40,6 +40,11 @@ class StreamTimings:
     warm_up_seconds: float = 0.0
     startup_seconds: float = 0.0
     exit_seconds: float = 0.0
+    # Per pair of positions of a prompt prefilled in the step (attention within it): a step that
+    # admits long prompts costs more per token (measured on CPU: 92 us a token in 300-token steps,
+    # 150 us in 1,900-token ones), and a pilot's few large steps cannot show that per token alone.
+    seconds_per_prompt_pair: float = 0.0
+    pairs_scale: float = 1.0  # the pilot's measured pairs over its simulated ones (prefill in chunks)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -69,7 +74,8 @@ def stream_cost(requests: list[tuple[int, int]], slots: int, timings: StreamTimi
     """(prefill, decode, steps) of one stream: steps x fixed + tokens x per token, as the pilot scaled them."""
     steps = makespan([output for _, output in requests], slots) * timings.steps_scale
     per_token = timings.seconds_per_token * timings.tokens_scale
-    prefill = per_token * sum(prompt for prompt, _ in requests)
+    pairs = timings.seconds_per_prompt_pair * timings.pairs_scale * sum(prompt * prompt for prompt, _ in requests)
+    prefill = per_token * sum(prompt for prompt, _ in requests) + pairs
     decode = steps * timings.step_fixed_seconds + per_token * sum(max(output - 1, 0) for _, output in requests)
     return prefill, decode, steps, sum(prompt for prompt, _ in requests)
 
@@ -114,7 +120,7 @@ class StreamPilot:
     """What the pilot's stream measured."""
 
     seconds: float  # the whole call, the manager's start and stop and the writing included
-    steps: list[tuple[float, float, int]]  # (start, end, tokens) of every model step
+    steps: list[tuple[float, float, int, int]]  # (start, end, tokens, prompt pairs) of every model step
     requests: list[tuple[int, int]]  # (prompt, output) lengths in the order they were queued
     groups: list[tuple[int, list[int]]]  # (longest prompt, output lengths) of each chosen batch
 
@@ -131,15 +137,21 @@ def fit_stream(pilot: StreamPilot, slots: int, warm_up_seconds: float, startup_s
         timings = StreamTimings(pilot.seconds / max(simulated_steps, 1), 0.0, 1.0, 1.0, 0.0,
                                 warm_up_seconds, startup_seconds)
         return timings, 0.0, "no model step seen by the forward hooks: the stream's seconds per simulated step"
-    starts = [start for start, _, _ in pilot.steps]
+    starts = [step[0] for step in pilot.steps]
     seconds = [following - start for start, following in zip(starts, starts[1:])] + [pilot.steps[-1][1] - starts[-1]]
-    tokens = [count for _, _, count in pilot.steps]
-    fixed, per_token = forecast.fit_line(tokens, seconds, single="intercept")
+    tokens, pairs = [step[2] for step in pilot.steps], [step[3] for step in pilot.steps]
+    if len(set(pairs)) >= 3:  # the manager said where each prompt's prefill sits (transformers' cu_seq_lens_q)
+        fixed, per_token, per_pair = forecast.fit_nonnegative(
+            [[1.0] * len(tokens), [float(t) for t in tokens], [float(p) for p in pairs]], seconds)
+    else:
+        (fixed, per_token), per_pair = forecast.fit_line(tokens, seconds, single="intercept"), 0.0
+    simulated_pairs = sum(prompt * prompt for prompt, _ in pilot.requests)
     stepping = pilot.steps[-1][1] - starts[0]
     timings = StreamTimings(fixed, per_token, len(pilot.steps) / max(simulated_steps, 1),
                             sum(tokens) / max(simulated_tokens, 1), max(pilot.seconds - stepping, 0.0),
-                            warm_up_seconds, startup_seconds)
-    predicted = [fixed + per_token * count for count in tokens]
+                            warm_up_seconds, startup_seconds, seconds_per_prompt_pair=per_pair,
+                            pairs_scale=sum(pairs) / simulated_pairs if simulated_pairs and per_pair else 1.0)
+    predicted = [fixed + per_token * count + per_pair * pair for count, pair in zip(tokens, pairs)]
     error = abs(sum(predicted) - stepping) / stepping if stepping > 0 else 0.0
     return timings, error, (f"{len(pilot.steps)} model steps timed by forward hooks ({simulated_steps} simulated "
                             f"for the pilot's own requests)")
@@ -156,12 +168,15 @@ class StepTimer:
 
     def _before(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
+        starts = kwargs.get("cu_seq_lens_q")  # each sequence's query tokens in the packed step
+        queries = (starts[1:] - starts[:-1]).tolist() if starts is not None else []
         runtime.synchronize(self.device)
-        self._started = (self.clock(), int(ids.numel()) if ids is not None else 0)
+        self._started = (self.clock(), int(ids.numel()) if ids is not None else 0,
+                         sum(q * q for q in queries if q > 1))
 
     def _after(self, module, args, output):
         runtime.synchronize(self.device)
-        self.events.append((self._started[0], self.clock(), self._started[1]))
+        self.events.append((self._started[0], self.clock(), *self._started[1:]))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -199,7 +214,7 @@ def run_stream_pilot(params, share_, files, rank, batches: list[list], log, cloc
                                   "stream the job will run")
     requests = [(len(p.token_ids), finished[(p.index, p.sample)]) for p in prompts]
     groups = [(max(len(p.token_ids) for p in batch), [finished[(p.index, p.sample)] for p in batch]) for batch in batches]
-    steps = [(start, end, tokens) for start, end, tokens in timer.events]
+    steps = list(timer.events)
     log(f"pilot: one stream of {len(prompts)} requests, {len(steps)} model steps, {seconds:.1f} s")
     return StreamPilot(seconds, steps, requests, groups)
 
