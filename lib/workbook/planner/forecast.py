@@ -138,19 +138,20 @@ def simulate_generation(prompt_lengths: list[int], *, prompts_per_call: int, max
 
 
 def generation_range(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int,
-                     timings: GenerationTimings, outputs: OutputLengths, processes: int = 1,
-                     fit_error: float = 0.0, seed: int = 0) -> tuple[float, float]:
+                     timings, outputs: OutputLengths, processes: int = 1,
+                     fit_error: float = 0.0, seed: int = 0, simulate=None) -> tuple[float, float]:
     """(low, high) wall seconds: the 10th and 90th percentile over resamples of the pilot's output
     lengths (how long outputs run is the least known part), widened by the timing fit's
-    relative error on the pilot's own batches and never narrower than MINIMUM_SPREAD."""
+    relative error on the pilot's own batches and never narrower than MINIMUM_SPREAD.
+    ``simulate``: the job's simulation (default ``simulate_generation``, static batches; a stream's
+    is ``stream_forecast.simulate_stream``)."""
+    simulate = simulate or simulate_generation
     rng = random.Random(seed)
-    draws = sorted(simulate_generation(prompt_lengths, prompts_per_call=prompts_per_call,
-                                       max_new_tokens=max_new_tokens, timings=timings,
-                                       outputs=outputs.resampled(rng), processes=processes).seconds
+    job = dict(prompts_per_call=prompts_per_call, max_new_tokens=max_new_tokens, timings=timings, processes=processes)
+    draws = sorted(simulate(prompt_lengths, outputs=outputs.resampled(rng), **job).seconds
                    for _ in range(BOOTSTRAP_DRAWS))
     low, high = draws[len(draws) // 10], draws[(9 * len(draws)) // 10]
-    middle = simulate_generation(prompt_lengths, prompts_per_call=prompts_per_call, max_new_tokens=max_new_tokens,
-                                 timings=timings, outputs=outputs, processes=processes).seconds
+    middle = simulate(prompt_lengths, outputs=outputs, **job).seconds
     spread = max(fit_error, MINIMUM_SPREAD)
     return min(low, middle) * (1 - spread), max(high, middle) * (1 + spread)
 

@@ -29,6 +29,7 @@ import torch
 from workbook import ceilings, models, params as params_module, runtime
 from workbook.paths import OUTPUTS_DIR
 from workbook.planner import forecast, startup, stream_forecast
+from workbook.planner.forward_timer import ForwardTimer
 from workbook.planner.forecast import GenerationTimings, OutputLengths, Phases, Peaks
 
 # The params keys `workbook forecast` reads: the generation job's and the training run's (it pilots
@@ -63,32 +64,6 @@ class Call:
     forwards: list[tuple[float, float, int]]  # (start, end, context positions) per model call
     output_lengths: list[int]
     written_seconds: float = 0.0  # the call plus writing its records (the engine's batch time)
-
-
-class ForwardTimer:
-    """Times every forward of ``model`` (hooks; synchronized on CUDA so the clock sees the work)."""
-
-    def __init__(self, model, device: torch.device, clock: Callable[[], float] = time.perf_counter):
-        self.device, self.clock, self.events, self._started = device, clock, [], None
-        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
-                         model.register_forward_hook(self._after)]
-
-    def _before(self, module, args, kwargs):
-        # Positions attended: the new tokens plus what the cache holds (generate drops an all-ones mask).
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        cache, mask = kwargs.get("past_key_values"), kwargs.get("attention_mask")
-        cached = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
-        context = (ids.shape[-1] if ids is not None else 0) + cached if mask is None else mask.shape[-1]
-        runtime.synchronize(self.device)
-        self._started = (self.clock(), context)
-
-    def _after(self, module, args, output):
-        runtime.synchronize(self.device)
-        self.events.append((self._started[0], self.clock(), self._started[1]))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
 
 
 def pick_batches(batches: list[list], share: float) -> list[int]:
@@ -199,7 +174,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
                                   max((len(p.token_ids) for p in first), default=1), CLOCKS[clock])
         pilot_began = time.perf_counter()
         # A streaming backend (continuous) runs the chosen batches' prompts as one stream, as the job does.
-        streaming = callable(getattr(backend, "stream", None)) and chosen
+        streaming = callable(getattr(backend, "stream", None)) and bool(chosen)
         if streaming:
             stream = stream_forecast.run_stream_pilot(params, share_, files, rank, [pending[i] for i in chosen], log,
                                                       CLOCKS[clock])
@@ -214,20 +189,18 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     job_start = startup.job_startup(clock, entered, before_pilot, fresh)
     if streaming:
         timings, fit_error, timed_how = stream_forecast.fit_stream(stream, backend.prompts_per_call, warm_up_seconds, job_start)
-        outputs, rows, simulate_job, job_range = (OutputLengths(stream.groups), len(stream.requests),
-                                                  stream_forecast.simulate_stream, stream_forecast.stream_range)
+        outputs, rows, simulate_job = OutputLengths(stream.groups), len(stream.requests), stream_forecast.simulate_stream
     else:
         timings, fit_error = fit_generation(calls, warm_up_seconds, job_start)
         timed_how = f"{sum(len(c.forwards) for c in calls)} forwards timed by forward hooks over {len(calls)} static calls"
-        outputs, rows, simulate_job, job_range = (OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls]),
-                                                  sum(c.rows for c in calls), forecast.simulate_generation,
-                                                  forecast.generation_range)
+        outputs, rows, simulate_job = (OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls]),
+                                       sum(c.rows for c in calls), forecast.simulate_generation)
     timings.exit_seconds = fresh.exit_seconds if fresh else 0.0
     processes = params["data_parallel_processes"] * params["num_nodes"]  # the job's global split, every node's
     simulate = dict(prompts_per_call=backend.prompts_per_call, max_new_tokens=params["max_new_tokens"],
                     timings=timings, outputs=outputs, processes=processes)
     whole = simulate_job(every, **simulate)
-    low, high = job_range(every, fit_error=fit_error, **simulate)
+    low, high = forecast.generation_range(every, fit_error=fit_error, simulate=simulate_job, **simulate)
     piloted = {(p.index, p.sample) for i in chosen[:piloted_batches] for p in pending[i]}
     left = [len(p.token_ids) for p in share_.prompts if (p.index, p.sample) not in piloted]
     remaining = simulate_job(left, **simulate).seconds if left else 0.0

@@ -9,9 +9,9 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from workbook import runtime
+from workbook.paths import REPO_ROOT
 
 
 def seconds_so_far(clock: str) -> float:
@@ -39,8 +39,7 @@ def fresh_process(entry: str) -> FreshProcess | None:
     modules = ["workbook.cli", entry, *sorted(name for name in sys.modules
                                               if name.startswith("transformers.models.") and ".modeling_" in name)]
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ready', flush=True)"
-    package_root = str(Path(__file__).resolve().parents[2])  # lib/, where workbook is importable from
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))}
     began = time.perf_counter()
     try:
         child = subprocess.Popen([sys.executable, "-c", code, *modules], stdout=subprocess.PIPE,

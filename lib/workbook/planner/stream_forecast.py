@@ -4,7 +4,7 @@ in flight, a finished request's slot refilled at once, so no row waits for its b
 The pilot runs the chosen batches' prompts (spread across the length distribution, as for static
 batches) as one stream through the job's own code into the job's output, and times every model step
 (each advances every in-flight request by a token and prefills the ones just admitted). A step's cost
-is fitted as fixed + per token processed. The job is then simulated slot by slot: requests in queue
+is fitted as fixed + per token processed + per pair of positions of each prompt it prefills. The job is then simulated slot by slot: requests in queue
 order (longest prompt first) each take the earliest free of ``batch_size`` slots for as many steps
 as they generate tokens; the steps are the makespan, the tokens every prompt's and every output's::
 
@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import random
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from workbook import runtime
 from workbook.planner import forecast
 from workbook.planner.forecast import GenerationSimulation, OutputLengths
+from workbook.planner.forward_timer import ForwardTimer
 
 
 @dataclass
@@ -74,10 +72,11 @@ def stream_cost(requests: list[tuple[int, int]], slots: int, timings: StreamTimi
     """(prefill, decode, steps) of one stream: steps x fixed + tokens x per token, as the pilot scaled them."""
     steps = makespan([output for _, output in requests], slots) * timings.steps_scale
     per_token = timings.seconds_per_token * timings.tokens_scale
+    prompt_tokens = sum(prompt for prompt, _ in requests)
     pairs = timings.seconds_per_prompt_pair * timings.pairs_scale * sum(prompt * prompt for prompt, _ in requests)
-    prefill = per_token * sum(prompt for prompt, _ in requests) + pairs
+    prefill = per_token * prompt_tokens + pairs
     decode = steps * timings.step_fixed_seconds + per_token * sum(max(output - 1, 0) for _, output in requests)
-    return prefill, decode, steps, sum(prompt for prompt, _ in requests)
+    return prefill, decode, steps, prompt_tokens
 
 
 def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int, timings: StreamTimings,
@@ -85,9 +84,9 @@ def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new
     """The job's wall time as one stream per process (each takes every ``processes``-th prompt of
     the sorted list, the job's split); the slowest process's. ``batch_seconds``: each group of
     ``prompts_per_call`` requests in queue order, its share of the stream (the ETA's units)."""
-    slowest = None
+    slowest, ordered = None, sorted(prompt_lengths, reverse=True)
     for rank in range(processes):
-        lengths = sorted(prompt_lengths, reverse=True)[rank::processes]
+        lengths = ordered[rank::processes]
         requests = queue_outputs(lengths, prompts_per_call, max_new_tokens, outputs) if lengths else []
         prefill, decode, steps, tokens = stream_cost(requests, prompts_per_call, timings) if requests else (0, 0, 0, 0)
         fixed = timings.call_overhead_seconds + timings.warm_up_seconds
@@ -100,19 +99,6 @@ def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new
         if slowest is None or result.seconds > slowest.seconds:
             slowest = result
     return slowest
-
-
-def stream_range(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int, timings: StreamTimings,
-                 outputs: OutputLengths, processes: int = 1, fit_error: float = 0.0, seed: int = 0) -> tuple[float, float]:
-    """(low, high) wall seconds: as ``forecast.generation_range``, over resamples of the pilot's output lengths."""
-    rng = random.Random(seed)
-    simulate = dict(prompts_per_call=prompts_per_call, max_new_tokens=max_new_tokens, timings=timings, processes=processes)
-    draws = sorted(simulate_stream(prompt_lengths, outputs=outputs.resampled(rng), **simulate).seconds
-                   for _ in range(forecast.BOOTSTRAP_DRAWS))
-    middle = simulate_stream(prompt_lengths, outputs=outputs, **simulate).seconds
-    spread = max(fit_error, forecast.MINIMUM_SPREAD)
-    low, high = draws[len(draws) // 10], draws[(9 * len(draws)) // 10]
-    return min(low, middle) * (1 - spread), max(high, middle) * (1 + spread)
 
 
 @dataclass
@@ -157,30 +143,13 @@ def fit_stream(pilot: StreamPilot, slots: int, warm_up_seconds: float, startup_s
                             f"for the pilot's own requests)")
 
 
-class StepTimer:
-    """Times every model step of a stream with the tokens it processes (hooks on the model, which
-    transformers' manager calls from its own thread; synchronized on CUDA so the clock sees the work)."""
-
-    def __init__(self, model, device, clock: Callable[[], float]):
-        self.device, self.clock, self.events, self._started = device, clock, [], None
-        self._handles = [model.register_forward_pre_hook(self._before, with_kwargs=True),
-                         model.register_forward_hook(self._after)]
-
-    def _before(self, module, args, kwargs):
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        starts = kwargs.get("cu_seq_lens_q")  # each sequence's query tokens in the packed step
-        queries = (starts[1:] - starts[:-1]).tolist() if starts is not None else []
-        runtime.synchronize(self.device)
-        self._started = (self.clock(), int(ids.numel()) if ids is not None else 0,
-                         sum(q * q for q in queries if q > 1))
-
-    def _after(self, module, args, output):
-        runtime.synchronize(self.device)
-        self.events.append((self._started[0], self.clock(), *self._started[1:]))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
+def step_tokens(args, kwargs) -> tuple[int, int]:
+    """(tokens, prompt pairs) of a stream's model step: every token it processes, and the pairs of
+    positions of each prompt it prefills (transformers' cu_seq_lens_q: each sequence's tokens)."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    starts = kwargs.get("cu_seq_lens_q")
+    queries = (starts[1:] - starts[:-1]).tolist() if starts is not None else []
+    return int(ids.numel()) if ids is not None else 0, sum(q * q for q in queries if q > 1)
 
 
 def run_stream_pilot(params, share_, files, rank, batches: list[list], log, clock: Callable[[], float] = time.perf_counter
@@ -198,7 +167,7 @@ def run_stream_pilot(params, share_, files, rank, batches: list[list], log, cloc
         finished[(prompt.index, prompt.sample)] = len(outcome.completed[0][1].token_ids)
         return outcome
 
-    timer = StepTimer(share_.model, rank.device, clock)
+    timer = ForwardTimer(share_.model, rank.device, clock, describe=step_tokens)
     backend._completed = completed
     began = clock()
     try:
@@ -218,8 +187,3 @@ def run_stream_pilot(params, share_, files, rank, batches: list[list], log, cloc
     log(f"pilot: one stream of {len(prompts)} requests, {len(steps)} model steps, {seconds:.1f} s")
     return StreamPilot(seconds, steps, requests, groups)
 
-
-def fit_summary(pilot: StreamPilot) -> dict:
-    return {"steps_timed": len(pilot.steps), "requests": len(pilot.requests),
-            "output_tokens": sum(output for _, output in pilot.requests),
-            "median_output_tokens": statistics.median(output for _, output in pilot.requests) if pilot.requests else 0}
