@@ -83,17 +83,73 @@ def test_a_long_prompts_dearer_tokens_are_fitted_and_carried_to_lengths_the_pilo
     assert by_line.prefill_seconds < 0.9 * longer.forwards[1][0]
 
 
-def stream_timings(**changes) -> stream_forecast.StreamTimings:
-    values = dict(step_fixed_seconds=0.01, seconds_per_token=0.001, steps_scale=1.0, tokens_scale=1.0,
-                  call_overhead_seconds=0.5)
-    return stream_forecast.StreamTimings(**{**values, **changes})
+def stream_timings(**step_seconds) -> stream_forecast.StreamTimings:
+    return stream_forecast.StreamTimings({"steps": 0.01, "tokens": 0.001, **step_seconds}, {}, call_overhead_seconds=0.5)
 
 
-def test_a_stream_takes_the_steps_of_its_slots_makespan():
-    assert stream_forecast.makespan([4, 9, 2], slots=2) == 9  # 4 then 2 in one slot, 9 in the other
-    assert stream_forecast.makespan([3, 3, 3, 3], slots=2) == 6
-    assert stream_forecast.makespan([5, 1], slots=32) == 5  # more slots than requests
-    assert stream_forecast.makespan([], slots=4) == 0
+def one_step_at_a_time(requests, slots, budget) -> list[stream_forecast.StepWork]:
+    """The reference for ``schedule``: transformers' FIFO scheduler a step at a time, each request
+    tracked (decoding first, then prompts in the order admitted, then the queue's), each step's work."""
+    queue, flight, steps = list(requests), [], []
+    while queue or flight:
+        left, queries_keys, chunks = budget, [], []
+        for request in flight:
+            if request["done"] == request["prompt"]:  # decoding: its last token, over everything so far
+                queries_keys.append((1, request["prompt"] + request["generated"]))
+                left -= 1
+        for request in flight + [None] * len(queue):
+            if request is None:
+                if not queue or len(flight) >= slots:
+                    break
+                prompt, output = queue.pop(0)
+                request = {"prompt": prompt, "done": 0, "output": output, "generated": 0}
+                flight.append(request)
+            if request["done"] == request["prompt"]:
+                continue
+            if left <= 0:
+                break
+            chunk = min(request["prompt"] - request["done"], left)
+            request["done"] += chunk
+            left -= chunk
+            chunks.append((request, chunk))
+        tokens = sum(q for q, _ in queries_keys) + sum(chunk for _, chunk in chunks)
+        keys = sum(k for _, k in queries_keys) + sum(request["done"] for request, _ in chunks)
+        steps.append(stream_forecast.StepWork(
+            1, tokens, len(queries_keys) + len(chunks), sum(chunk * request["done"] for request, chunk in chunks),
+            sum(k for _, k in queries_keys), tokens * keys))
+        for request in flight:
+            if request["done"] == request["prompt"] and (request["generated"] or any(r is request for r, _ in chunks)):
+                request["generated"] += 1
+        flight = [request for request in flight if request["generated"] < request["output"]]
+    return steps
+
+
+def total(works):
+    summed = stream_forecast.StepWork()
+    for work in works:
+        summed = summed.add(work)
+    return summed
+
+
+def test_the_stream_schedule_by_hand():
+    # Step 0 prefills both prompts (5 tokens, 3x3 + 2x2 pairs, a 5 x 5 mask); step 1 decodes both (keys
+    # 4 and 3); step 2 decodes the second (keys 4) beside the third prompt's prefill: 5 tokens, 8 keys.
+    prefill, decode = stream_forecast.schedule([(3, 2), (2, 3), (4, 1)], slots=2, max_batch_tokens=100)
+    assert prefill == stream_forecast.StepWork(steps=1, tokens=9, sequences=3, prefill_pairs=29, mask_pairs=25 + 4 * 8)
+    assert decode == stream_forecast.StepWork(steps=2, tokens=3, sequences=3, decode_keys=11, mask_pairs=2 * 7 + 1 * 8)
+    # A prompt longer than the step's budget is prefilled in chunks, each attending what came before.
+    prefill, decode = stream_forecast.schedule([(10, 2)], slots=4, max_batch_tokens=4)
+    assert (prefill.steps, prefill.tokens, prefill.prefill_pairs) == (3, 10, 4 * 4 + 4 * 8 + 2 * 10)
+    assert (decode.steps, decode.decode_keys) == (1, 11)
+
+
+@pytest.mark.parametrize("slots, budget", [(4, 2048), (8, 64), (3, 5)])
+def test_the_stream_schedule_equals_a_step_at_a_time(slots, budget):
+    """The schedule sums stretches of decoding at once; a step at a time must give the same work."""
+    rng = random.Random(slots)
+    requests = [(rng.randint(1, 40), rng.choice([1, 2, 3, 30, rng.randint(1, 60)])) for _ in range(60)]
+    prefill, decode = stream_forecast.schedule(requests, slots, budget)
+    assert prefill.add(decode) == total(one_step_at_a_time(requests, slots, budget))
 
 
 def test_a_stream_of_uneven_outputs_takes_far_fewer_steps_than_static_batches():
@@ -113,22 +169,29 @@ def test_a_stream_of_uneven_outputs_takes_far_fewer_steps_than_static_batches():
 
 
 def test_a_streams_fit_recovers_its_step_costs_and_the_managers_own_scheduling():
-    requests = [(40, 6), (30, 3), (20, 2), (10, 5)]
+    """Steps timed as the scheduler runs them, each costing 20 ms + 0.5 ms a token + 1 us a mask
+    pair: the fit prices the simulated pilot at its measured time; one step in ten more than the
+    simulation (the manager's own lag) becomes the steps' scale."""
+    rng = random.Random(0)
+    requests = [(rng.randint(5, 60), rng.randint(1, 12)) for _ in range(24)]
+    works = one_step_at_a_time(requests, 4, stream_forecast.batch_tokens(4, [p for p, _ in requests]))
     steps, clock = [], 1.0  # the manager started 1 s before its first step
-    for tokens in [40 + 30, 2 + 20, 2, 2, 1 + 10, 1, 1, 1]:
-        seconds = 0.02 + 0.0005 * tokens
-        steps.append((clock, clock + seconds, tokens, 0))
+    for work in works:
+        seconds = 0.02 + 0.0005 * work.tokens + 1e-6 * work.mask_pairs
+        steps.append((clock, clock + seconds, work))
         clock += seconds
-    run = stream_forecast.StreamPilot(seconds=clock + 0.25, steps=steps, requests=requests, groups=[(40, [6, 3, 2, 5])])
-    fitted, error, how = stream_forecast.fit_stream(run, slots=2, warm_up_seconds=0.0, startup_seconds=3.0)
-    assert fitted.step_fixed_seconds == pytest.approx(0.02) and fitted.seconds_per_token == pytest.approx(0.0005)
-    assert fitted.call_overhead_seconds == pytest.approx(1.25) and error == pytest.approx(0.0, abs=1e-9)
-    assert fitted.steps_scale == pytest.approx(8 / stream_forecast.makespan([6, 3, 2, 5], 2))
-    assert "8 model steps timed" in how
+    run = stream_forecast.StreamPilot(seconds=clock + 0.25, steps=steps, requests=requests, groups=[(60, [3])])
+    fitted, error, how = stream_forecast.fit_stream(run, slots=4, warm_up_seconds=0.0, startup_seconds=3.0)
+    assert error == pytest.approx(0.0, abs=1e-9) and fitted.call_overhead_seconds == pytest.approx(1.25)
+    assert set(fitted.scales.values()) == {1.0}
+    assert fitted.seconds(total(works)) == pytest.approx(clock - 1.0)
+    assert f"{len(works)} model steps timed" in how
+    lagging = dataclasses.replace(run, steps=steps + [(clock, clock + 0.02, stream_forecast.StepWork(steps=1))] * (len(works) // 10))
+    assert stream_forecast.fit_stream(lagging, 4, 0.0, 3.0)[0].scales["steps"] == pytest.approx(1 + (len(works) // 10) / len(works))
     # No step seen (CUDA graphs replay without the forward hooks): the stream's time per simulated step.
-    blind, _, how = stream_forecast.fit_stream(dataclasses.replace(run, steps=[]), slots=2, warm_up_seconds=0.0,
+    blind, _, how = stream_forecast.fit_stream(dataclasses.replace(run, steps=[]), slots=4, warm_up_seconds=0.0,
                                                startup_seconds=3.0)
-    assert blind.step_fixed_seconds == pytest.approx(run.seconds / stream_forecast.makespan([6, 3, 2, 5], 2))
+    assert blind.step_seconds == {"steps": pytest.approx(run.seconds / len(works))}
     assert "no model step seen" in how
 
 
@@ -280,7 +343,7 @@ def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_mod
     piloted = [json.loads(line)["metadata"]["example_id"] for line in output.read_text().splitlines()]
     assert result.pilot["batches"] == 2 and len(piloted) == 8  # 20% of the 10 batches
     # continuous: the chosen batches' prompts as one stream, its model steps timed; the job simulated as a stream
-    assert ("steps_scale" in result.timings) == (backend == "continuous")
+    assert ("scales" in result.timings) == (backend == "continuous")
     assert ("model steps timed" in result.pilot["timed"]) == (backend == "continuous")
     assert result.predicted_wall_seconds_range[0] <= result.predicted_wall_seconds <= result.predicted_wall_seconds_range[1]
     assert result.remaining_wall_seconds < result.predicted_wall_seconds

@@ -3,58 +3,137 @@ in flight, a finished request's slot refilled at once, so no row waits for its b
 
 The pilot runs the chosen batches' prompts (spread across the length distribution, as for static
 batches) as one stream through the job's own code into the job's output, and times every model step
-(each advances every in-flight request by a token and prefills the ones just admitted). A step's cost
-is fitted as fixed + per token processed + per pair of positions of each prompt it prefills. The job is then simulated slot by slot: requests in queue
-order (longest prompt first) each take the earliest free of ``batch_size`` slots for as many steps
-as they generate tokens; the steps are the makespan, the tokens every prompt's and every output's::
+with the work it did (``StepWork``). A step's cost is fitted per unit of each kind of work.
+``schedule`` runs transformers' FIFO scheduler step by step (decoding requests first, then prompts in
+queue order, chunked to the step's token budget, never more than ``batch_size`` in flight) and sums
+the work, for the pilot's own requests and for the job's; the pilot's measured work over its
+simulated work scales the job's::
 
-    steps = makespan([4, 9, 2, ...], slots=32)       # model steps the stream takes
+    prefill, decode = schedule([(120, 9), (80, 2), ...], slots=32, max_batch_tokens=2048)
     result = simulate_stream(prompt_lengths, prompts_per_call=32, max_new_tokens=256,
                              timings=timings, outputs=outputs)
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import heapq
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
 from workbook.planner import forecast
 from workbook.planner.forecast import GenerationSimulation, OutputLengths
 from workbook.planner.forward_timer import ForwardTimer
+from workbook.planner.paged import paged_layout
+
+
+@dataclass
+class StepWork:
+    """What model steps processed, summed."""
+
+    steps: float = 0.0
+    tokens: float = 0.0  # every token a step processes: a prompt's (or its chunk's), one per decoding request
+    sequences: float = 0.0  # requests in the step (the manager's and the sampler's work per request)
+    prefill_pairs: float = 0.0  # a prompt chunk's tokens x the positions each attends (attention's compute)
+    decode_keys: float = 0.0  # positions each decoding request attends (its KV cache read)
+    # Queries x keys of a dense attention mask, where the attention takes one (sdpa, eager on CPU): it
+    # scores every query against every in-flight request's keys, so n decoding requests cost n^2.
+    # Measured on CPU: without this term a pilot's fit put a whole job's steps 11% low.
+    mask_pairs: float = 0.0
+
+    def add(self, other: "StepWork") -> "StepWork":
+        return StepWork(*(a + b for a, b in zip(self.values(), other.values())))
+
+    def values(self) -> list[float]:
+        return [getattr(self, name) for name in WORK]
+
+
+WORK = tuple(f.name for f in fields(StepWork))
 
 
 @dataclass
 class StreamTimings:
     """What a stream costs, in seconds, as a pilot measured it."""
 
-    step_fixed_seconds: float  # per model step, whatever it processes (the weights read, the launches)
-    seconds_per_token: float  # per token a step processes (a prompt's at admission, one per decoding request)
-    steps_scale: float  # the pilot's measured steps over its simulated ones (the manager's own scheduling)
-    tokens_scale: float  # the pilot's measured tokens over its simulated ones
+    step_seconds: dict[str, float]  # seconds per unit of each kind of StepWork ("steps": per step)
+    scales: dict[str, float]  # the pilot's measured work over its simulated (what the scheduler model misses)
     call_overhead_seconds: float  # starting and stopping the manager, once per stream
     warm_up_seconds: float = 0.0
     startup_seconds: float = 0.0
     exit_seconds: float = 0.0
-    # Per pair of positions of a prompt prefilled in the step (attention within it): a step that
-    # admits long prompts costs more per token (measured on CPU: 92 us a token in 300-token steps,
-    # 150 us in 1,900-token ones), and a pilot's few large steps cannot show that per token alone.
-    seconds_per_prompt_pair: float = 0.0
-    pairs_scale: float = 1.0  # the pilot's measured pairs over its simulated ones (prefill in chunks)
+
+    def seconds(self, work: StepWork) -> float:
+        return sum(self.step_seconds.get(name, 0.0) * self.scales.get(name, 1.0) * value
+                   for name, value in zip(WORK, work.values()))
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def makespan(output_lengths: list[int], slots: int) -> int:
-    """Steps a stream takes: each request, in queue order, takes the earliest free of ``slots``
-    slots for as many steps as it generates tokens (the first comes from its prefill)."""
-    free = [0] * max(min(slots, len(output_lengths)), 1)
-    for steps in output_lengths:
-        heapq.heapreplace(free, free[0] + max(steps, 1))
-    return max(free)
+def batch_tokens(slots: int, prompt_lengths: list[int]) -> int:
+    """A step's token budget, as the backend sizes it for a stream of these prompts (``paged_layout``)."""
+    return paged_layout(max(slots, 1), max(prompt_lengths, default=1) or 1, 1).max_batch_tokens
+
+
+def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int) -> tuple[StepWork, StepWork]:
+    """(prefill, decode) work of a stream of (prompt, output) requests in queue order, as
+    transformers' FIFO scheduler runs it: each step takes every decoding request's next token
+    first, then prompts (a partly prefilled one first, then the queue's while fewer than ``slots``
+    are in flight), each as much as is left of the step's ``max_batch_tokens``. A prompt's last chunk
+    yields its first token; it decodes from the next step on until its output is complete. A step
+    counts as decode if anything in it decodes. Stretches where nothing but decoding happens are
+    summed at once, so a job of millions of tokens simulates in milliseconds."""
+    prefill, decode = StepWork(), StepWork()
+    queue = collections.deque((max(prompt, 1), max(output, 1)) for prompt, output in requests)
+    partial: collections.deque = collections.deque()  # [prompt, prefilled so far, output], in flight
+    decoding: list[tuple[int, int]] = []  # heap of (its last step, offset): its keys at step s are offset + s
+    offsets = step = 0
+    while queue or partial or decoding:
+        d = len(decoding)
+        if not partial and (not queue or d >= slots):  # nothing but decoding until the next request ends
+            last = decoding[0][0]
+            count = last - step + 1
+            keys = count * offsets + d * (step + last) * count / 2
+            decode = decode.add(StepWork(count, d * count, d * count, 0.0, keys, d * keys))
+            step = last
+        else:
+            chunks, prefilled = _prefill(partial, queue, max(max_batch_tokens - d, 1), slots - d - len(partial))
+            tokens, keys = sum(q for q, _ in chunks), sum(k for _, k in chunks)
+            all_keys = keys + offsets + d * step
+            prefill = prefill.add(StepWork(0 if d else 1, tokens, len(chunks), sum(q * k for q, k in chunks), 0.0,
+                                           tokens * all_keys))
+            if d:
+                decode = decode.add(StepWork(1, d, d, 0.0, offsets + d * step, d * all_keys))
+            for prompt, _, output in prefilled:
+                if output > 1:  # its keys at step s: the prompt and what it generated since this step
+                    heapq.heappush(decoding, (step + output - 1, prompt - step))
+                    offsets += prompt - step
+        while decoding and decoding[0][0] <= step:
+            offsets -= heapq.heappop(decoding)[1]
+        step += 1
+    return prefill, decode
+
+
+def _prefill(partial: collections.deque, queue: collections.deque, budget: int, room: int):
+    """One step's prompt chunks, (tokens, keys each attends), and the requests whose prompt it
+    completes; a prompt cut by the budget stays first in ``partial``."""
+    chunks, prefilled = [], []
+    while budget > 0 and (partial or (queue and room > 0)):
+        if partial:
+            entry = partial.popleft()
+        else:
+            entry, room = [queue[0][0], 0, queue.popleft()[1]], room - 1
+        chunk = min(entry[0] - entry[1], budget)
+        entry[1] += chunk
+        budget -= chunk
+        chunks.append((chunk, entry[1]))
+        if entry[1] < entry[0]:
+            partial.appendleft(entry)
+            break
+        prefilled.append(entry)
+    return chunks, prefilled
 
 
 def queue_outputs(prompt_lengths: list[int], prompts_per_call: int, max_new_tokens: int,
@@ -68,17 +147,6 @@ def queue_outputs(prompt_lengths: list[int], prompts_per_call: int, max_new_toke
     return requests
 
 
-def stream_cost(requests: list[tuple[int, int]], slots: int, timings: StreamTimings) -> tuple[float, float, float, int]:
-    """(prefill, decode, steps) of one stream: steps x fixed + tokens x per token, as the pilot scaled them."""
-    steps = makespan([output for _, output in requests], slots) * timings.steps_scale
-    per_token = timings.seconds_per_token * timings.tokens_scale
-    prompt_tokens = sum(prompt for prompt, _ in requests)
-    pairs = timings.seconds_per_prompt_pair * timings.pairs_scale * sum(prompt * prompt for prompt, _ in requests)
-    prefill = per_token * prompt_tokens + pairs
-    decode = steps * timings.step_fixed_seconds + per_token * sum(max(output - 1, 0) for _, output in requests)
-    return prefill, decode, steps, prompt_tokens
-
-
 def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int, timings: StreamTimings,
                     outputs: OutputLengths, processes: int = 1, include_startup: bool = True) -> GenerationSimulation:
     """The job's wall time as one stream per process (each takes every ``processes``-th prompt of
@@ -88,14 +156,16 @@ def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new
     for rank in range(processes):
         lengths = ordered[rank::processes]
         requests = queue_outputs(lengths, prompts_per_call, max_new_tokens, outputs) if lengths else []
-        prefill, decode, steps, tokens = stream_cost(requests, prompts_per_call, timings) if requests else (0, 0, 0, 0)
+        prefill, decode = schedule(requests, prompts_per_call, batch_tokens(prompts_per_call, lengths))
+        prefill_seconds, decode_seconds = timings.seconds(prefill), timings.seconds(decode)
         fixed = timings.call_overhead_seconds + timings.warm_up_seconds
         fixed += timings.startup_seconds + timings.exit_seconds if include_startup else 0.0
         weights = [sum(prompt + output for prompt, output in requests[start:start + prompts_per_call])
                    for start in range(0, len(requests), prompts_per_call)]
-        total = sum(weights) or 1
-        result = GenerationSimulation(prefill + decode + fixed, [(prefill + decode) * w / total for w in weights],
-                                      prefill, decode, fixed, steps, tokens)
+        total, stepping = sum(weights) or 1, prefill_seconds + decode_seconds
+        steps = (prefill.steps + decode.steps) * timings.scales.get("steps", 1.0)
+        result = GenerationSimulation(stepping + fixed, [stepping * w / total for w in weights],
+                                      prefill_seconds, decode_seconds, fixed, steps, int(prefill.tokens))
         if slowest is None or result.seconds > slowest.seconds:
             slowest = result
     return slowest
@@ -106,50 +176,69 @@ class StreamPilot:
     """What the pilot's stream measured."""
 
     seconds: float  # the whole call, the manager's start and stop and the writing included
-    steps: list[tuple[float, float, int, int]]  # (start, end, tokens, prompt pairs) of every model step
+    steps: list[tuple[float, float, StepWork]]  # (start, end, work) of every model step
     requests: list[tuple[int, int]]  # (prompt, output) lengths in the order they were queued
     groups: list[tuple[int, list[int]]]  # (longest prompt, output lengths) of each chosen batch
 
 
 def fit_stream(pilot: StreamPilot, slots: int, warm_up_seconds: float, startup_seconds: float
                ) -> tuple[StreamTimings, float, str]:
-    """Timings from the pilot's stream, the relative error of the fitted steps on its own, and how
-    the steps were timed. A step's seconds run to the next step's start (the manager's scheduling
-    between steps included). No step seen (a step replayed as a CUDA graph runs no forward hook):
-    the stream's time per simulated step, every cost in it."""
-    simulated_steps = makespan([output for _, output in pilot.requests], slots)
-    simulated_tokens = sum(prompt + max(output - 1, 0) for prompt, output in pilot.requests)
+    """Timings from the pilot's stream, the relative error of its simulated steps (unscaled) on its
+    measured ones, and how the steps were timed. A step's seconds run to the next step's start (the
+    manager's scheduling between steps included). No step seen (a step replayed as a CUDA graph
+    runs no forward hook): the stream's time per simulated step, every cost in it."""
+    simulated = _simulated(pilot, slots)
     if len(pilot.steps) < 2:
-        timings = StreamTimings(pilot.seconds / max(simulated_steps, 1), 0.0, 1.0, 1.0, 0.0,
-                                warm_up_seconds, startup_seconds)
+        timings = StreamTimings({"steps": pilot.seconds / max(simulated.steps, 1)}, {}, 0.0, warm_up_seconds,
+                                startup_seconds)
         return timings, 0.0, "no model step seen by the forward hooks: the stream's seconds per simulated step"
     starts = [step[0] for step in pilot.steps]
     seconds = [following - start for start, following in zip(starts, starts[1:])] + [pilot.steps[-1][1] - starts[-1]]
-    tokens, pairs = [step[2] for step in pilot.steps], [step[3] for step in pilot.steps]
-    if len(set(pairs)) >= 3:  # the manager said where each prompt's prefill sits (transformers' cu_seq_lens_q)
-        fixed, per_token, per_pair = forecast.fit_nonnegative(
-            [[1.0] * len(tokens), [float(t) for t in tokens], [float(p) for p in pairs]], seconds)
-    else:
-        (fixed, per_token), per_pair = forecast.fit_line(tokens, seconds, single="intercept"), 0.0
-    simulated_pairs = sum(prompt * prompt for prompt, _ in pilot.requests)
+    works = [step[2] for step in pilot.steps]
+    measured = StepWork()
+    for work in works:
+        measured = measured.add(work)
+    used = [name for name in WORK if getattr(measured, name) > 0]  # a mask only where the attention takes one
+    costs = forecast.fit_nonnegative([[getattr(work, name) for work in works] for name in used], seconds)
+    step_seconds = dict(zip(used, costs))
+    scales = {name: getattr(measured, name) / getattr(simulated, name) if getattr(simulated, name) else 1.0
+              for name in used}
     stepping = pilot.steps[-1][1] - starts[0]
-    timings = StreamTimings(fixed, per_token, len(pilot.steps) / max(simulated_steps, 1),
-                            sum(tokens) / max(simulated_tokens, 1), max(pilot.seconds - stepping, 0.0),
-                            warm_up_seconds, startup_seconds, seconds_per_prompt_pair=per_pair,
-                            pairs_scale=sum(pairs) / simulated_pairs if simulated_pairs and per_pair else 1.0)
-    predicted = [fixed + per_token * count + per_pair * pair for count, pair in zip(tokens, pairs)]
-    error = abs(sum(predicted) - stepping) / stepping if stepping > 0 else 0.0
-    return timings, error, (f"{len(pilot.steps)} model steps timed by forward hooks ({simulated_steps} simulated "
+    timings = StreamTimings(step_seconds, scales, max(pilot.seconds - stepping, 0.0), warm_up_seconds, startup_seconds)
+    unscaled = StreamTimings(step_seconds, {}, 0.0).seconds(simulated)
+    error = abs(unscaled - stepping) / stepping if stepping > 0 else 0.0
+    return timings, error, (f"{len(pilot.steps)} model steps timed by forward hooks ({simulated.steps:.0f} simulated "
                             f"for the pilot's own requests)")
 
 
-def step_tokens(args, kwargs) -> tuple[int, int]:
-    """(tokens, prompt pairs) of a stream's model step: every token it processes, and the pairs of
-    positions of each prompt it prefills (transformers' cu_seq_lens_q: each sequence's tokens)."""
+def _simulated(pilot: StreamPilot, slots: int) -> StepWork:
+    prefill, decode = schedule(pilot.requests, slots, batch_tokens(slots, [prompt for prompt, _ in pilot.requests]))
+    return prefill.add(decode)
+
+
+def step_work(args, kwargs) -> tuple[StepWork]:
+    """The work of a stream's model step, from what transformers' manager passes the model: each
+    sequence's queries and keys (``cu_seq_lens_q``/``_k``, the keys per layer type where a model has
+    several: its full-attention layers'), and the attention mask, where there is one."""
     ids = kwargs.get("input_ids", args[0] if args else None)
-    starts = kwargs.get("cu_seq_lens_q")
-    queries = (starts[1:] - starts[:-1]).tolist() if starts is not None else []
-    return int(ids.numel()) if ids is not None else 0, sum(q * q for q in queries if q > 1)
+    tokens = int(ids.numel()) if ids is not None else 0
+    queries = _lengths(kwargs.get("cu_seq_lens_q"))
+    keys = _lengths(_full_attention(kwargs.get("cu_seq_lens_k"))) or queries
+    mask = _full_attention(kwargs.get("attention_mask"))
+    mask_pairs = mask.shape[-2] * mask.shape[-1] if hasattr(mask, "shape") and len(mask.shape) >= 2 else 0
+    pairs = [(q, k) for q, k in zip(queries, keys) if q > 0]  # padded sequences have none
+    return (StepWork(1, tokens, len(pairs), sum(q * k for q, k in pairs if q > 1),
+                     sum(k for q, k in pairs if q == 1), mask_pairs),)
+
+
+def _full_attention(value):
+    if isinstance(value, dict):
+        return value.get("full_attention", next(iter(value.values()), None))
+    return value
+
+
+def _lengths(cumulative) -> list[int]:
+    return (cumulative[1:] - cumulative[:-1]).tolist() if cumulative is not None and len(cumulative) > 1 else []
 
 
 def run_stream_pilot(params, share_, files, rank, batches: list[list], log, clock: Callable[[], float] = time.perf_counter
@@ -167,7 +256,7 @@ def run_stream_pilot(params, share_, files, rank, batches: list[list], log, cloc
         finished[(prompt.index, prompt.sample)] = len(outcome.completed[0][1].token_ids)
         return outcome
 
-    timer = ForwardTimer(share_.model, rank.device, clock, describe=step_tokens)
+    timer = ForwardTimer(share_.model, rank.device, clock, describe=step_work)
     backend._completed = completed
     began = clock()
     try:
