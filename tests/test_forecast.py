@@ -10,7 +10,7 @@ import torch
 
 from workbook import cli, generation, params
 from workbook.paths import PARAMS_DIR
-from workbook.planner import forecast, pilot, startup, stream_forecast
+from workbook.planner import forecast, pilot, regression, startup, stream_forecast
 from workbook.planner.forecast import GenerationTimings, OutputLengths
 
 
@@ -27,6 +27,12 @@ def test_expected_longest_output_of_a_batch():
     assert forecast.expected_longest([1, 3], rows=2, cap=8) == pytest.approx(2.5)
     # More rows wait for a longer longest: a static batch decodes until its longest row ends.
     assert forecast.expected_longest([1, 3], rows=8, cap=8) > forecast.expected_longest([1, 3], rows=2, cap=8)
+    # Summed per stretch between distinct lengths, it equals P(max >= k) summed for every k.
+    rng = random.Random(3)
+    for rows, cap in [(1, 50), (7, 30), (64, 2048)]:
+        lengths = [rng.choice([1, 2, 2, rng.randint(1, 60)]) for _ in range(rng.randint(1, 40))]
+        every_k = sum(1 - (sum(min(x, cap) < k for x in lengths) / len(lengths)) ** rows for k in range(1, cap + 1))
+        assert forecast.expected_longest(lengths, rows=rows, cap=cap) == pytest.approx(every_k)
 
 
 def test_simulation_adds_up_the_engines_batches_on_synthetic_timings():
@@ -76,7 +82,7 @@ def test_a_long_prompts_dearer_tokens_are_fitted_and_carried_to_lengths_the_pilo
     # The same calls fitted with a line alone (what the forecast did before) put its prefill over 10% low.
     line = timings(call_overhead_seconds=0.0, write_seconds_per_output=0.0, step_fixed_seconds=fitted.step_fixed_seconds,
                    step_seconds_per_context_token=fitted.step_seconds_per_context_token,
-                   **dict(zip(("prefill_fixed_seconds", "prefill_seconds_per_token"), forecast.fit_line(
+                   **dict(zip(("prefill_fixed_seconds", "prefill_seconds_per_token"), regression.fit_line(
                        [32 * c.longest_prompt for c in calls], [c.forwards[1][0] for c in calls], single="slope"))))
     by_line = forecast.simulate_generation([220] * 32, prompts_per_call=32, max_new_tokens=8, timings=line,
                                            outputs=OutputLengths([(220, [4])]), include_startup=False)
@@ -197,12 +203,12 @@ def test_a_streams_fit_recovers_its_step_costs_and_the_managers_own_scheduling()
 
 def test_the_nonnegative_fit_drops_a_negative_cost_and_keeps_the_total():
     columns = [[1.0, 1.0, 1.0, 1.0], [1.0, 2.0, 3.0, 4.0], [1.0, 4.0, 9.0, 16.0]]
-    assert forecast.fit_nonnegative(columns, [2.0, 3.0, 4.0, 5.0]) == pytest.approx([1.0, 1.0, 0.0], abs=1e-9)
+    assert regression.fit_nonnegative(columns, [2.0, 3.0, 4.0, 5.0]) == pytest.approx([1.0, 1.0, 0.0], abs=1e-9)
     # Time falling with size fits no positive slope: the mean, as a fixed cost.
-    assert forecast.fit_nonnegative(columns, [5.0, 4.0, 3.0, 2.0]) == pytest.approx([3.5, 0.0, 0.0], abs=1e-9)
+    assert regression.fit_nonnegative(columns, [5.0, 4.0, 3.0, 2.0]) == pytest.approx([3.5, 0.0, 0.0], abs=1e-9)
     # Convex data whose exact fit has a negative fixed cost: none, and the total kept.
     ys = [0.5, 3.0, 7.5, 14.0]  # 1 * x^2 - 0.5 ... without the constant
-    fixed, per_token, per_pair = forecast.fit_nonnegative(columns, ys)
+    fixed, per_token, per_pair = regression.fit_nonnegative(columns, ys)
     assert fixed == 0.0 and per_token >= 0 and per_pair > 0
     assert sum(per_token * x + per_pair * x * x for x in (1, 2, 3, 4)) == pytest.approx(sum(ys))
 
@@ -229,13 +235,13 @@ def test_a_noisy_pilot_fit_never_goes_negative_and_keeps_the_pilots_total_time()
     27% in a measured CPU pilot). The fit must keep the total time the pilot measured."""
     tokens = [5920, 4600, 3460, 2620, 1860, 1220, 800, 540, 510]  # 32 rows x the longest prompt
     seconds = [0.84, 0.49, 0.27, 0.20, 0.14, 0.088, 0.060, 0.043, 0.042]  # the first batch slow
-    intercept, slope = forecast.fit_line(tokens, seconds)
+    intercept, slope = regression.fit_line(tokens, seconds)
     assert intercept == 0.0 and slope > 0
     assert intercept * len(tokens) + slope * sum(tokens) == pytest.approx(sum(seconds))
     # A line the data supports is left as least squares gives it (positive fixed cost).
-    assert forecast.fit_line([100, 200, 300], [1.5, 2.5, 3.5]) == pytest.approx((0.5, 0.01))
+    assert regression.fit_line([100, 200, 300], [1.5, 2.5, 3.5]) == pytest.approx((0.5, 0.01))
     # Time that falls with more work is noise: no slope, the mean as a fixed cost.
-    assert forecast.fit_line([100, 200, 300], [3.0, 2.0, 1.0]) == pytest.approx((2.0, 0.0))
+    assert regression.fit_line([100, 200, 300], [3.0, 2.0, 1.0]) == pytest.approx((2.0, 0.0))
 
 
 class FakeClock:

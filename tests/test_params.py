@@ -2,7 +2,6 @@
 
 import ast
 import re
-import textwrap
 
 import papermill
 import pytest

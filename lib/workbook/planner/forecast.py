@@ -16,16 +16,15 @@ from __future__ import annotations
 import json
 import math
 import random
-import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy
 
 from workbook.paths import REFERENCE_DIR, REPO_ROOT
 
 SECONDS_PER_HOUR = 3600.0
 BOOTSTRAP_DRAWS = 200  # resamples of the pilot's output lengths behind the range
+BOOTSTRAP_PROMPTS = 2_000_000  # prompts simulated over all the draws (at least 20): seconds for a large job
 MINIMUM_SPREAD = 0.03  # the range is never narrower than +-3%: run-to-run noise of a shared machine
 FORECAST_SUFFIX = ".forecast.json"  # beside a generation output: the forecast its job started with
 
@@ -47,12 +46,13 @@ class OutputLengths:
 
 def expected_longest(lengths: list[int], rows: int, cap: int) -> float:
     """Expected longest of ``rows`` draws from ``lengths`` (capped at ``cap``): the decode steps of
-    a static batch, whose every row waits for its longest. E[max] = sum_k P(max >= k)."""
+    a static batch, whose every row waits for its longest. E[max] = sum_k P(max >= k), summed per
+    stretch between distinct lengths, where it stays the same (not per k: 2,048 new tokens)."""
     capped = sorted(min(length, cap) for length in lengths)
-    total = 0.0
-    for k in range(1, (capped[-1] if capped else 0) + 1):
-        below = sum(1 for length in capped if length < k) / len(capped)
-        total += 1 - below ** rows
+    total, previous = 0.0, 0
+    for shorter, length in enumerate(capped):  # for k in (previous, length]: P(one draw < k) = shorter / n
+        total += (length - previous) * (1 - (shorter / len(capped)) ** rows)
+        previous = length
     return total
 
 
@@ -148,8 +148,8 @@ def generation_range(prompt_lengths: list[int], *, prompts_per_call: int, max_ne
     simulate = simulate or simulate_generation
     rng = random.Random(seed)
     job = dict(prompts_per_call=prompts_per_call, max_new_tokens=max_new_tokens, timings=timings, processes=processes)
-    draws = sorted(simulate(prompt_lengths, outputs=outputs.resampled(rng), **job).seconds
-                   for _ in range(BOOTSTRAP_DRAWS))
+    count = max(20, min(BOOTSTRAP_DRAWS, BOOTSTRAP_PROMPTS // max(len(prompt_lengths), 1)))
+    draws = sorted(simulate(prompt_lengths, outputs=outputs.resampled(rng), **job).seconds for _ in range(count))
     low, high = draws[len(draws) // 10], draws[(9 * len(draws)) // 10]
     middle = simulate(prompt_lengths, outputs=outputs, **job).seconds
     spread = max(fit_error, MINIMUM_SPREAD)
@@ -367,47 +367,6 @@ def profile_rows(phases: Phases, this_profile: dict, here: Peaks, profiles: dict
         rows.append({"profile": name, "wall_seconds": round(seconds, 2), **cost(seconds, profile, num_nodes),
                      "basis": basis})
     return rows
-
-
-def fit_line(xs: list[float], ys: list[float], single: str = "slope") -> tuple[float, float]:
-    """(intercept, slope) of the least-squares line, neither negative, and always through the
-    pilot's total time (the job's batches are spread like the pilot's, so its total is what
-    carries over). A single distinct x cannot tell the two apart: ``single`` says which one takes
-    the mean ('slope': a line through 0)."""
-    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
-    if len(set(xs)) < 2:
-        return (0.0, mean_y / mean_x if mean_x else 0.0) if single == "slope" else (mean_y, 0.0)
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys))
-             / sum((x - mean_x) ** 2 for x in xs))
-    if slope <= 0:  # a negative per-token cost is noise: time never falls with more work
-        return mean_y, 0.0
-    if mean_y - slope * mean_x < 0:
-        # A negative fixed cost is noise too (one slow batch of the longest prompts tilts the line).
-        # Clipping it alone would keep the tilted slope and overstate every batch (measured on CPU:
-        # the pilot's prefill +27%); through 0, the slope that keeps the pilot's total is the ratio.
-        return 0.0, mean_y / mean_x
-    return mean_y - slope * mean_x, slope
-
-
-def fit_nonnegative(columns: list[list[float]], ys: list[float]) -> list[float]:
-    """Coefficients of ``ys ~ sum_j c_j * columns[j]`` by least squares with every c_j >= 0 (a
-    negative cost is noise): the best fit among the subsets of columns whose own least squares is
-    nonnegative (a handful of columns: every subset is tried), scaled to keep the pilot's total."""
-    target = numpy.asarray(ys, dtype=float)
-    best, best_residual = [0.0] * len(columns), float("inf")
-    for chosen in range(1, 2 ** len(columns)):
-        used = [j for j in range(len(columns)) if chosen >> j & 1]
-        design = numpy.asarray([columns[j] for j in used], dtype=float).T
-        solution, *_ = numpy.linalg.lstsq(design, target, rcond=None)
-        if (solution < 0).any():
-            continue
-        residual = float(((design @ solution - target) ** 2).sum())
-        if residual < best_residual - 1e-15:
-            best_residual, best = residual, [0.0] * len(columns)
-            for j, value in zip(used, solution):
-                best[j] = float(value)
-    fitted = sum(c * sum(column) for c, column in zip(best, columns))
-    return [c * float(target.sum()) / fitted for c in best] if fitted > 0 else best
 
 
 def relative_error(predicted: list[float], measured: list[float]) -> float:

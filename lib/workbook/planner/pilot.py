@@ -28,7 +28,7 @@ import torch
 
 from workbook import ceilings, models, params as params_module, runtime
 from workbook.paths import OUTPUTS_DIR
-from workbook.planner import forecast, startup, stream_forecast
+from workbook.planner import forecast, regression, startup, stream_forecast
 from workbook.planner.forward_timer import ForwardTimer
 from workbook.planner.forecast import GenerationTimings, OutputLengths, Phases, Peaks
 
@@ -88,7 +88,7 @@ def fit_generation(calls: list[Call], warm_up_seconds: float, startup_seconds: f
     # One distinct prefill size: its time is per token (what scales); one distinct context: a step's
     # time is fixed (reading the weights, launching the kernels).
     prefill_fixed, prefill_slope, prefill_pair = fit_prefill(prefill_shapes, prefill_y)
-    step_fixed, step_slope = forecast.fit_line(step_x, step_y, single="intercept") if step_x else (0.0, 0.0)
+    step_fixed, step_slope = regression.fit_line(step_x, step_y, single="intercept") if step_x else (0.0, 0.0)
     timings = GenerationTimings(prefill_fixed, prefill_slope, step_fixed, step_slope, 0.0, 0.0,
                                 warm_up_seconds, startup_seconds, prefill_seconds_per_token_pair=prefill_pair)
     modelled = [sum(forecast.batch_seconds(c.rows, c.longest_prompt, max(c.output_lengths, default=0), timings)[:2])
@@ -104,12 +104,12 @@ def fit_prefill(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[fl
     """(fixed, per token, per token pair) prefill seconds from (rows, longest prompt) shapes. Three
     prompt lengths or more tell the pairs' (attention's) cost from the tokens'; fewer fit a line."""
     if len({length for _, length in shapes}) < 3:
-        fixed, per_token = forecast.fit_line([rows * length for rows, length in shapes], seconds,
+        fixed, per_token = regression.fit_line([rows * length for rows, length in shapes], seconds,
                                              single="slope") if shapes else (0.0, 0.0)
         return fixed, per_token, 0.0
     columns = [[1.0] * len(shapes), [float(rows * length) for rows, length in shapes],
                [float(rows * length ** 2) for rows, length in shapes]]
-    fixed, per_token, per_pair = forecast.fit_nonnegative(columns, seconds)
+    fixed, per_token, per_pair = regression.fit_nonnegative(columns, seconds)
     return fixed, per_token, per_pair
 
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
-from workbook.planner import forecast
+from workbook.planner import forecast, regression
 from workbook.planner.forecast import GenerationSimulation, OutputLengths
 from workbook.planner.forward_timer import ForwardTimer
 from workbook.planner.paged import paged_layout
@@ -85,8 +85,8 @@ def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int)
     yields its first token; it decodes from the next step on until its output is complete. A step
     counts as decode if anything in it decodes. Stretches where nothing but decoding happens are
     summed at once, so a job of millions of tokens simulates in milliseconds."""
-    prefill, decode = StepWork(), StepWork()
-    queue = collections.deque((max(prompt, 1), max(output, 1)) for prompt, output in requests)
+    prefill, decode = [0.0] * len(WORK), [0.0] * len(WORK)  # StepWork's fields, summed in place
+    queue = collections.deque((prompt or 1, output or 1) for prompt, output in requests)
     partial: collections.deque = collections.deque()  # [prompt, prefilled so far, output], in flight
     decoding: list[tuple[int, int]] = []  # heap of (its last step, offset): its keys at step s are offset + s
     offsets = step = 0
@@ -96,16 +96,15 @@ def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int)
             last = decoding[0][0]
             count = last - step + 1
             keys = count * offsets + d * (step + last) * count / 2
-            decode = decode.add(StepWork(count, d * count, d * count, 0.0, keys, d * keys))
+            _add(decode, count, d * count, d * count, 0, keys, d * keys)
             step = last
         else:
             chunks, prefilled = _prefill(partial, queue, max(max_batch_tokens - d, 1), slots - d - len(partial))
             tokens, keys = sum(q for q, _ in chunks), sum(k for _, k in chunks)
             all_keys = keys + offsets + d * step
-            prefill = prefill.add(StepWork(0 if d else 1, tokens, len(chunks), sum(q * k for q, k in chunks), 0.0,
-                                           tokens * all_keys))
+            _add(prefill, 0 if d else 1, tokens, len(chunks), sum(q * k for q, k in chunks), 0, tokens * all_keys)
             if d:
-                decode = decode.add(StepWork(1, d, d, 0.0, offsets + d * step, d * all_keys))
+                _add(decode, 1, d, d, 0, offsets + d * step, d * all_keys)
             for prompt, _, output in prefilled:
                 if output > 1:  # its keys at step s: the prompt and what it generated since this step
                     heapq.heappush(decoding, (step + output - 1, prompt - step))
@@ -113,7 +112,12 @@ def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int)
         while decoding and decoding[0][0] <= step:
             offsets -= heapq.heappop(decoding)[1]
         step += 1
-    return prefill, decode
+    return StepWork(*prefill), StepWork(*decode)
+
+
+def _add(summed: list[float], *work: float) -> None:
+    for index, value in enumerate(work):
+        summed[index] += value
 
 
 def _prefill(partial: collections.deque, queue: collections.deque, budget: int, room: int):
@@ -199,7 +203,7 @@ def fit_stream(pilot: StreamPilot, slots: int, warm_up_seconds: float, startup_s
     for work in works:
         measured = measured.add(work)
     used = [name for name in WORK if getattr(measured, name) > 0]  # a mask only where the attention takes one
-    costs = forecast.fit_nonnegative([[getattr(work, name) for work in works] for name in used], seconds)
+    costs = regression.fit_nonnegative([[getattr(work, name) for work in works] for name in used], seconds)
     step_seconds = dict(zip(used, costs))
     scales = {name: getattr(measured, name) / getattr(simulated, name) if getattr(simulated, name) else 1.0
               for name in used}

@@ -23,7 +23,7 @@ from workbook.planner.plans import (
 )
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES, OPTIMIZERS,
-    QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_target_choice, lora_targets,
+    QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_target_choice,
     model_shape, positive_bytes, require_non_negative, require_positive,
 )
 
