@@ -289,7 +289,7 @@ def test_the_recorded_forecast_keeps_the_timings_the_eta_reads(tmp_path):
     (tmp_path / "out.forecast.json").write_text(json.dumps(made.to_dict()))
     planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
     batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([138] * 32)]
-    assert planned(batch) == pytest.approx(sum(forecast.batch_seconds(32, 138, 8, small)), rel=1e-5)
+    assert planned([batch]) == [pytest.approx(sum(forecast.batch_seconds(32, 138, 8, small)), rel=1e-5)]
 
 
 def test_pilot_batches_span_the_length_distribution():
@@ -362,6 +362,9 @@ def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_mod
     assert summary["forecast"]["predicted_wall_seconds"] == pytest.approx(result.remaining_wall_seconds, rel=1e-3)
     ids = [json.loads(line)["metadata"]["example_id"] for line in output.read_text().splitlines()]
     assert summary["generated"] == 40 - 8  # the job generated only what the pilot had not
+    # Its ETA planned each batch (a stream: each group of completions) by the forecast's model, in seconds.
+    assert [batch["planned"] > 0 for batch in summary["batch_list"]] == [True] * 8
+    assert len(forecast.eta_errors(summary["batch_list"])) == 4
     assert sorted(ids) == sorted(f"q{i}" for i in range(40))  # each once
 
 
@@ -379,8 +382,46 @@ def test_the_jobs_eta_uses_the_forecasts_timings(tmp_path):
     (tmp_path / "out.forecast.json").write_text(json.dumps(made))
     planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
     batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([50, 40])]
-    assert planned(batch) == pytest.approx(sum(forecast.batch_seconds(2, 50, 4, known)))
+    assert planned([batch]) == [pytest.approx(sum(forecast.batch_seconds(2, 50, 4, known)))]
     assert forecast.planned_batch_seconds(tmp_path / "none.forecast.json") is None
+
+
+def test_a_streams_eta_plans_its_groups_of_completions_by_the_forecasts_model(tmp_path):
+    """A stream (continuous) counts progress in groups of batch_size completed requests: each group's
+    planned seconds come from the forecast's simulated schedule, they add up to the simulated stream,
+    and the manager's start and stop fall in the last group (the progress starts once it runs)."""
+    known = dataclasses.replace(stream_timings(), warm_up_seconds=0.25)
+    made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[50, [30, 2, 2, 2]]]}}
+    (tmp_path / "out.forecast.json").write_text(json.dumps(made))
+    planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
+    batches = [[generation.Prompt(4 * b + i, [1] * 50, 32) for i in range(4)] for b in range(4)]
+    seconds = planned(batches)
+    whole = stream_forecast.simulate_stream([50] * 16, prompts_per_call=4, max_new_tokens=32, timings=known,
+                                            outputs=OutputLengths([(50, [30, 2, 2, 2])]), include_startup=False)
+    assert len(seconds) == 4 and sum(seconds) == pytest.approx(whole.seconds)
+    # By hand (4 slots): the three short answers of the first group end after step 1, the long one at
+    # step 29; each short answer admitted later takes the slot one frees. Completions, in steps run:
+    finished: list = []
+    requests = stream_forecast.queue_outputs([50] * 16, 4, 32, OutputLengths([(50, [30, 2, 2, 2])]))
+    stream_forecast.schedule(requests, 4, stream_forecast.batch_tokens(4, [50] * 16), finished)
+    assert [work[0] for work in finished] == [2, 2, 2, 4, 4, 6, 8, 10, 12, 30, 32, 32, 34, 34, 34, 42]
+    # The first group closes after step 3: 4 steps, 200 + 150 prompt tokens and 4 + 1 + 4 decoded, the warm-up.
+    assert seconds[0] == pytest.approx(0.25 + 0.01 * 4 + 0.001 * (350 + 9))
+    assert seconds[-1] > 0.5  # the manager's start and stop
+
+
+def test_a_runs_eta_is_checked_against_the_time_it_really_had_left():
+    """A finished run's batches, each with the ETA's plan: planned 4, 2, 2, 1, 1 s, run at twice the
+    plan but the last two (1 s each). After 1 batch (10% and 25%: int(0.25 x 5) = 1) the ETA says
+    2 x 6 = 12 s where 10 were left; after 2, 2 x 4 = 8 s for 6; after 3, 2 x 2 = 4 s for 2."""
+    finished = [8, 12, 16, 17, 18]
+    batches = [{"rank": 0, "planned": plan, "finished_at_seconds": at} for plan, at in zip([4, 2, 2, 1, 1], finished)]
+    checks = forecast.eta_errors(batches + [{"rank": 1, "planned": 1, "finished_at_seconds": 99}])
+    assert [(c["share_of_batches"], c["after_batches"]) for c in checks] == [(0.1, 1), (0.25, 1), (0.5, 2), (0.75, 3)]
+    assert [c["eta_seconds"] for c in checks] == pytest.approx([12.0, 12.0, 8.0, 4.0], abs=1e-3)
+    assert [c["left_seconds"] for c in checks] == [10, 10, 6, 2]
+    assert [c["error"] for c in checks] == pytest.approx([0.2, 0.2, 1 / 3, 1.0], abs=1e-4)
+    assert forecast.eta_errors([{"rank": 0, "planned": None, "finished_at_seconds": 1}] * 3) == []  # no plan
 
 
 def test_review_collects_forecast_against_measured_and_plots_it(tmp_path):

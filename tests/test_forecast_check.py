@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from workbook.bench import forecast_check
+from workbook.bench import forecast_check, forecast_report
 from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 
 
@@ -137,8 +137,11 @@ def test_the_markdown_lists_unfinished_cases_and_the_projection_beside_seed_000(
                          "not_finished": {"trial": 1, "reason": "stopped at the time budget's deadline",
                                           "forecast": summary}},
                         {"case": "1B training", "mode": "train", "settings": [], "trials": [],
-                         "not_finished": {"trial": 1, "reason": "no time left in the budget", "forecast": None}}]}
-    text = forecast_check.markdown(result)
+                         "not_finished": {"trial": 1, "reason": "no time left in the budget", "forecast": None}},
+                        {"case": "continuous", "mode": "generate", "settings": [], "trials": [],
+                         "eta_errors": {"0.1": [-0.071, 0.02], "0.25": [None, -0.5]}}]}
+    text = forecast_report.markdown(result)
+    assert "| case | after 10% | after 25% |" in text and "| continuous | -7%, +2% | -, -50% |" in text
     assert "Llama-3.1-8B: random bf16 weights (8,030,261,248 parameters) built on cuda in 40 s" in text
     assert "- 8B generation, trial 1: stopped at the time budget's deadline (its forecast: 120.0 s)" in text
     assert "- 1B training, trial 1: no time left in the budget" in text

@@ -30,6 +30,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import signal
 import statistics
 import subprocess
@@ -42,7 +43,8 @@ from typing import Callable
 from workbook import gpu, models, params as params_module
 from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 from workbook.paths import REPO_ROOT
-from workbook.planner.forecast_command import units_seconds
+from workbook.bench.forecast_report import markdown
+from workbook.planner.forecast import ETA_CHECKPOINTS, FORECAST_SUFFIX, eta_errors
 
 GOAL = 0.10  # |forecast - measured| / measured
 RESERVE_SECONDS = 15  # kept back from --time-budget-seconds: stopping a command and writing the results
@@ -175,6 +177,9 @@ def check(name: str, mode: str, settings: list[str], fresh: list[str], session: 
                       "job_spread": round((max(measured) - min(measured)) / statistics.median(measured), 4),
                       "pilot": entries[0]["pilot"]}
     row["job"] = trials[0]["job"]
+    if any(trial.get("eta") for trial in trials):  # each trial's ETA error at each checkpoint
+        row["eta_errors"] = {str(share): [next((c["error"] for c in trial.get("eta", []) if c["share_of_batches"] == share),
+                                               None) for trial in trials] for share in ETA_CHECKPOINTS}
     return row
 
 
@@ -196,12 +201,18 @@ def _trial(name: str, mode: str, settings: list[str], fresh: list[str], session:
     if left is not None and forecast["predicted_seconds"] > left:  # it would be stopped: keep the time for the next case
         raise NotFinished(f"the whole job was not run: its forecast, {forecast['predicted_seconds']:.0f} s, is more "
                           f"than the {left:.0f} s left of the time budget", forecast)
+    # The run's ETA plans by this forecast, as it would after `workbook forecast` for its own output.
+    output, made = (_output(fresh), _output(_tagged(settings, "wall"))) if mode == "generate" else (None, None)
+    if output and made and made.with_suffix(FORECAST_SUFFIX).is_file():
+        shutil.copyfile(made.with_suffix(FORECAST_SUFFIX), output.with_suffix(FORECAST_SUFFIX))
     try:
         measured = dict(zip(("wall", "cpu"), workbook(["generate" if mode == "generate" else "train", "--params",
                                                         session.profile, "--set", *fresh], session)[:2]))
     except NotFinished as stopped:
         raise NotFinished(str(stopped), forecast) from None
     trial = {}
+    if output and output.with_suffix(".summary.json").is_file():
+        trial["eta"] = eta_errors(json.loads(output.with_suffix(".summary.json").read_text())["batch_list"])
     for clock, (result, seconds) in forecasts.items():
         predicted, (low, high) = result["predicted_wall_seconds"], result["predicted_wall_seconds_range"]
         error = (predicted - measured[clock]) / measured[clock]
@@ -218,6 +229,10 @@ def _trial(name: str, mode: str, settings: list[str], fresh: list[str], session:
     if session.projects:
         trial["profiles"] = forecast["profiles"]
     return trial
+
+
+def _output(settings: list[str]) -> Path | None:
+    return next((Path(item.split("=", 1)[1]) for item in settings if item.startswith("output_path=")), None)
 
 
 def _forecast_summary(result: dict) -> dict:
@@ -326,74 +341,6 @@ def command_line(args) -> str:
     return " ".join([f"PYTHONPATH=lib python -m workbook.bench.forecast_check --out {args.out} --mixed-prompts "
                      f"{args.mixed_prompts} --train-steps {args.train_steps} --train-micro-batch {args.train_micro_batch} "
                      f"--threads {args.threads} --repeats {args.repeats}", *changed])
-
-
-def markdown(result: dict) -> str:
-    lines = [f"`{result['command']}`", "", result["what"] + f"; goal {result['goal']}. "
-             f"OMP_NUM_THREADS={result['threads']}; {result['machine_note']}.", "",
-             *([f"Load average (1, 5, 15 min) of the {_cores(result['hardware'])}-core machine: "
-                f"{load['start']} at the start, {load['end']} at the end.", ""]
-               if (load := result.get("load_average_1_5_15_min")) else []),
-             *[f"{model}: random {built['dtype']} weights ({built['parameters']:,} parameters) built on "
-               f"{built['built_on']} in {built['command_seconds']:.0f} s, the tiny model's tokenizer.\n" for model, built in
-               result.get("models_built", {}).items()],
-             "| case | seconds of | pilot | forecast (s), median | measured (s), median | error of each trial | "
-             "median error | trials within goal | trials in range | the job's own spread |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for row in result["cases"]:
-        for clock in [clock for clock in ("wall", "cpu") if clock in row]:
-            entry, pilot = row[clock], row[clock]["pilot"]
-            size = (f"{pilot['batches']} batches, {pilot['share_of_job_batches']:.0%}" if row["mode"] == "generate"
-                    else f"{pilot['steps']} steps, {pilot['share_of_job_steps']:.0%}")
-            trials = len(entry["errors"])
-            lines.append(f"| {row['case']} | {clock} | {size} | {entry['predicted_seconds_median']:.1f} | "
-                         f"{entry['measured_seconds_median']:.1f} | {', '.join(f'{e:+.1%}' for e in entry['errors'])} | "
-                         f"{entry['median_error']:+.1%} | {entry['trials_within_goal']} of {trials} | "
-                         f"{entry['trials_in_range']} of {trials} | {entry['job_spread']:.1%} |")
-    unfinished = [f"- {row['case']}, trial {stopped['trial']}: {stopped['reason'].splitlines()[0]}"
-                  + (f" (its forecast: {stopped['forecast']['predicted_seconds']:.1f} s)" if stopped["forecast"] else "")
-                  for row in result["cases"] if (stopped := row.get("not_finished"))]
-    lines += ["", "Not finished (the table holds only the trials that finished before):", *unfinished] if unfinished else []
-    shares = [f"{mode}: " + ", ".join(f"{key.replace('_', ' ')} {share:.1%}" for key, share in by_key.items())
-              for mode, by_key in result.get("efficiency", {}).items()]
-    lines += ["", "Achieved share of this machine's peaks (the forecasts' median; a forecast elsewhere projects "
-              "this profile's rows with it): " + "; ".join(shares)] if shares else []
-    if "seed_000" in result:
-        lines += projection_lines(result)
-    return "\n".join(lines) + "\n"
-
-
-def _cores(hardware: dict):
-    return hardware.get("cpu", hardware).get("logical_cores", "?")
-
-
-def projection_lines(result: dict) -> list[str]:
-    """The generation case's forecast projected to every profile, beside seed 000's claims for its own
-    job, and the same projection scaled to the seed's job by output tokens (labelled as such)."""
-    row = next((row for row in result["cases"] if row["mode"] == "generate"), {"trials": []})
-    first = row["trials"][0] if row["trials"] else (row.get("not_finished") or {}).get("forecast")
-    if not first:
-        return ["", "No projection to the other profiles: the generation case made no forecast."]
-    seed, claims, job = result["seed_000"]["job"], result["seed_000"]["claims"], first["job"]
-    scale = seed["prompts"] * seed["max_new_tokens"] / (job["prompts"] * job["max_new_tokens"])
-    lines = ["", f"Projection of this check's generation job ({job['prompts']:,} prompts x {job['max_new_tokens']} new "
-             f"tokens, {job['model']}, batch {job['batch_size']}, {job['backend']}) from its forecast on "
-             f"{result['profile']} to every profile (the forecast's `profiles`), "
-             f"beside seed 000's claims for its own job: {seed['what']}. The column 'scaled to the seed's size' "
-             f"multiplies this job's projection by the ratio of output tokens ({seed['prompts']:,} x "
-             f"{seed['max_new_tokens']:,} over {job['prompts']:,} x {job['max_new_tokens']}, x{scale:.0f}): a rough "
-             f"scale, not a measurement. It assumes every output runs to the {seed['max_new_tokens']:,} cap (outputs "
-             "that end earlier make the job shorter) at this job's cost per token (longer contexts make each token dearer and fit smaller batches: "
-             "longer); and it is the workbook at the planner's batch, not the seed's script at its own.",
-             "", "| profile | this job: wall | this job: USD | basis | scaled to the seed's size: wall | USD | "
-             "seed 000's claim (its job) |", "|---|---|---|---|---|---|---|"]
-    for entry in first["profiles"]:
-        wall, usd = entry["wall_seconds"], entry["usd"]
-        this_job, scaled = (("- | -", "- | -") if wall is None else
-                            (f"{units_seconds(wall)} | ${usd:.4f}", f"{units_seconds(wall * scale)} | ${usd * scale:,.2f}"))
-        lines.append(f"| {entry['profile']} | {this_job} | {entry['basis']} | {scaled} | "
-                     f"{claims.get(entry['profile'], '-')} |")
-    return lines
 
 
 def parser() -> argparse.ArgumentParser:

@@ -295,12 +295,14 @@ class _Tally:
         completed = [pair for outcome in self.current for pair in outcome.completed]
         lengths = [len(completion.token_ids) for _, completion in completed]
         previous = self.stats[-1].finished_at_seconds if self.stats else 0.0
+        plan = self.planned_batch_seconds
         self.stats.append(BatchStats(
             index=len(self.stats) + 1, examples=sum(len(o.completed) + len(o.failed) for o in self.current),
             failed=sum(len(o.failed) for o in self.current), seconds=now - previous, finished_at_seconds=now,
             prompt_tokens=sum(len(prompt.token_ids) for prompt, _ in completed), output_tokens=sum(lengths),
             longest_output_tokens=max(lengths, default=0), token_slots=None, splits=self.splits, rank=self.rank,
-            first_result_seconds=self.first_result_seconds if not self.stats else None))
+            first_result_seconds=self.first_result_seconds if not self.stats else None,
+            planned=plan[len(self.stats)] if len(self.stats) < len(plan) else None))
         self.current, self.splits = [], 0
         index = len(self.stats)
         self._closed_at = now

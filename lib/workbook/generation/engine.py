@@ -126,6 +126,7 @@ class BatchStats:
     splits: int  # times a failing call was split in two
     rank: int = 0
     first_result_seconds: float | None = None  # since the engine started; None: this batch's end
+    planned: float | None = None  # the ETA's plan for it: seconds by the forecast's model, else positions
 
 
 @dataclass
@@ -191,7 +192,8 @@ def _error_text(error: BaseException) -> str:
 
 def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], None], sort_by_length: bool = True,
                 progress=None, log: Callable[[str], None] = print, log_every_batches: int = 0,
-                rank: int = 0, planned_seconds: Callable[[list[Prompt]], float] | None = None) -> list[BatchStats]:
+                rank: int = 0, planned_seconds: Callable[[list[list[Prompt]]], list[float]] | None = None
+                ) -> list[BatchStats]:
     """Generate for every prompt in batches of ``backend.prompts_per_call``; ``write`` receives each
     batch's outcome before the next batch starts, and may move a completed prompt to ``failed``
     (its record could not be written): the batch's statistics count it there. Returns one
@@ -199,17 +201,17 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
 
     ``progress`` is a tqdm bar (or None); a log line every ``log_every_batches`` batches (0: none).
     ``sort_by_length=False`` keeps input order (the benchmark's comparison). The ETA is the
-    forecast's (``planner.forecast.remaining_seconds``) over ``planned_seconds`` of each batch
-    (default: ``planner.forecast.positions_cost``), not examples left times seconds per example:
-    the first batches hold the longest prompts. A streaming backend (``continuous``: one manager
-    for every prompt) runs the whole list itself, writing each prompt as it finishes; its ETA
-    plans the same batches, each ``prompts_per_call`` finished prompts counting as one.
+    forecast's (``planner.forecast.remaining_seconds``) over ``planned_seconds(batches)``, each
+    batch's planned seconds (default: ``planner.forecast.positions_cost``), not examples left times
+    seconds per example: the first batches hold the longest prompts. A streaming backend
+    (``continuous``: one manager for every prompt) runs the whole list itself, writing each prompt as
+    it finishes; its ETA counts each ``prompts_per_call`` finished prompts as one batch.
     """
     from workbook.planner.forecast import positions_cost, remaining_seconds
     ordered = sort_longest_first(prompts) if sort_by_length else list(prompts)
     size = backend.prompts_per_call
     batches = [ordered[start:start + size] for start in range(0, len(ordered), size)]
-    planned = [(planned_seconds or positions_cost)(batch) for batch in batches]
+    planned = (planned_seconds or positions_cost)(batches)
     if callable(getattr(backend, "stream", None)):
         return backend.stream(ordered, write=write, sort_by_length=False, progress=progress, log=log,
                               log_every_batches=log_every_batches, rank=rank, planned_batch_seconds=planned)
@@ -227,7 +229,7 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
             finished_at_seconds=now - started,
             prompt_tokens=sum(len(prompt.token_ids) for prompt, _ in outcome.completed),
             output_tokens=sum(lengths), longest_output_tokens=max(lengths, default=0),
-            token_slots=outcome.token_slots, splits=outcome.splits, rank=rank))
+            token_slots=outcome.token_slots, splits=outcome.splits, rank=rank, planned=planned[index - 1]))
         done += len(outcome.completed)
         failed += len(outcome.failed)
         output_tokens += sum(lengths)

@@ -77,14 +77,16 @@ def batch_tokens(slots: int, prompt_lengths: list[int]) -> int:
     return paged_layout(max(slots, 1), max(prompt_lengths, default=1) or 1, 1).max_batch_tokens
 
 
-def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int) -> tuple[StepWork, StepWork]:
+def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int,
+             finished: list | None = None) -> tuple[StepWork, StepWork]:
     """(prefill, decode) work of a stream of (prompt, output) requests in queue order, as
     transformers' FIFO scheduler runs it: each step takes every decoding request's next token
     first, then prompts (a partly prefilled one first, then the queue's while fewer than ``slots``
     are in flight), each as much as is left of the step's ``max_batch_tokens``. A prompt's last chunk
     yields its first token; it decodes from the next step on until its output is complete. A step
     counts as decode if anything in it decodes. Stretches where nothing but decoding happens are
-    summed at once, so a job of millions of tokens simulates in milliseconds."""
+    summed at once, so a job of millions of tokens simulates in milliseconds. ``finished``, if
+    given, receives the work done so far (a StepWork's fields) as each request completes."""
     prefill, decode = [0.0] * len(WORK), [0.0] * len(WORK)  # StepWork's fields, summed in place
     queue = collections.deque((prompt or 1, output or 1) for prompt, output in requests)
     partial: collections.deque = collections.deque()  # [prompt, prefilled so far, output], in flight
@@ -97,7 +99,7 @@ def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int)
             count = last - step + 1
             keys = count * offsets + d * (step + last) * count / 2
             _add(decode, count, d * count, d * count, 0, keys, d * keys)
-            step = last
+            step, done = last, 0
         else:
             chunks, prefilled = _prefill(partial, queue, max(max_batch_tokens - d, 1), slots - d - len(partial))
             tokens, keys = sum(q for q, _ in chunks), sum(k for _, k in chunks)
@@ -109,8 +111,12 @@ def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int)
                 if output > 1:  # its keys at step s: the prompt and what it generated since this step
                     heapq.heappush(decoding, (step + output - 1, prompt - step))
                     offsets += prompt - step
+            done = sum(output == 1 for _, _, output in prefilled)
         while decoding and decoding[0][0] <= step:
             offsets -= heapq.heappop(decoding)[1]
+            done += 1
+        if finished is not None:
+            finished += [tuple(a + b for a, b in zip(prefill, decode))] * done
         step += 1
     return StepWork(*prefill), StepWork(*decode)
 
@@ -173,6 +179,24 @@ def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new
         if slowest is None or result.seconds > slowest.seconds:
             slowest = result
     return slowest
+
+
+def group_seconds(prompt_lengths: list[int], *, group: int, max_new_tokens: int, timings: StreamTimings,
+                  outputs: OutputLengths) -> list[float]:
+    """The stream's ETA units: the seconds from one ``group`` of completed requests to the next (its
+    progress counts them so; the last group may be short), by the forecast's model. Long prompts run
+    first and fill the stream, so the first groups take far longer than the rest (measured on CPU:
+    the first tenth of the requests took a third of the time). The manager's start and stop come
+    last: the progress starts counting once the manager runs, and the last group closes after its stop."""
+    finished: list = []
+    schedule(queue_outputs(prompt_lengths, group, max_new_tokens, outputs), group,
+             batch_tokens(group, prompt_lengths), finished)
+    closing = finished[group - 1::group] + ([finished[-1]] if len(finished) % group else [])
+    at = [timings.warm_up_seconds + timings.seconds(StepWork(*work)) for work in closing]
+    seconds = [now - before for before, now in zip([0.0] + at, at)]
+    if seconds:
+        seconds[-1] += timings.call_overhead_seconds
+    return seconds
 
 
 @dataclass
