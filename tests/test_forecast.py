@@ -10,7 +10,7 @@ import torch
 
 from workbook import cli, generation, params
 from workbook.paths import PARAMS_DIR
-from workbook.planner import forecast, pilot, regression, startup, stream_forecast
+from workbook.planner import eta, forecast, pilot, regression, startup, stream_forecast
 from workbook.planner.forecast import GenerationTimings, OutputLengths
 
 
@@ -287,7 +287,7 @@ def test_the_recorded_forecast_keeps_the_timings_the_eta_reads(tmp_path):
                              pilot={"output_lengths": [(138, [8, 8]), (17, [5, 4])]}, timings=small.to_dict(),
                              job={}, cost={})
     (tmp_path / "out.forecast.json").write_text(json.dumps(made.to_dict()))
-    planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
+    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
     batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([138] * 32)]
     assert planned([batch]) == [pytest.approx(sum(forecast.batch_seconds(32, 138, 8, small)), rel=1e-5)]
 
@@ -303,10 +303,10 @@ def test_pilot_batches_span_the_length_distribution():
 def test_eta_counts_the_planned_time_left_not_the_examples_left():
     planned = [4.0, 3.0, 2.0, 1.0]  # longest prompts first: the first batch is the slowest
     # One batch done in 8 s, twice its plan: the rest takes twice theirs.
-    assert forecast.remaining_seconds(planned, batches_done=1, elapsed_seconds=8.0) == pytest.approx(12.0)
+    assert eta.remaining_seconds(planned, batches_done=1, elapsed_seconds=8.0) == pytest.approx(12.0)
     examples_left_estimate = 8.0 * 3  # 8 s per batch so far, 3 batches left
-    assert forecast.remaining_seconds(planned, 1, 8.0) < examples_left_estimate
-    assert forecast.remaining_seconds(planned, 0, 0.0) == pytest.approx(10.0)
+    assert eta.remaining_seconds(planned, 1, 8.0) < examples_left_estimate
+    assert eta.remaining_seconds(planned, 0, 0.0) == pytest.approx(10.0)
 
 
 def test_projection_scales_each_phase_by_its_peak():
@@ -364,7 +364,7 @@ def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_mod
     assert summary["generated"] == 40 - 8  # the job generated only what the pilot had not
     # Its ETA planned each batch (a stream: each group of completions) by the forecast's model, in seconds.
     assert [batch["planned"] > 0 for batch in summary["batch_list"]] == [True] * 8
-    assert len(forecast.eta_errors(summary["batch_list"])) == 4
+    assert len(eta.eta_errors(summary["batch_list"])) == 4
     assert sorted(ids) == sorted(f"q{i}" for i in range(40))  # each once
 
 
@@ -380,10 +380,10 @@ def test_the_jobs_eta_uses_the_forecasts_timings(tmp_path):
     made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[30, [4, 4]]]},
             "job": {"max_new_tokens": 8}}
     (tmp_path / "out.forecast.json").write_text(json.dumps(made))
-    planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
+    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
     batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([50, 40])]
     assert planned([batch]) == [pytest.approx(sum(forecast.batch_seconds(2, 50, 4, known)))]
-    assert forecast.planned_batch_seconds(tmp_path / "none.forecast.json") is None
+    assert eta.planned_batch_seconds(tmp_path / "none.forecast.json") is None
 
 
 def test_a_streams_eta_plans_its_groups_of_completions_by_the_forecasts_model(tmp_path):
@@ -393,7 +393,7 @@ def test_a_streams_eta_plans_its_groups_of_completions_by_the_forecasts_model(tm
     known = dataclasses.replace(stream_timings(), warm_up_seconds=0.25)
     made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[50, [30, 2, 2, 2]]]}}
     (tmp_path / "out.forecast.json").write_text(json.dumps(made))
-    planned = forecast.planned_batch_seconds(tmp_path / "out.forecast.json")
+    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
     batches = [[generation.Prompt(4 * b + i, [1] * 50, 32) for i in range(4)] for b in range(4)]
     seconds = planned(batches)
     whole = stream_forecast.simulate_stream([50] * 16, prompts_per_call=4, max_new_tokens=32, timings=known,
@@ -416,12 +416,12 @@ def test_a_runs_eta_is_checked_against_the_time_it_really_had_left():
     2 x 6 = 12 s where 10 were left; after 2, 2 x 4 = 8 s for 6; after 3, 2 x 2 = 4 s for 2."""
     finished = [8, 12, 16, 17, 18]
     batches = [{"rank": 0, "planned": plan, "finished_at_seconds": at} for plan, at in zip([4, 2, 2, 1, 1], finished)]
-    checks = forecast.eta_errors(batches + [{"rank": 1, "planned": 1, "finished_at_seconds": 99}])
+    checks = eta.eta_errors(batches + [{"rank": 1, "planned": 1, "finished_at_seconds": 99}])
     assert [(c["share_of_batches"], c["after_batches"]) for c in checks] == [(0.1, 1), (0.25, 1), (0.5, 2), (0.75, 3)]
     assert [c["eta_seconds"] for c in checks] == pytest.approx([12.0, 12.0, 8.0, 4.0], abs=1e-3)
     assert [c["left_seconds"] for c in checks] == [10, 10, 6, 2]
     assert [c["error"] for c in checks] == pytest.approx([0.2, 0.2, 1 / 3, 1.0], abs=1e-4)
-    assert forecast.eta_errors([{"rank": 0, "planned": None, "finished_at_seconds": 1}] * 3) == []  # no plan
+    assert eta.eta_errors([{"rank": 0, "planned": None, "finished_at_seconds": 1}] * 3) == []  # no plan
 
 
 def test_review_collects_forecast_against_measured_and_plots_it(tmp_path):

@@ -42,9 +42,10 @@ from typing import Callable
 
 from workbook import gpu, models, params as params_module
 from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
-from workbook.paths import REPO_ROOT
 from workbook.bench.forecast_report import markdown
-from workbook.planner.forecast import ETA_CHECKPOINTS, FORECAST_SUFFIX, eta_errors
+from workbook.paths import REPO_ROOT
+from workbook.planner.eta import ETA_CHECKPOINTS, eta_errors
+from workbook.planner.forecast import FORECAST_SUFFIX
 
 GOAL = 0.10  # |forecast - measured| / measured
 RESERVE_SECONDS = 15  # kept back from --time-budget-seconds: stopping a command and writing the results

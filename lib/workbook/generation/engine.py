@@ -201,13 +201,13 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
 
     ``progress`` is a tqdm bar (or None); a log line every ``log_every_batches`` batches (0: none).
     ``sort_by_length=False`` keeps input order (the benchmark's comparison). The ETA is the
-    forecast's (``planner.forecast.remaining_seconds``) over ``planned_seconds(batches)``, each
-    batch's planned seconds (default: ``planner.forecast.positions_cost``), not examples left times
+    forecast's (``planner.eta.remaining_seconds``) over ``planned_seconds(batches)``, each
+    batch's planned seconds (default: ``planner.eta.positions_cost``), not examples left times
     seconds per example: the first batches hold the longest prompts. A streaming backend
     (``continuous``: one manager for every prompt) runs the whole list itself, writing each prompt as
     it finishes; its ETA counts each ``prompts_per_call`` finished prompts as one batch.
     """
-    from workbook.planner.forecast import positions_cost, remaining_seconds
+    from workbook.planner.eta import positions_cost, remaining_seconds
     ordered = sort_longest_first(prompts) if sort_by_length else list(prompts)
     size = backend.prompts_per_call
     batches = [ordered[start:start + size] for start in range(0, len(ordered), size)]

@@ -30,7 +30,7 @@ from workbook.generation.files import OutputFiles, lock_output, merge_and_audit,
 from workbook.generation.inputs import (
     Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_text,
 )
-from workbook.planner import forecast, profile
+from workbook.planner import eta, forecast, profile
 
 # The params keys this job reads; notebook 02 declares them all in its parameters cell.
 PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt_len", "max_new_tokens",
@@ -292,7 +292,7 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
 
             return run_batches(share.backend, share.prompts, write=write, sort_by_length=sort_by_length,
                                progress=bar, log=log, log_every_batches=params["log_every_batches"],
-                               rank=rank.index, planned_seconds=forecast.planned_batch_seconds(
+                               rank=rank.index, planned_seconds=eta.planned_batch_seconds(
                                    files.output.with_suffix(forecast.FORECAST_SUFFIX)))
     except OSError as error:  # from the appenders, which name the file: a full disk, or one gone read-only
         raise GenerationError(_write_failed_text(error, files, len(examples))) from None

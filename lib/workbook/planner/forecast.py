@@ -176,39 +176,6 @@ def forecast_beside_measured(forecast_file: Path, measured_seconds: float | None
             "error": None if not measured_seconds else round((predicted - measured_seconds) / measured_seconds, 4)}
 
 
-def planned_batch_seconds(forecast_file: Path):
-    """A function giving each batch's seconds (batches in run order) by the model of the forecast in
-    ``forecast_file`` (what `workbook forecast` wrote beside the output), for the job's ETA; None
-    without one. A stream's (continuous) batches are its groups of ``batch_size`` completions."""
-    if not forecast_file.is_file():
-        return None
-    made = json.loads(forecast_file.read_text())
-    if made.get("mode") != "generate":
-        return None
-    outputs = OutputLengths([(length, lengths) for length, lengths in made["pilot"]["output_lengths"]])
-    if "step_seconds" in made["timings"]:
-        from workbook.planner import stream_forecast
-        timings = stream_forecast.StreamTimings(**made["timings"])
-        return lambda batches: stream_forecast.group_seconds(
-            [len(p.token_ids) for batch in batches for p in batch], group=len(batches[0]) if batches else 1,
-            max_new_tokens=max((p.max_new_tokens for batch in batches for p in batch), default=1),
-            timings=timings, outputs=outputs)
-    timings = GenerationTimings(**made["timings"])
-
-    def planned(batch) -> float:
-        longest = max(len(p.token_ids) for p in batch)
-        steps = expected_longest(outputs.nearest(longest), len(batch), max(p.max_new_tokens for p in batch))
-        return sum(batch_seconds(len(batch), longest, steps, timings))
-    return lambda batches: [planned(batch) for batch in batches]
-
-
-def positions_cost(batches) -> list[float]:
-    """Each batch's planned cost without a pilot: the positions it computes (rows x (longest prompt +
-    its new-token limit)); relative units are enough, since ``remaining_seconds`` scales by pace."""
-    return [len(batch) * (max(len(p.token_ids) for p in batch) + max(p.max_new_tokens for p in batch))
-            for batch in batches]
-
-
 def forecast_files(root: Path) -> list[Path]:
     """Every forecast `workbook forecast` wrote under ``root`` (beside outputs, in training folders),
     newest first."""
@@ -232,34 +199,7 @@ def forecast_points(root: Path) -> list[dict]:
     return points
 
 
-def remaining_seconds(batch_seconds_planned: list[float], batches_done: int, elapsed_seconds: float) -> float:
-    """ETA of a running job: the planned seconds of the batches still to run, scaled by how the run
-    so far compares with its plan. Counting examples left is wrong early: the first batches hold
-    the longest prompts, so a per-example rate from them overstates what is left."""
-    planned_done = sum(batch_seconds_planned[:batches_done])
-    pace = elapsed_seconds / planned_done if planned_done > 0 and batches_done else 1.0
-    return pace * sum(batch_seconds_planned[batches_done:])
 
-
-ETA_CHECKPOINTS = (0.1, 0.25, 0.5, 0.75)  # shares of a run's batches at which its ETA is checked
-
-
-def eta_errors(batch_list: list[dict]) -> list[dict]:
-    """How right a finished run's ETA was: at each share of its batches (rank 0's, as they
-    finished), the ETA it showed (``remaining_seconds`` over the batches' ``planned``) against the
-    time it really had left until its last batch. Empty without a plan."""
-    own = [batch for batch in batch_list if batch.get("rank", 0) == 0]
-    if len(own) < 2 or any(batch.get("planned") is None for batch in own):
-        return []
-    plan, end, rows = [batch["planned"] for batch in own], own[-1]["finished_at_seconds"], []
-    for share in ETA_CHECKPOINTS:
-        done = max(1, int(share * len(own)))
-        at = own[done - 1]["finished_at_seconds"]
-        if done < len(own) and end > at:
-            eta = remaining_seconds(plan, done, at)
-            rows.append({"share_of_batches": share, "after_batches": done, "eta_seconds": round(eta, 3),
-                         "left_seconds": round(end - at, 3), "error": round((eta - (end - at)) / (end - at), 4)})
-    return rows
 
 # ----------------------------------------------------------------------------------------------
 # Training: fixed costs plus steps at the planned micro-batch.
