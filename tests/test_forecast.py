@@ -410,7 +410,7 @@ def test_a_streams_eta_plans_its_groups_of_completions_by_the_forecasts_model(tm
     assert seconds[-1] > 0.5  # the manager's start and stop
 
 
-def test_a_runs_eta_is_checked_against_the_time_it_really_had_left():
+def test_a_runs_eta_is_checked_against_the_time_it_really_had_left(tmp_path):
     """A finished run's batches, each with the ETA's plan: planned 4, 2, 2, 1, 1 s, run at twice the
     plan but the last two (1 s each). After 1 batch (10% and 25%: int(0.25 x 5) = 1) the ETA says
     2 x 6 = 12 s where 10 were left; after 2, 2 x 4 = 8 s for 6; after 3, 2 x 2 = 4 s for 2."""
@@ -422,6 +422,14 @@ def test_a_runs_eta_is_checked_against_the_time_it_really_had_left():
     assert [c["left_seconds"] for c in checks] == [10, 10, 6, 2]
     assert [c["error"] for c in checks] == pytest.approx([0.2, 0.2, 1 / 3, 1.0], abs=1e-4)
     assert eta.eta_errors([{"rank": 0, "planned": None, "finished_at_seconds": 1}] * 3) == []  # no plan
+    # Notebook 05's table: one row per run that kept its plan, each checkpoint said and measured.
+    run = tmp_path / "20260101-000000-cpu"
+    run.mkdir()
+    (run / "generations.summary.json").write_text(json.dumps({"batch_list": batches}))
+    (run / "old.summary.json").write_text(json.dumps({"batch_list": [{"finished_at_seconds": 1}] * 3}))  # no plan
+    rows = eta.eta_rows(tmp_path)
+    assert [row["run"] for row in rows] == ["20260101-000000-cpu/generations.summary.json"]
+    assert rows[0]["ETA error after 75% of the batches"] == "+100% (4.0 s said, 2.0 s left)"
 
 
 def test_review_collects_forecast_against_measured_and_plots_it(tmp_path):

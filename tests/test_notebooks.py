@@ -228,3 +228,6 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
     assert mine[0]["problems"] == ""
     assert any(series["label"].startswith(cpu_run.run_dir.name) for series in review["throughput"])
     assert (cpu_run.run_dir / "review_throughput.png").stat().st_size > 10_000
+    # Its generation kept the plan its ETA used, so the review checks that ETA against the time left.
+    checked = json.loads((cpu_run.run_dir / "review_eta.json").read_text())["runs"]
+    assert any(row["run"].startswith(cpu_run.run_dir.name) for row in checked)

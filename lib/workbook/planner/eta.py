@@ -76,3 +76,20 @@ def eta_errors(batch_list: list[dict]) -> list[dict]:
             rows.append({"share_of_batches": share, "after_batches": done, "eta_seconds": round(eta, 3),
                          "left_seconds": round(end - at, 3), "error": round((eta - (end - at)) / (end - at), 4)})
     return rows
+
+
+def eta_rows(root: Path) -> list[dict]:
+    """Every generation run under ``root`` whose batches kept their plan: its ETA's error against
+    the time it really had left, at each checkpoint (notebook 05)."""
+    rows = []
+    for path in sorted(root.rglob("*.summary.json")):
+        try:
+            batches = json.loads(path.read_text()).get("batch_list") or []
+        except (OSError, ValueError):
+            continue
+        checks = eta_errors(batches)
+        if checks:
+            rows.append({"run": str(path.relative_to(root)), **{
+                f"ETA error after {check['share_of_batches']:.0%} of the batches": f"{check['error']:+.0%} "
+                f"({check['eta_seconds']:.1f} s said, {check['left_seconds']:.1f} s left)" for check in checks}})
+    return rows
