@@ -24,6 +24,9 @@ def test_every_arm_computes_the_same_tokens_and_the_report_has_the_gpu_figures(t
     text = (tmp_path / "continuous_batching.md").read_text()
     assert "Hardware: " in text and "load average" in text and "--memory-gib 2" in text
     assert "Beside vLLM's published figures" in text  # issue 19: the fraction set beside vLLM's, not by hand
+    # Which attention transformers' manager ran (sdpa here: no flash attention on CPU), and what that costs.
+    assert {result["continuous_attention"] for result in report["results"]} == {"sdpa"}
+    assert "continuous ran attention sdpa (one dense mask over every request in flight" in text
 
 
 def test_the_time_budget_stops_the_run_and_keeps_what_it_measured(tmp_path, tiny_model_path):

@@ -24,6 +24,7 @@ def test_continuous_writes_every_id_and_sample_once_and_logs_the_forecasts_eta(t
                                             log_every_batches=1, **SAMPLING), output, show_progress=False,
                                  log=lines.append)
     assert summary["backend"] == "continuous" and summary["candidates"] == summary["in_output"] == 18
+    assert summary["attention_implementation"] == "sdpa"  # what transformers' manager ran (no flash on CPU)
     assert summary["unaccounted"] == 0 and keys(output) == [(r["id"], s) for r in records for s in range(3)]
     assert any("ETA" in line for line in lines), "the stream's progress lines should carry the forecast's ETA"
 

@@ -60,15 +60,14 @@ import torch
 from transformers import LogitsProcessor
 
 from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_model
+from workbook.bench.continuous_report import ARMS, markdown
 from workbook.bench.counting import decode_step_cost
-from workbook.bench import published
 from workbook.bench.engine_overhead import sample_prompts, timed
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.generation.continuous import ContinuousBackend
 from workbook.planner import plan_generate
 from workbook.planner.paged import plan_generate_paged
 
-ARMS = ("static-sorted", "continuous", "direct")
 LOGNORMAL_SIGMA = 1.0
 NO_END_OF_SEQUENCE = (-1,)  # transformers' continuous batching: -1 disables end of sequence
 WARMUP_NEW_TOKENS = 8  # the warm-up compiles kernels and captures graphs; its length does not matter
@@ -300,41 +299,8 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
         "bandwidth_roofline_fraction": {arm: r and float(f"{r['seconds'] / median[arm]:.3g}")
                                         for arm, r in roofline.items()},
         "paged_layout": vars(continuous.layout) if continuous.layout else None,
+        "continuous_attention": continuous.attention,
     }
-
-
-def markdown(report: dict) -> str:
-    rows = ["| workload | arm | batch | median s | output tok/s | first result s | padding waste | peak memory MiB | "
-            "planned MiB | bandwidth roofline fraction |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for result in report["results"]:
-        for arm in ARMS:
-            first = result["first_result_seconds"][arm]
-            planned = result["planned_bytes"].get(arm)
-            waste = result["padding_waste"] if arm == "static-sorted" else "none (no padded rows)"
-            fraction = result["bandwidth_roofline_fraction"][arm]
-            rows.append(f"| {result['workload']} | {arm} | {result['batch_size'][arm]} | "
-                        f"{result['median_seconds'][arm]} | {result['output_tokens_per_second'][arm]} | "
-                        f"{'n/a (one call)' if first is None else round(first, 3)} | {waste} | "
-                        f"{result['peak_memory_bytes'][arm] / 2**20:.0f} | "
-                        f"{'' if planned is None else round(planned / 2**20)} | "
-                        f"{'n/a (no bandwidth)' if fraction is None else fraction} |")
-    ratios = [f"- {r['workload']}: continuous {r['continuous_vs_static']}x static-sorted, "
-              f"{r['continuous_vs_direct']}x direct (1.0 = as fast; medians of {r['repeats_done']})"
-              for r in report["results"]]
-    load = report["load_average_1min_before_after"]
-    stopped = [f"Stopped early: {report['stopped']}", ""] if report.get("stopped") else []
-    return "\n".join([
-        f"{report['model']} on {report['device']} ({report['dtype']}, {report['threads']} threads), up to "
-        f"{report['repeats']} repeats; uneven lengths: {report['uneven_lengths']}", "",
-        f"Hardware: {report['hardware']}; 1-minute load average {load[0]} before, {load[1]} after "
-        "(other processes share the machine)", "", *stopped, *rows, "",
-        f"Peak memory: {report['peak_memory_measured_as']}; planned: the planner's peak (CPU: beyond the weights, "
-        "no overheads; continuous: the paged plan, static: the dense one, direct: as continuous). Batch: "
-        f"{report['batch_sizes_from']}.", "",
-        f"Bandwidth roofline: {report['bandwidth_roofline']}", "", published.vllm_line(), "",
-        "Direct: transformers alone with the backend's paged-cache sizing, nothing written: one generate_batch call "
-        "(full), the manager fed every request at once (uneven: generate_batch takes one max_new_tokens for all).", "",
-        *ratios, "", f"Command: `{report['command']}`", ""])
 
 
 def hardware(device: torch.device) -> str:

@@ -57,6 +57,9 @@ class ContinuousBackend:
         self.model, self.settings, self.batch_size = model, settings, batch_size
         self.prompts_per_call = batch_size
         self.layout: PagedLayout | None = None  # the paged cache of the last manager started
+        # The attention the last manager ran: transformers switches sdpa to flash where it is installed; sdpa
+        # takes one dense mask over every request in flight (a step of n decoding requests costs n^2).
+        self.attention: str | None = None
 
     # ------------------------------------------------------------------------------------------
     # The whole job as one stream.
@@ -165,6 +168,7 @@ class ContinuousBackend:
     def _start(self, limit: int, prompt_tokens: int, new_tokens: int):
         """A started manager with ``limit`` requests in flight and the planner's paged cache."""
         manager = self.model.init_continuous_batching(**self.manager_arguments(limit, prompt_tokens, new_tokens))
+        self.attention = getattr(self.model.config, "_attn_implementation", None)
         if callable(getattr(manager, "warmup", None)) and not getattr(manager, "warmed_up", True):
             manager.warmup()  # as generate_batch does: CUDA graphs captured before the first request
         manager.start()

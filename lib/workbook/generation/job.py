@@ -351,7 +351,10 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
                                   samples=params["samples_per_prompt"], log=log)
+        # The attention the model ran (continuous: what transformers' manager switched to, when it ran).
+        attention = getattr(share.backend, "attention", None) or getattr(share.model.config, "_attn_implementation", None)
         summary.update(backend=share.backend.name, backend_choice=share.backend_choice, batch_size=share.batch_size,
+                       attention_implementation=attention,
                        processes=rank.count, tensor_parallel_size=rank.tensor_parallel_size,
                        nodes=runtime.launched_nodes(), parts_sent_over_network_by_ranks=over_network,
                        model=params["model"], prompts_path=str(share.prompts_path),
