@@ -34,6 +34,29 @@ def test_batch_size_auto_for_continuous_is_the_largest_in_flight_limit_the_paged
     assert profile.plan(values, mode="generate", batch_size=limit).settings.get("backend") is None  # static: dense
 
 
+def test_the_continuous_plan_plans_the_attention_transformers_will_switch_to(monkeypatch):
+    """transformers runs continuous batching on flash attention wherever flash-attn is installed,
+    even when the model loaded with sdpa; the plan then counts no dense mask and no K/V repeated to
+    every head, so `batch_size: auto` may take more requests in flight."""
+    import transformers.utils
+
+    values = params.load(PARAMS_DIR / "h100.yaml")
+    values.update(model="llama-3.1-8b", prompt_len=512, max_new_tokens=2048, attn_implementation="sdpa")
+
+    def terms(batch):
+        made = profile.plan(values, mode="generate", batch_size=batch, backend="continuous")
+        return made, {term.name: term.bytes for term in made.terms}
+
+    without, sdpa_terms = terms(64)
+    assert sdpa_terms["attention_mask"] > 0 and without.settings["attn_implementation"] == "sdpa"
+    monkeypatch.setattr(transformers.utils, "is_flash_attn_2_available", lambda *a, **k: True)
+    flash, flash_terms = terms(64)
+    assert flash.settings["attn_implementation"] == "flash_attention_2" and flash_terms["attention_mask"] == 0
+    assert flash_terms["kv_read"] < sdpa_terms["kv_read"] / 3  # 2 x 8 kv heads read, not 2 x 32 + 8
+    assert profile.resolve_batch_size({**values, "batch_size": "auto", "backend": "continuous"}, "generate") > \
+        without.max_batch_size
+
+
 def allocated_cache_bytes(cache) -> int:
     """Bytes of the paged cache transformers allocated: one uint8 tensor (5.2x), or a key and a value
     tensor per layer (5.17, the GPU image's release)."""

@@ -66,7 +66,7 @@ from workbook.bench.engine_overhead import sample_prompts, timed
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.generation.continuous import ContinuousBackend
 from workbook.planner import plan_generate
-from workbook.planner.paged import plan_generate_paged
+from workbook.planner.paged import continuous_attention, plan_generate_paged
 
 LOGNORMAL_SIGMA = 1.0
 NO_END_OF_SEQUENCE = (-1,)  # transformers' continuous batching: -1 disables end of sequence
@@ -227,7 +227,8 @@ def arm_batch_sizes(config, dtype: str, prompts, batch_size: int, memory_gib: fl
                "new_tokens": max(p.max_new_tokens for p in prompts)}
     budget = int(memory_gib * 2**30)
     static = plan_generate(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype, **lengths).max_batch_size
-    paged = plan_generate_paged(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype, **lengths).max_batch_size
+    paged = plan_generate_paged(config, batch_size=1, gpu_memory_bytes=budget, dtype=dtype,
+                                attn_implementation=continuous_attention("sdpa"), **lengths).max_batch_size
     if not static or not paged:
         raise SystemExit(f"error: --memory-gib {memory_gib} does not fit batch 1 of this model and these lengths "
                          "(the planner says so); give more memory or shorter --max-new-tokens")
@@ -272,10 +273,11 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
     config = model.config
     planned = {}
-    for arm, plan in (("static-sorted", plan_generate), ("continuous", plan_generate_paged)):
+    for arm, plan, attention in (("static-sorted", plan_generate, "sdpa"),
+                                 ("continuous", plan_generate_paged, continuous_attention("sdpa"))):
         made = plan(config, batch_size=batch_sizes[arm], prompt_len=longest_prompt, new_tokens=new_tokens,
                     gpu_memory_bytes=psutil.virtual_memory().total, dtype=dtype, overhead_bytes=0,
-                    fragmentation_fraction=0.0)
+                    fragmentation_fraction=0.0, attn_implementation=attention)
         planned[arm] = made.total_bytes - (made.weights_bytes if device.type == "cpu" else 0)
     roofline = {arm: bandwidth_roofline(config, dtype, prompts, batch_sizes[arm], bandwidth_gbs) for arm in ARMS}
     return {

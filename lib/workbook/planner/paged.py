@@ -61,6 +61,20 @@ def paged_layout(requests: int, prompt_tokens: int, new_tokens: int, page_size: 
                        requests * blocks_per_request, max_batch_tokens)
 
 
+def continuous_attention(requested: str) -> str:
+    """The attention transformers' continuous batching will run for ``requested`` (planned as
+    ``ATTENTION_IMPLEMENTATIONS`` name it): it switches sdpa and eager to flash attention where
+    flash-attn 3 or 2 is installed (its ``switch_to_cb_friendly_attn``), and without flash an sdpa
+    step takes a dense mask and K/V repeated to every head, which flash needs neither of."""
+    if requested.startswith("flash"):
+        return requested
+    try:
+        from transformers.utils import is_flash_attn_2_available, is_flash_attn_3_available
+    except ImportError:  # a release without the checks: planned as asked
+        return requested
+    return "flash_attention_2" if is_flash_attn_3_available() or is_flash_attn_2_available() else requested
+
+
 def plan_generate_paged(
     model: PretrainedConfig | ModelShape | str,
     *,

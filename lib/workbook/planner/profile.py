@@ -21,7 +21,7 @@ from workbook.planner.architectures import training_attention
 from workbook.planner.generation import plan_generate
 from workbook.planner.layout import LayoutError, check_tensor_parallel_size, choose_tensor_parallel_size
 from workbook.planner.network import network_traffic, traffic_line
-from workbook.planner.paged import plan_generate_paged
+from workbook.planner.paged import continuous_attention, plan_generate_paged
 from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, Plan
 from workbook.planner.shape import model_shape
 from workbook.planner.training import plan_train
@@ -88,6 +88,7 @@ def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, ne
         if tensor_parallel_size > 1:
             raise LayoutError(CONTINUOUS_NOT_SHARDED.format(size=tensor_parallel_size))
         return plan_generate_paged(model, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                                   attn_implementation=continuous_attention(attn_implementation),
                                    dtype=dtype, gpu_memory_bytes=budget.capacity_bytes,
                                    overhead_bytes=budget.overhead_bytes, safety_margin=budget.safety_margin,
                                    data_parallel_size=gpus)
