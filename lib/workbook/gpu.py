@@ -147,6 +147,9 @@ def software_versions() -> dict:
         "torch_cuda": torch.version.cuda,
         "transformers": _version("transformers"),
         "accelerate": _version("accelerate"),
+        # Whether transformers' continuous batching can run flash attention (it switches to it where
+        # installed; without it, sdpa over one dense mask of every request in flight).
+        "flash-attn": _version("flash-attn") or "not installed",
         "workbook": _version("workbook"),
     }
 
