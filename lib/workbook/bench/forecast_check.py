@@ -43,6 +43,7 @@ from typing import Callable
 from workbook import gpu, models, params as params_module
 from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 from workbook.bench.forecast_report import markdown
+from workbook.generation.files import OutputFiles
 from workbook.paths import REPO_ROOT
 from workbook.planner.eta import ETA_CHECKPOINTS, eta_errors
 from workbook.planner.forecast import FORECAST_SUFFIX
@@ -204,16 +205,18 @@ def _trial(name: str, mode: str, settings: list[str], fresh: list[str], session:
                           f"than the {left:.0f} s left of the time budget", forecast)
     # The run's ETA plans by this forecast, as it would after `workbook forecast` for its own output.
     output, made = (_output(fresh), _output(_tagged(settings, "wall"))) if mode == "generate" else (None, None)
-    if output and made and made.with_suffix(FORECAST_SUFFIX).is_file():
-        shutil.copyfile(made.with_suffix(FORECAST_SUFFIX), output.with_suffix(FORECAST_SUFFIX))
+    plan = made.with_suffix(FORECAST_SUFFIX) if made else None
+    if output and plan and plan.is_file():
+        shutil.copyfile(plan, output.with_suffix(FORECAST_SUFFIX))
     try:
         measured = dict(zip(("wall", "cpu"), workbook(["generate" if mode == "generate" else "train", "--params",
                                                         session.profile, "--set", *fresh], session)[:2]))
     except NotFinished as stopped:
         raise NotFinished(str(stopped), forecast) from None
     trial = {}
-    if output and output.with_suffix(".summary.json").is_file():
-        trial["eta"] = eta_errors(json.loads(output.with_suffix(".summary.json").read_text())["batch_list"])
+    summary = OutputFiles(output).summary if output else None
+    if summary and summary.is_file():
+        trial["eta"] = eta_errors(json.loads(summary.read_text())["batch_list"])
     for clock, (result, seconds) in forecasts.items():
         predicted, (low, high) = result["predicted_wall_seconds"], result["predicted_wall_seconds_range"]
         error = (predicted - measured[clock]) / measured[clock]

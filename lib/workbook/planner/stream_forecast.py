@@ -77,6 +77,12 @@ def batch_tokens(slots: int, prompt_lengths: list[int]) -> int:
     return paged_layout(max(slots, 1), max(prompt_lengths, default=1) or 1, 1).max_batch_tokens
 
 
+def stream_work(requests: list[tuple[int, int]], slots: int, finished: list | None = None
+                ) -> tuple[StepWork, StepWork]:
+    """``schedule`` of these requests at the step budget the backend gives a stream of them."""
+    return schedule(requests, slots, batch_tokens(slots, [prompt for prompt, _ in requests]), finished)
+
+
 def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int,
              finished: list | None = None) -> tuple[StepWork, StepWork]:
     """(prefill, decode) work of a stream of (prompt, output) requests in queue order, as
@@ -115,7 +121,7 @@ def schedule(requests: list[tuple[int, int]], slots: int, max_batch_tokens: int,
         while decoding and decoding[0][0] <= step:
             offsets -= heapq.heappop(decoding)[1]
             done += 1
-        if finished is not None:
+        if finished is not None and done:
             finished += [tuple(a + b for a, b in zip(prefill, decode))] * done
         step += 1
     return StepWork(*prefill), StepWork(*decode)
@@ -166,7 +172,7 @@ def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new
     for rank in range(processes):
         lengths = ordered[rank::processes]
         requests = queue_outputs(lengths, prompts_per_call, max_new_tokens, outputs) if lengths else []
-        prefill, decode = schedule(requests, prompts_per_call, batch_tokens(prompts_per_call, lengths))
+        prefill, decode = stream_work(requests, prompts_per_call)
         prefill_seconds, decode_seconds = timings.seconds(prefill), timings.seconds(decode)
         fixed = timings.call_overhead_seconds + timings.warm_up_seconds
         fixed += timings.startup_seconds + timings.exit_seconds if include_startup else 0.0
@@ -189,8 +195,7 @@ def group_seconds(prompt_lengths: list[int], *, group: int, max_new_tokens: int,
     the first tenth of the requests took a third of the time). The manager's start and stop come
     last: the progress starts counting once the manager runs, and the last group closes after its stop."""
     finished: list = []
-    schedule(queue_outputs(prompt_lengths, group, max_new_tokens, outputs), group,
-             batch_tokens(group, prompt_lengths), finished)
+    stream_work(queue_outputs(prompt_lengths, group, max_new_tokens, outputs), group, finished)
     closing = finished[group - 1::group] + ([finished[-1]] if len(finished) % group else [])
     at = [timings.warm_up_seconds + timings.seconds(StepWork(*work)) for work in closing]
     seconds = [now - before for before, now in zip([0.0] + at, at)]
@@ -215,7 +220,8 @@ def fit_stream(pilot: StreamPilot, slots: int, warm_up_seconds: float, startup_s
     measured ones, and how the steps were timed. A step's seconds run to the next step's start (the
     manager's scheduling between steps included). No step seen (a step replayed as a CUDA graph
     runs no forward hook): the stream's time per simulated step, every cost in it."""
-    simulated = _simulated(pilot, slots)
+    prefill, decode = stream_work(pilot.requests, slots)
+    simulated = prefill.add(decode)
     if len(pilot.steps) < 2:
         timings = StreamTimings({"steps": pilot.seconds / max(simulated.steps, 1)}, {}, 0.0, warm_up_seconds,
                                 startup_seconds)
@@ -237,11 +243,6 @@ def fit_stream(pilot: StreamPilot, slots: int, warm_up_seconds: float, startup_s
     error = abs(unscaled - stepping) / stepping if stepping > 0 else 0.0
     return timings, error, (f"{len(pilot.steps)} model steps timed by forward hooks ({simulated.steps:.0f} simulated "
                             f"for the pilot's own requests)")
-
-
-def _simulated(pilot: StreamPilot, slots: int) -> StepWork:
-    prefill, decode = schedule(pilot.requests, slots, batch_tokens(slots, [prompt for prompt, _ in pilot.requests]))
-    return prefill.add(decode)
 
 
 def step_work(args, kwargs) -> tuple[StepWork]:
