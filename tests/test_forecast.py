@@ -303,10 +303,22 @@ def test_pilot_batches_span_the_length_distribution():
 def test_eta_counts_the_planned_time_left_not_the_examples_left():
     planned = [4.0, 3.0, 2.0, 1.0]  # longest prompts first: the first batch is the slowest
     # One batch done in 8 s, twice its plan: the rest takes twice theirs.
-    assert eta.remaining_seconds(planned, batches_done=1, elapsed_seconds=8.0) == pytest.approx(12.0)
+    assert eta.remaining_seconds(planned, finished_at_seconds=[8.0]) == pytest.approx(12.0)
     examples_left_estimate = 8.0 * 3  # 8 s per batch so far, 3 batches left
-    assert eta.remaining_seconds(planned, 1, 8.0) < examples_left_estimate
-    assert eta.remaining_seconds(planned, 0, 0.0) == pytest.approx(10.0)
+    assert eta.remaining_seconds(planned, [8.0]) < examples_left_estimate
+    assert eta.remaining_seconds(planned, []) == pytest.approx(10.0)
+
+
+def test_eta_paces_by_the_recent_batches_not_the_first_ones():
+    """A first batch that paid a one-off cost (a compilation: 30 s on a 2 s plan), then batches at
+    their plan: the pace of the recent quarter of the batches done (at least 3) forgets it."""
+    planned = [2.0] * 20
+    finished = [30.0 + 2.0 * i for i in range(12)]  # 12 batches done: the first at 30 s, then 2 s each
+    assert eta.remaining_seconds(planned, finished) == pytest.approx(8 * 2.0)  # 8 left at the plan's pace
+    every = (finished[-1] / sum(planned[:12])) * 8 * 2.0  # the pace of every batch done: 52 s for 24 planned
+    assert every > 2 * eta.remaining_seconds(planned, finished)
+    # Three batches done: the window is all of them, the first included.
+    assert eta.remaining_seconds(planned, finished[:3]) == pytest.approx(34.0 / 6.0 * 17 * 2.0)
 
 
 def test_projection_scales_each_phase_by_its_peak():

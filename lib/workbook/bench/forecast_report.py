@@ -31,7 +31,7 @@ def markdown(result: dict) -> str:
                          f"{entry['trials_in_range']} of {trials} | {entry['job_spread']:.1%} |")
     eta = [row for row in result["cases"] if row.get("eta_errors")]
     lines += ["", "The job's ETA (the progress bar's: the forecast's model over the batches left, scaled by the pace "
-              "so far) against the time the run really had left, after each share of its batches; one error per trial:",
+              "of its recent batches) against the time the run really had left, after each share of its batches; one error per trial:",
               "", "| case | " + " | ".join(f"after {float(share):.0%}" for share in eta[0]["eta_errors"]) + " |",
               "|---|" + "---|" * len(eta[0]["eta_errors"])] + [
         f"| {row['case']} | " + " | ".join(", ".join("-" if e is None else f"{e:+.0%}" for e in errors)

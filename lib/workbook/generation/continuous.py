@@ -311,7 +311,8 @@ class _Tally:
         index = len(self.stats)
         self._closed_at = now
         if self.planned_batch_seconds:
-            self.remaining_seconds = remaining_seconds(self.planned_batch_seconds, index, now)
+            finished_at = [stats.finished_at_seconds for stats in self.stats]
+            self.remaining_seconds = remaining_seconds(self.planned_batch_seconds, finished_at)
         if self.log_every_batches and index % self.log_every_batches == 0:
             finished = self.done + self.failed
             self.log(f"{'[rank %d] ' % self.rank if self.rank else ''}{finished}/{self.total} "

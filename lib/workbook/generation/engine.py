@@ -234,7 +234,7 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
         failed += len(outcome.failed)
         output_tokens += sum(lengths)
         elapsed = now - started
-        remaining = remaining_seconds(planned, index, elapsed)
+        remaining = remaining_seconds(planned, [batch.finished_at_seconds for batch in stats])
         if progress is not None:
             progress.update(len(batch))
             progress.set_postfix_str(f"done {done}, failed {failed}, batch {index}/{len(batches)}, "
