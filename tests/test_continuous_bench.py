@@ -35,3 +35,30 @@ def test_the_time_budget_stops_the_run_and_keeps_what_it_measured(tmp_path, tiny
     report = json.loads((tmp_path / "continuous_batching.json").read_text())
     assert code == 3 and "time budget of 1 s ran out" in report["stopped"]
     assert "Stopped early" in (tmp_path / "continuous_batching.md").read_text()
+
+
+def test_a_budget_that_ends_inside_an_arm_keeps_the_arms_it_finished(tmp_path, tiny_model_path, monkeypatch):
+    """The GPU session's uneven workload alone: the budget ends as the third arm (direct) starts. The
+    static and continuous arms it finished are the result, their ratio with them; direct says n/a."""
+
+    class EndsAtTheThirdArm(continuous_batching.TimeBudget):
+        arms_started = 0
+
+        def check(self):
+            EndsAtTheThirdArm.arms_started += 1
+            if EndsAtTheThirdArm.arms_started == 3:
+                self.expired = True
+            super().check()
+
+    monkeypatch.setattr(continuous_batching, "TimeBudget", EndsAtTheThirdArm)
+    code = continuous_batching.main([*TINY_RUN, "--repeats", "2", "--workloads", "uneven", "--time-budget-seconds",
+                                     "600", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "continuous_batching.json").read_text())
+    [result] = report["results"]
+    assert code == 3 and result["stopped_by_budget"] and result["arms"] == ["static-sorted", "continuous"]
+    assert result["continuous_vs_static"] > 0 and result["continuous_vs_direct"] is None
+    assert set(result["output_tokens"]) == {"static-sorted", "continuous"} and result["repeats_done"] == 1
+    assert "the arms of 'uneven' that finished (static-sorted, continuous)" in report["stopped"]
+    text = (tmp_path / "continuous_batching.md").read_text()
+    assert "| uneven | continuous |" in text and "| uneven | direct |" not in text
+    assert "n/a (an arm not measured: the time budget ran out) direct" in text

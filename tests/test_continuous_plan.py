@@ -1,10 +1,13 @@
 """The continuous backend's memory: a paged cache sized by the planner, planned by the planner."""
 
 import math
+import threading
+import time
 
 import pytest
 
 from workbook import generation, models, params
+from workbook.generation import continuous
 from workbook.paths import PARAMS_DIR
 from workbook.planner import profile
 from workbook.planner.paged import paged_layout, plan_generate_paged
@@ -75,9 +78,35 @@ def test_the_backend_passes_the_planned_cache_to_transformers_and_it_allocates_t
         assert (config.num_blocks, config.max_requests_per_batch) == (backend.layout.num_blocks, 4)
         allocated = allocated_cache_bytes(manager.batch_processor.cache)
     finally:
-        backend._stop(manager)
+        continuous.stop_manager(manager)
     plan = plan_generate_paged(model.config, batch_size=4, prompt_len=20, new_tokens=16, dtype="fp32",
                                gpu_memory_bytes=2**34)
     planned = next(term.bytes for term in plan.terms if term.name == "kv_cache")
     assert planned == pytest.approx(allocated, rel=0.01)
     assert model.config._attn_implementation == "sdpa"  # given back after the manager
+
+
+def test_ctrl_c_in_a_stream_stops_transformers_at_once_not_after_its_requests_in_flight(tiny_model_path):
+    """A KeyboardInterrupt (Ctrl-C, a benchmark's time budget) while requests are in flight: the
+    manager is stopped hard, as after a kill, instead of flushing (generating every request it holds
+    to its end, which for an 8B model's long outputs is minutes, with no time limit in its destroy)."""
+    model = generation.load_model(str(tiny_model_path), "fp32", "cpu")[0]
+    settings = generation.DecodingSettings(300, (-1,), 0)  # -1: no end of sequence, every output runs to its length
+    backend = generation.make_backend("continuous", model, settings, 4)
+    prompts = [generation.Prompt(0, [5, 6, 7], 2)] + [generation.Prompt(i, [5, 6, 7, 8], 300) for i in range(1, 8)]
+    forwards = []
+    hook = model.register_forward_hook(lambda *args: forwards.append(time.perf_counter()))
+
+    def interrupt(outcome):  # the first request done, three of 300 tokens in flight
+        raise KeyboardInterrupt
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            backend.stream(prompts, write=interrupt, log=lambda line: None, sort_by_length=False)
+        interrupted = len(forwards)
+        time.sleep(0.2)
+    finally:
+        hook.remove()
+    assert interrupted < 20  # a flush would have run ~300 more steps
+    assert len(forwards) == interrupted  # and nothing runs on after it
+    assert not [thread for thread in threading.enumerate() if "generation" in repr(thread.__dict__.get("_target"))]

@@ -454,6 +454,13 @@ def test_backend_auto_follows_the_profiles_measurement_and_says_why(tmp_path):
             {"workload": "full", "continuous_vs_static": 0.5}, {"workload": "uneven", "continuous_vs_static": ratio}]}))
         name, why = generation.resolve_backend(values, tmp_path)
         assert name == expected and f"{ratio}x" in why and "uneven" in why and str(report) in why
+    # A run whose time budget ended before the uneven workload's continuous arm: the full workload's ratio.
+    report.write_text(json.dumps({"results": [{"workload": "full", "continuous_vs_static": 1.2},
+                                              {"workload": "uneven", "continuous_vs_static": None}]}))
+    assert generation.resolve_backend(values, tmp_path)[0] == "continuous"
+    report.write_text(json.dumps({"results": [{"workload": "uneven", "continuous_vs_static": None}]}))
+    name, why = generation.resolve_backend(values, tmp_path)
+    assert name == "static" and "compares no continuous with static run" in why
     report.write_text("{}")
     with pytest.raises(generation.GenerationError, match=r"continuous_batching.json, which is not a continuous"):
         generation.resolve_backend(values, tmp_path)

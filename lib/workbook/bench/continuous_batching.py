@@ -64,7 +64,7 @@ from workbook.bench.continuous_report import ARMS, markdown
 from workbook.bench.counting import decode_step_cost
 from workbook.bench.engine_overhead import sample_prompts, timed
 from workbook.bench.generation_sweep import mixed_prompts
-from workbook.generation.continuous import ContinuousBackend
+from workbook.generation.continuous import ContinuousBackend, stop_manager
 from workbook.planner import plan_generate
 from workbook.planner.paged import continuous_attention, plan_generate_paged
 
@@ -169,8 +169,8 @@ def direct_arm(model, backend: ContinuousBackend, prompts, uneven: bool) -> dict
             if result is not None and result.is_finished():
                 first = first if first is not None else time.perf_counter() - began
                 outputs.append(len(result.generated_tokens))
-    finally:
-        manager.stop(block=True)
+    finally:  # a time budget's end leaves requests in flight: stopped at once, not generated to their end
+        stop_manager(manager, hard=len(outputs) < len(prompts))
     return {"output_tokens": sum(outputs), "first_result_seconds": first, "failed": len(prompts) - len(outputs)}
 
 
@@ -248,26 +248,32 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
     static.generate(warmup[:batch_sizes["static-sorted"]])
     continuous.generate(warmup[:batch_sizes["continuous"]])
     seconds = {arm: [] for arm in ARMS}
-    details, memory = {}, {arm: 0 for arm in ARMS}
-    for repeat in range(repeats):
-        if repeat and not budget.fits(sum(max(values) for values in seconds.values())):
-            log(f"{name}: repeat {repeat + 1}/{repeats} skipped: it would not end within the time budget")
-            break
-        for arm in ARMS:
-            budget.check()
-            runtime.reset_peak_memory(device)
-            with ResidentPeak() as peak:
-                if arm == "direct":
-                    elapsed, result = timed(device, lambda: direct_arm(model, continuous, prompts, name == "uneven"))
-                else:
-                    elapsed, result = timed(device, lambda: engine_arm(
-                        static if arm == "static-sorted" else continuous, prompts, folder, device))
-            seconds[arm].append(elapsed)
-            details[arm] = result
-            on_device = runtime.peak_memory(device)  # a GPU: its whole peak, weights included
-            memory[arm] = max(memory[arm], on_device.total_bytes if on_device else peak.increase_bytes)
-            log(f"{name}: {arm} run {repeat + 1}/{repeats}: {elapsed:.2f} s, {result['output_tokens']} output tokens")
-    median = {arm: statistics.median(values) for arm, values in seconds.items()}
+    details, memory, stopped = {}, {arm: 0 for arm in ARMS}, False
+    try:
+        for repeat in range(repeats):
+            if repeat and not budget.fits(sum(max(values) for values in seconds.values())):
+                log(f"{name}: repeat {repeat + 1}/{repeats} skipped: it would not end within the time budget")
+                break
+            for arm in ARMS:
+                budget.check()
+                runtime.reset_peak_memory(device)
+                with ResidentPeak() as peak:
+                    if arm == "direct":
+                        elapsed, result = timed(device, lambda: direct_arm(model, continuous, prompts, name == "uneven"))
+                    else:
+                        elapsed, result = timed(device, lambda: engine_arm(
+                            static if arm == "static-sorted" else continuous, prompts, folder, device))
+                seconds[arm].append(elapsed)
+                details[arm] = result
+                on_device = runtime.peak_memory(device)  # a GPU: its whole peak, weights included
+                memory[arm] = max(memory[arm], on_device.total_bytes if on_device else peak.increase_bytes)
+                log(f"{name}: {arm} run {repeat + 1}/{repeats}: {elapsed:.2f} s, {result['output_tokens']} output tokens")
+    except KeyboardInterrupt:
+        if not (budget.expired and details):
+            raise
+        stopped = True  # the time budget ended inside an arm: the arms it finished are the result
+    arms = [arm for arm in ARMS if seconds[arm]]
+    median = {arm: statistics.median(seconds[arm]) for arm in arms}
     lengths = [p.max_new_tokens for p in prompts]
     longest_prompt = max(len(p.token_ids) for p in prompts)
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
@@ -279,23 +285,25 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
                     gpu_memory_bytes=psutil.virtual_memory().total, dtype=dtype, overhead_bytes=0,
                     fragmentation_fraction=0.0, attn_implementation=attention)
         planned[arm] = made.total_bytes - (made.weights_bytes if device.type == "cpu" else 0)
-    roofline = {arm: bandwidth_roofline(config, dtype, prompts, batch_sizes[arm], bandwidth_gbs) for arm in ARMS}
+    roofline = {arm: bandwidth_roofline(config, dtype, prompts, batch_sizes[arm], bandwidth_gbs) for arm in arms}
     return {
         "workload": name,
         "examples": len(prompts),
         "output_tokens_min_median_max": [min(lengths), statistics.median(lengths), max(lengths)],
-        "output_tokens": {arm: details[arm]["output_tokens"] for arm in ARMS},
+        "arms": arms,  # those measured: a time budget that ran out inside an arm leaves it out
+        "stopped_by_budget": stopped,
+        "output_tokens": {arm: details[arm]["output_tokens"] for arm in arms},
         "batch_size": batch_sizes,
-        "repeats_done": len(seconds["direct"]),
-        "seconds": seconds,
+        "repeats_done": min(len(seconds[arm]) for arm in arms),
+        "seconds": {arm: seconds[arm] for arm in arms},
         "median_seconds": {arm: round(value, 3) for arm, value in median.items()},
-        "output_tokens_per_second": {arm: round(details[arm]["output_tokens"] / median[arm], 1) for arm in ARMS},
+        "output_tokens_per_second": {arm: round(details[arm]["output_tokens"] / median[arm], 1) for arm in arms},
         "padding_waste": details["static-sorted"]["padding_waste"],
-        "first_result_seconds": {arm: details[arm]["first_result_seconds"] for arm in ARMS},
-        "continuous_vs_static": round(median["static-sorted"] / median["continuous"], 3),
-        "continuous_vs_direct": round(median["direct"] / median["continuous"], 3),
-        "failed": {arm: details[arm]["failed"] for arm in ARMS},
-        "peak_memory_bytes": memory,
+        "first_result_seconds": {arm: details[arm]["first_result_seconds"] for arm in arms},
+        "continuous_vs_static": _ratio(median, "static-sorted", "continuous"),
+        "continuous_vs_direct": _ratio(median, "direct", "continuous"),
+        "failed": {arm: details[arm]["failed"] for arm in arms},
+        "peak_memory_bytes": {arm: memory[arm] for arm in arms},
         "planned_bytes": planned,
         "bandwidth_roofline_seconds": {arm: r and float(f"{r['seconds']:.3g}") for arm, r in roofline.items()},
         "bandwidth_roofline_fraction": {arm: r and float(f"{r['seconds'] / median[arm]:.3g}")
@@ -303,6 +311,11 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
         "paged_layout": vars(continuous.layout) if continuous.layout else None,
         "continuous_attention": continuous.attention,
     }
+
+
+def _ratio(median: dict, slower: str, faster: str) -> float | None:
+    """How many times faster ``faster`` ran than ``slower``; None when either was not measured."""
+    return round(median[slower] / median[faster], 3) if slower in median and faster in median else None
 
 
 def hardware(device: torch.device) -> str:
@@ -373,11 +386,16 @@ def main(argv: list[str] | None = None) -> int:
                 prompts = [generation.Prompt(p.index, p.token_ids, length) for p, length in zip(base, lengths[name])]
                 results.append(run_workload(name, model, prompts, eos_ids, pad, batch_sizes, args.repeats,
                                             Path(folder), print, budget, bandwidth))
+                if results[-1]["stopped_by_budget"]:
+                    raise KeyboardInterrupt
     except KeyboardInterrupt:
         if not budget.expired:
             raise
-        stopped = (f"the time budget of {args.time_budget_seconds:g} s ran out after {len(results)} of "
-                   f"{len(args.workloads.split(','))} workloads; the results hold the finished ones")
+        cut = [r for r in results if r["stopped_by_budget"]]
+        stopped = (f"the time budget of {args.time_budget_seconds:g} s ran out after {len(results) - len(cut)} of "
+                   f"{len(args.workloads.split(','))} workloads; the results hold the finished ones"
+                   + (f", and the arms of '{cut[0]['workload']}' that finished ({', '.join(cut[0]['arms'])})"
+                      if cut else ""))
     finally:
         budget.cancel()
     uneven = drawn_lengths(args.examples, args.max_new_tokens)

@@ -13,7 +13,7 @@ def markdown(report: dict) -> str:
     rows = ["| workload | arm | batch | median s | output tok/s | first result s | padding waste | peak memory MiB | "
             "planned MiB | bandwidth roofline fraction |", "|---|---|---|---|---|---|---|---|---|---|"]
     for result in report["results"]:
-        for arm in ARMS:
+        for arm in result.get("arms", ARMS):  # a time budget's end leaves out an arm it cut
             first = result["first_result_seconds"][arm]
             planned = result["planned_bytes"].get(arm)
             waste = result["padding_waste"] if arm == "static-sorted" else "none (no padded rows)"
@@ -24,8 +24,8 @@ def markdown(report: dict) -> str:
                         f"{result['peak_memory_bytes'][arm] / 2**20:.0f} | "
                         f"{'' if planned is None else round(planned / 2**20)} | "
                         f"{'n/a (no bandwidth)' if fraction is None else fraction} |")
-    ratios = [f"- {r['workload']}: continuous {r['continuous_vs_static']}x static-sorted, "
-              f"{r['continuous_vs_direct']}x direct (1.0 = as fast; medians of {r['repeats_done']}); "
+    ratios = [f"- {r['workload']}: continuous {_times(r['continuous_vs_static'])} static-sorted, "
+              f"{_times(r['continuous_vs_direct'])} direct (1.0 = as fast; medians of {r['repeats_done']}); "
               f"continuous ran attention {_attention_text(r.get('continuous_attention'))}"
               for r in report["results"]]
     load = report["load_average_1min_before_after"]
@@ -42,6 +42,10 @@ def markdown(report: dict) -> str:
         "Direct: transformers alone with the backend's paged-cache sizing, nothing written: one generate_batch call "
         "(full), the manager fed every request at once (uneven: generate_batch takes one max_new_tokens for all).", "",
         *ratios, "", f"Command: `{report['command']}`", ""])
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a (an arm not measured: the time budget ran out)" if ratio is None else f"{ratio}x"
 
 
 def _attention_text(attention: str | None) -> str:

@@ -59,6 +59,7 @@ from pathlib import Path
 from workbook.paths import MODELS_DIR, OUTPUTS_DIR, REPO_ROOT
 
 RESERVE_SECONDS = 20  # kept back from the last step: the summary and copying the results
+BUDGET_MARGIN_SECONDS = 20  # a step's own budget is this much less than it is given: its imports and writing
 # What the device brings back from $OUT (its README's limits): 8 files of at most 16 MiB each. The pack
 # is split below that; a single file above it would not come back inside the pack either.
 PART_BYTES = 15 * 2 ** 20
@@ -164,8 +165,8 @@ def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float
         for step in steps:
             left = deadline - clock() - step.reserve_seconds
             argv = [python, *step.argv]
-            if step.budget_flag:
-                argv += [step.budget_flag, str(int(max(left - 5, 1)))]
+            if step.budget_flag:  # less the step's imports (seconds on a cold disk), which its own clock misses
+                argv += [step.budget_flag, str(int(max(left - BUDGET_MARGIN_SECONDS, 1)))]
             record = {"step": step.name, "command": " ".join(["python3", *argv[1:]])}
             if left < step.needs_seconds:
                 records.append({**record, "status": f"skipped: {left:.0f} s left of the budget, it needs "

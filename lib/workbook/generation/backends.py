@@ -90,12 +90,17 @@ def resolve_backend(params, reference_dir: Path = REFERENCE_DIR) -> tuple[str, s
     try:
         report = json.loads(path.read_text())
         results = {result["workload"]: result for result in report["results"]}
-        measured = results.get("uneven") or results["full"]
-        ratio = float(measured["continuous_vs_static"])
+        workloads = [results[name] for name in ("uneven", "full") if name in results] or [results["full"]]
+        # A run its time budget cut may lack an arm, and so the ratio, of a workload.
+        measured = next((result for result in workloads if result["continuous_vs_static"] is not None), None)
+        ratio = None if measured is None else float(measured["continuous_vs_static"])
     except (ValueError, KeyError, TypeError) as error:
         raise GenerationError(f"backend auto reads {path}, which is not a continuous-batching benchmark report "
                               f"({type(error).__name__}: {error}); rerun python -m workbook.bench.continuous_batching "
                               f"--out {path.parent}, or set backend to static or continuous.") from None
+    if ratio is None:
+        return "static", (f"backend auto -> static: {path} compares no continuous with static run (its time budget "
+                          f"ran out first); python -m workbook.bench.continuous_batching --out {path.parent} measures it")
     chosen = "continuous" if ratio >= 1 else "static"
     return chosen, (f"backend auto -> {chosen}: on the {profile_name} profile ({report.get('device')}, "
                     f"{report.get('model')}) continuous batching ran at {ratio}x the speed of length-sorted static "

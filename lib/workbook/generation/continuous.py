@@ -39,6 +39,7 @@ from workbook.planner.paged import PAGE_SIZE, PagedLayout, paged_layout
 FSYNC_EVERY_LINES = 64  # the job's appenders fsync this often (lines) ...
 FSYNC_EVERY_SECONDS = 2.0  # ... or this often (seconds), whichever comes first
 RESULT_WAIT_SECONDS = 0.05  # the main thread wakes this often to see whether the manager is still alive
+STOP_WAIT_SECONDS = 60  # the longest a stop waits for transformers' generation thread to end
 
 
 class ContinuousBackend:
@@ -91,7 +92,7 @@ class ContinuousBackend:
                 if restore and not restore_after and not in_flight:
                     # The requests retried after an error are done: the rest runs at the full limit again.
                     if manager is not None:
-                        self._stop(manager)
+                        stop_manager(manager)
                     manager, limit, restore = None, ceiling, False
                 if manager is None:
                     manager = self._start(limit, prompt_tokens, new_tokens)
@@ -112,7 +113,7 @@ class ContinuousBackend:
                 # A failure (or a manager that stopped): transformers fails everything in flight.
                 error_text = (result.error if result is not None else None) or _stopped_text(manager)
                 failed = list(in_flight.values())
-                finished = self._stop(manager, drain=in_flight)
+                finished = stop_manager(manager, drain=in_flight)
                 manager, in_flight = None, {}
                 for prompt, tokens in finished:  # completed before the loop stopped
                     deliver(self._completed(prompt, tokens))
@@ -141,8 +142,8 @@ class ContinuousBackend:
                         "one bad example but a broken setup; fix it and rerun (everything written so far is kept "
                         "and skipped).")
         finally:
-            if manager is not None:
-                self._stop(manager)  # also gives the model back its own attention implementation
+            if manager is not None:  # also gives the model back its own attention implementation
+                stop_manager(manager, hard=bool(in_flight))  # an exception left requests in flight: Ctrl-C
         return tally.finish()
 
     def generate(self, prompts: list[Prompt]) -> BackendOutput:
@@ -212,22 +213,28 @@ class ContinuousBackend:
         manager.add_request(prompt.token_ids, request_id=request_id, max_new_tokens=prompt.max_new_tokens)
         return request_id
 
-    @staticmethod
-    def _stop(manager, drain: dict[str, Prompt] | None = None) -> list[tuple[Prompt, list[int]]]:
-        """Stop the manager; with ``drain``, the (prompt, tokens) of the requests of ``drain`` that
-        finished without an error before it stopped."""
-        manager.stop(block=True, timeout=60)  # after a crash too: it restores the attention implementation
-        finished = []
-        while drain is not None:
-            result = manager.get_result(timeout=0)
-            if result is None:
-                break
-            prompt = drain.get(result.request_id)
-            if prompt is not None and result.error is None and result.is_finished():
-                finished.append((prompt, list(result.generated_tokens)))
-        if callable(getattr(manager, "destroy", None)):
-            manager.destroy()
-        return finished
+
+
+def stop_manager(manager, drain: dict[str, Prompt] | None = None, *, hard: bool = False
+                 ) -> list[tuple[Prompt, list[int]]]:
+    """Stop a transformers manager; with ``drain``, the (prompt, tokens) of the requests of ``drain``
+    that finished without an error before it stopped. ``hard``: now, failing what is in flight, as
+    after Ctrl-C or a time budget's end; otherwise transformers flushes first, generating every
+    request it holds to its end (minutes of an 8B model's long outputs), and its ``destroy`` would
+    wait for that with no time limit."""
+    hard_stop = {"hard_stop": True} if hard and "hard_stop" in inspect.signature(manager.stop).parameters else {}
+    manager.stop(block=True, timeout=STOP_WAIT_SECONDS, **hard_stop)  # it also restores the attention implementation
+    finished = []
+    while drain is not None:
+        result = manager.get_result(timeout=0)
+        if result is None:
+            break
+        prompt = drain.get(result.request_id)
+        if prompt is not None and result.error is None and result.is_finished():
+            finished.append((prompt, list(result.generated_tokens)))
+    if callable(getattr(manager, "destroy", None)) and not manager.is_running():
+        manager.destroy()
+    return finished
 
 
 def _key(prompt: Prompt) -> tuple[int, int]:
