@@ -172,6 +172,24 @@ def test_sampler_records_kernel_time_memory_power_and_clock_labelled_for_what_th
     assert "not efficiency" in summary["what"]
 
 
+class NvmlWithoutPower(FakeNvml):
+    def nvmlDeviceGetPowerUsage(self, handle):
+        raise RuntimeError("Not Supported")  # pynvml's NVMLError_NotSupported, as under MIG
+
+
+def test_a_reading_the_gpu_does_not_support_is_left_out_and_the_others_go_on():
+    import time
+    with bench.NvmlSampler(nvml=NvmlWithoutPower(), interval_seconds=0.01) as sampler:
+        time.sleep(0.05)
+    summary = sampler.summary()
+    assert summary["samples"] >= 2 and summary["kernel_time_percent"]["mean"] == 90
+    assert summary["power_watts"] is None and "Not Supported" in summary["unsupported"]["power_watts"]
+    from workbook.bench import report
+    row = report.nvml_rows({"generation": {"points": [fake_point("static-sorted", 8, 100.0, nvml=summary)]},
+                            "training": None})[0]
+    assert row["kernel running (% of time)"] == "90" and row["power W"] == report.NA
+
+
 def fake_point(strategy, batch, tokens_per_second, **extra):
     return {"strategy": strategy, "batch_size": batch, "seconds": {"median": 1.0},
             "output_tokens_per_second": {"median": tokens_per_second, "min": tokens_per_second, "max": tokens_per_second},
@@ -409,3 +427,13 @@ def test_vllms_published_step_times_become_fractions_of_the_same_roofline():
     floor = (8_030_261_248 - 128_256 * 4096) * 2 / 3.35e12
     assert light_load["fraction"] == pytest.approx(floor / 0.013) and v1["fraction"] == pytest.approx(floor / 0.005)
     assert "34%" in published.vllm_line() and "blog.vllm.ai/2024/09/05/perf-update" in published.vllm_line()
+
+
+def test_the_mfu_figure_draws_a_point_without_an_mfu_beside_those_with_one():
+    """A GPU sweep: a baseline with no timed step has no MFU while the workbook's points have one."""
+    from workbook import benchmark_plots
+    points = [{**train_point(4, 30000.0), "mfu": 0.41, "peak_memory_bytes": 2**34, "predicted_peak_bytes": 2**34},
+              {**train_point(4, 0.0), "loop": "HF Trainer (transformers)", "mfu": None, "peak_memory_bytes": None}]
+    figure = benchmark_plots.mfu_bars({"profile": "h100", "training": {"model": "Llama-3.2-1B", "points": points}})
+    heights = [bar.get_height() for bar in figure.axes[0].patches]
+    assert heights == pytest.approx([41.0, 0.0])

@@ -87,6 +87,16 @@ def test_plan_for_case_takes_the_measured_overhead():
     assert measured.total_bytes - default.total_bytes == 88 * MiB
 
 
+def test_the_grid_runs_without_the_probes_constant_when_its_probe_failed(tmp_path, capsys):
+    """The GPU session's calibration call: a failed context probe leaves no file; the grid still runs,
+    each case then planned with the memory outside PyTorch's allocator measured in its own run."""
+    (tmp_path / "cuda_overhead.json").write_text(json.dumps({"overhead_bytes": 536870912}))
+    assert calibration._probed_overhead(str(tmp_path / "cuda_overhead.json")) == 536870912
+    assert calibration._probed_overhead(str(tmp_path / "missing.json")) is None
+    assert "missing.json is missing (its probe did not run or failed)" in capsys.readouterr().out
+    assert calibration._probed_overhead(None) is None
+
+
 def test_smaller_gpus_get_a_shorter_grid_and_cpu_has_none():
     a100_40gb = {case.name for case in calibration_grid("a100-40gb")}
     assert a100_40gb < {case.name for case in calibration_grid("h200")}

@@ -83,7 +83,7 @@ def mfu_bars(report: dict, capacity_bytes: int | None = None):
     points = [p for p in training.get("points", []) + training.get("baselines", []) if "tokens_per_second" in p]
     labels = [training_label(p) for p in points]
     has_mfu = any(p["mfu"] is not None for p in points)
-    values = [(100 * p["mfu"] if has_mfu else p["tokens_per_second"]) or 0 for p in points]
+    values = [(100 * (p["mfu"] or 0) if has_mfu else p["tokens_per_second"]) or 0 for p in points]
     bars = speed_axis.bar(labels, values, color=["#dd8452" if p.get("loop", "workbook") != "workbook" else "#4c72b0"
                                                  for p in points])
     for bar, p in zip(bars, points):

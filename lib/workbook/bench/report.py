@@ -219,6 +219,12 @@ def baseline_note(report: dict) -> str:
     return "\n\n".join(paragraphs)
 
 
+def _reading(nvml: dict, key: str, statistic: str, unit: float = 1.0) -> float | None:
+    """One NVML statistic of a point; None where the GPU gave no such reading (not supported, or none sampled)."""
+    values = nvml.get(key)
+    return None if values is None else values[statistic] / unit
+
+
 def nvml_rows(report: dict) -> list[dict]:
     rows = []
     training = report["training"] or {}
@@ -231,10 +237,10 @@ def nvml_rows(report: dict) -> list[dict]:
             rows.append({"point": label, "kernel running (% of time)": nvml["reason"]})
             continue
         rows.append({"point": label,
-                     "kernel running (% of time)": _format(nvml["kernel_time_percent"]["mean"], "{:.0f}"),
-                     "memory used": _format(nvml["memory_used_bytes"]["max"] / GiB, "{:.1f} GiB"),
-                     "power W": _format(nvml["power_watts"]["mean"], "{:.0f}"),
-                     "SM clock MHz": _format(nvml["sm_clock_mhz"]["mean"], "{:.0f}")})
+                     "kernel running (% of time)": _format(_reading(nvml, "kernel_time_percent", "mean"), "{:.0f}"),
+                     "memory used": _format(_reading(nvml, "memory_used_bytes", "max", GiB), "{:.1f} GiB"),
+                     "power W": _format(_reading(nvml, "power_watts", "mean"), "{:.0f}"),
+                     "SM clock MHz": _format(_reading(nvml, "sm_clock_mhz", "mean"), "{:.0f}")})
     return rows
 
 

@@ -11,6 +11,14 @@ import threading
 import time
 
 NVML_INTERVAL_SECONDS = 0.1
+# Each reading alone: one a GPU does not support (power or utilization under MIG, say) is left out of
+# every sample and named in the summary, and the others go on.
+READINGS = {
+    "kernel_time_percent": lambda nvml, handle: nvml.nvmlDeviceGetUtilizationRates(handle).gpu,
+    "memory_used_bytes": lambda nvml, handle: nvml.nvmlDeviceGetMemoryInfo(handle).used,
+    "power_watts": lambda nvml, handle: nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
+    "sm_clock_mhz": lambda nvml, handle: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),
+}
 
 
 class NvmlSampler:
@@ -22,6 +30,7 @@ class NvmlSampler:
         self.interval_seconds = interval_seconds
         self.samples: list[dict] = []
         self.reason: str | None = None
+        self.unsupported: dict[str, str] = {}  # a reading that failed: why, and it is not read again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._handles: list = []
@@ -41,15 +50,18 @@ class NvmlSampler:
         return self.nvml is not None and bool(self._handles)
 
     def sample_once(self) -> None:
-        nvml, now = self.nvml, time.perf_counter()
+        now = time.perf_counter()
         for index, handle in enumerate(self._handles):
-            self.samples.append({
-                "t": now, "gpu": index,
-                "kernel_time_percent": nvml.nvmlDeviceGetUtilizationRates(handle).gpu,
-                "memory_used_bytes": nvml.nvmlDeviceGetMemoryInfo(handle).used,
-                "power_watts": nvml.nvmlDeviceGetPowerUsage(handle) / 1000,
-                "sm_clock_mhz": nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM),
-            })
+            sample = {"t": now, "gpu": index}
+            for key, read in READINGS.items():
+                sample[key] = None
+                if key in self.unsupported:
+                    continue
+                try:
+                    sample[key] = read(self.nvml, handle)
+                except Exception as error:  # NVMLError_NotSupported (power, utilization under MIG), ...
+                    self.unsupported[key] = f"{type(error).__name__}: {error}"
+            self.samples.append(sample)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -76,12 +88,10 @@ class NvmlSampler:
             return {"available": False, "reason": self.reason, "samples": 0}
 
         def stats(key):
-            values = [s[key] for s in self.samples]
+            values = [s[key] for s in self.samples if s[key] is not None]
             return {"mean": statistics.fmean(values), "max": max(values)} if values else None
 
         return {"available": True, "samples": len(self.samples), "interval_seconds": self.interval_seconds,
-                "kernel_time_percent": stats("kernel_time_percent"),
-                "memory_used_bytes": stats("memory_used_bytes"), "power_watts": stats("power_watts"),
-                "sm_clock_mhz": stats("sm_clock_mhz"), "reason": self.reason,
+                **{key: stats(key) for key in READINGS}, "unsupported": self.unsupported, "reason": self.reason,
                 "what": "NVML 'utilization.gpu': share of time at least one kernel ran; not efficiency "
                         "(see the roofline fractions)"}

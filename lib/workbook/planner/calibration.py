@@ -346,6 +346,15 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
+def _probed_overhead(path: str | None) -> int | None:
+    """The overhead probe's constant from ``path`` (its JSON); None without one: the grid still runs,
+    each case planned with its own memory outside PyTorch's allocator (as its record says)."""
+    if path and not Path(path).is_file():
+        print(f"{path} is missing (its probe did not run or failed): each case is planned with the memory "
+              "outside PyTorch's allocator measured in its own run")
+    return json.loads(Path(path).read_text())["overhead_bytes"] if path and Path(path).is_file() else None
+
+
 def command_line(out_dir: str | Path, profile_name: str) -> str:
     """The command that reproduces a calibration."""
     return f"python -m workbook.planner.calibration --out {out_dir} --profile {profile_name}"
@@ -404,8 +413,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = calibration_grid(args.profile)
     if args.only:
         cases = chosen_cases(cases, args.only.split(","))
-    overhead = json.loads(Path(args.overhead_from).read_text())["overhead_bytes"] if args.overhead_from else None
-    result = run_calibration(out_dir, args.profile, cases, overhead_bytes=overhead)
+    result = run_calibration(out_dir, args.profile, cases, overhead_bytes=_probed_overhead(args.overhead_from))
     from workbook import plots  # the figure is for people; the JSON above is the record
     plots.memory_accuracy(result).savefig(out_dir / "memory_accuracy.png", dpi=120, bbox_inches="tight")
     summary = result["summary"]

@@ -5,7 +5,8 @@ Given no mask, transformers' sdpa path builds a block-causal 4D mask from those 
 a batch x seq x seq tensor that sdpa keeps per layer for backward, with keys/values repeated to every
 head. The paths chosen here need none (``planner.architectures.packed_attention`` picks one):
 - ``flex_attention`` on CUDA: transformers builds a BlockMask from the same restarts, O(seq) memory,
-  one compiled kernel (torch's flex attention has no backward on CPU);
+  one compiled kernel (torch's flex attention has no backward on CPU); registered again below to take
+  its inputs in autocast's dtype, as sdpa does;
 - ``document_sdpa`` elsewhere (registered below): sdpa with ``is_causal`` on each example's span, the
   same result with no mask at all, keys/values not repeated (``enable_gqa``); a loop over examples, which
   is the price on CPU.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from workbook.planner.architectures import DOCUMENT_SDPA
+from workbook.planner.architectures import DOCUMENT_SDPA, FLEX_ATTENTION
 
 
 def document_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -50,12 +51,31 @@ def _example_spans(position_ids: torch.Tensor | None, row: int, seq_len: int) ->
 
 
 def register() -> None:
-    """Make ``attn_implementation="document_sdpa"`` loadable (no mask is built for it)."""
+    """Make ``attn_implementation="document_sdpa"`` loadable (no mask is built for it), and flex
+    attention run under autocast as sdpa does (``autocast_flex_attention``)."""
     from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(DOCUMENT_SDPA, document_sdpa_attention)
     AttentionMaskInterface.register(DOCUMENT_SDPA, _no_mask)
+    AttentionInterface.register(FLEX_ATTENTION, autocast_attention(flex_attention_forward))
+
+
+def autocast_attention(attention):
+    """``attention`` (transformers' interface) with query, key and value in autocast's dtype while
+    autocast is on, as sdpa casts them. Mixed precision keeps fp32 weights, so the rotary embedding
+    (cos and sin in the fp32 hidden states' dtype) turns the bf16 projections of query and key back
+    into fp32 while value stays bf16; flex attention, which autocast does not cover in every torch
+    release, then refuses the mixed dtypes or runs fp32 kernels."""
+    def cast(module, query, key, value, *args, **kwargs):
+        device = query.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+        return attention(module, query, key, value, *args, **kwargs)
+
+    return cast
 
 
 def _no_mask(*args, **kwargs):
