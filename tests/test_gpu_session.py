@@ -124,6 +124,15 @@ def test_the_session_lists_its_commands_without_running_them(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_call_runs_with_the_profile_of_the_gpu_at_hand():
+    """The device lends an H200 where no H100 opens: a call named for h100 plans with h200's memory."""
+    h200 = [{"name": "NVIDIA H200", "memory_total_bytes": int(140.4 * 2**30)}]
+    assert gpu_session.call_profile("h100", h200)[0] == "h200"
+    assert "not h100 as named" in gpu_session.call_profile("h100", h200)[1]
+    assert gpu_session.call_profile("auto", h200)[0] == "h200"
+    assert gpu_session.call_profile("h100", [])[0] == "h100"  # no GPU here: listing the commands of a named one
+
+
 def test_calibration_only_refuses_a_case_name_the_grid_lacks():
     with pytest.raises(SystemExit, match="no case of this profile's grid starts with 'llama-9b/generate'"):
         calibration.chosen_cases(calibration.calibration_grid("h100"), ["llama-9b/generate"])

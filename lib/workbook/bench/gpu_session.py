@@ -2,7 +2,7 @@
 everything under one folder and stops itself inside its time budget (the device allows 10 minutes a
 command and 30 a session), so none of the session's minutes go to typing or to a step that hangs.
 
-    PYTHONPATH=lib python3 -m workbook.bench.gpu_session --call smoke --profile h100 --out $OUT
+    PYTHONPATH=lib python3 -m workbook.bench.gpu_session --call smoke --profile auto --out $OUT
 
 A GPU image without TRL (it has no pip to fetch it) takes it as carried wheels, installed first in the
 same command (``.whl``: trl, datasets, dill, multiprocess; outputs/reference/README.md); without them the
@@ -274,10 +274,25 @@ def table(call: str, records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def call_profile(named: str, detected: list[dict] | None = None) -> tuple[str, str]:
+    """The profile a call runs with, and why. The device may lend an H200 to a session that asked for
+    no kind (when no H100 opens), so the GPU at hand decides: a profile named for another GPU would
+    plan its memory and roofline with the wrong capacity and bandwidth."""
+    from workbook import gpu, params
+    gpus = gpu.detect()["gpus"] if detected is None else detected
+    choice = gpu.select_profile(gpus, params.load_all())
+    if named == "auto":
+        return choice.profile, f"profile {choice.profile}: {choice.reason}"
+    if gpus and choice.exact and choice.profile != named:
+        return choice.profile, f"profile {choice.profile}, not {named} as named: {choice.reason}"
+    return named, f"profile {named}, as named ({choice.reason})"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m workbook.bench.gpu_session", description=__doc__.split("\n\n")[0])
     parser.add_argument("--call", choices=list(calls("", Path())))
-    parser.add_argument("--profile", help="the lent GPU's profile: h100 or h200")
+    parser.add_argument("--profile", default="auto", help="the lent GPU's profile: h100, h200, or auto (default: the "
+                        "profile of the GPU at hand; a named one that another GPU's profile matches gives way to it)")
     parser.add_argument("--out", help="results folder ($OUT on the device)")
     parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
     parser.add_argument("--list", action="store_true", help="print the call's commands and stop")
@@ -295,13 +310,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--call, --profile and --out are required (or --unpack FOLDER --into FOLDER)")
     out = Path(args.out)
     folder = out if args.no_pack else out / args.call
-    steps = calls(args.profile, folder)[args.call]
+    profile, why = call_profile(args.profile)
+    print(why)
+    steps = calls(profile, folder)[args.call]
     if args.list:
         print("\n".join(f"{step.name}: python3 {' '.join(step.argv)}" for step in steps))
         return 0
     folder.mkdir(parents=True, exist_ok=True)
     records = run_call(steps, folder, folder / f"{args.call}.log", args.budget_seconds)
-    summary = {"call": args.call, "profile": args.profile, "budget_seconds": args.budget_seconds, "steps": records}
+    summary = {"call": args.call, "profile": profile, "profile_named": args.profile, "profile_why": why,
+               "budget_seconds": args.budget_seconds, "steps": records}
     (folder / f"{args.call}.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table(args.call, records))
     if not args.no_pack:

@@ -89,7 +89,7 @@ def training_probe(
     its previous mode. ``autocast_dtype`` (e.g. torch.bfloat16) runs the forward under autocast,
     as a mixed-precision trainer would; None runs in the weights' own dtype.
 
-    The probe does not train the model. The default optimizer is ``AdamW(lr=0)``: it allocates
+    The probe does not train the model. The default optimizer is ``AdamW(lr=0)`` (fused on CUDA): it allocates
     both moments like any AdamW, and with lr=0 its step leaves every parameter bit for bit as it
     was (decoupled weight decay multiplies by 1 - lr x wd = 1; the update is scaled by lr), as
     long as the gradients are finite (0 x inf is NaN: a model whose first step overflows is
@@ -100,8 +100,11 @@ def training_probe(
     """
     _require_positive_int("seq_len", seq_len)
     vocab_size = vocab_size or _vocab_size(model)
-    make_optimizer = optimizer_factory or (lambda parameters: torch.optim.AdamW(parameters, lr=0.0))
     device = _model_device(model)
+    # Fused on CUDA, as the trainer builds it: foreach AdamW's step holds transient copies the size of the
+    # trainable parameters, a peak the trainer (and so the plan) does not have.
+    make_optimizer = optimizer_factory or (lambda parameters: torch.optim.AdamW(
+        parameters, lr=0.0, fused=device.type == "cuda" or None))
 
     def probe(batch: int) -> ProbeMeasurement:
         # Random ids: memory depends on shapes only; a fixed seed keeps runs comparable.
