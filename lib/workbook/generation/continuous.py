@@ -214,7 +214,6 @@ class ContinuousBackend:
         return request_id
 
 
-
 def stop_manager(manager, drain: dict[str, Prompt] | None = None, *, hard: bool = False
                  ) -> list[tuple[Prompt, list[int]]]:
     """Stop a transformers manager; with ``drain``, the (prompt, tokens) of the requests of ``drain``
