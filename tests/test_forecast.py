@@ -48,6 +48,21 @@ def test_simulation_adds_up_the_engines_batches_on_synthetic_timings():
     assert result.batch_seconds == pytest.approx([by_hand(2, 50), by_hand(2, 30), by_hand(1, 10)])
     assert result.seconds == pytest.approx(sum(result.batch_seconds))
     assert result.prefill_tokens == 2 * 50 + 2 * 30 + 10
+    # The KV cache the decode steps read: each row its context at each of the 3 steps.
+    contexts = lambda longest: sum(longest + step for step in (1, 2, 3))
+    assert result.decode_context_positions == 2 * contexts(50) + 2 * contexts(30) + contexts(10)
+
+
+def test_the_decode_phase_counts_the_kv_cache_it_reads_beside_the_weights(tiny_model_path):
+    """The decode bandwidth efficiency (and every projection by bandwidth) over the bytes a step
+    really reads: at an 8B model's planned batch on an 80 GB GPU the KV cache outweighs the weights."""
+    from workbook.planner.formulas import kv_cache_bytes_per_token
+    model = generation.load_model(str(tiny_model_path), "fp32", "cpu")[0]
+    whole = forecast.GenerationSimulation(10.0, [10.0], 1.0, 8.0, 1.0, decode_steps=100, prefill_tokens=500,
+                                          decode_context_positions=2e6)
+    phases = pilot.generation_phases(model, "fp32", whole)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert phases.decode_bytes == 100 * weights + 2e6 * kv_cache_bytes_per_token(model.config, "fp32")
 
 
 def fake_call(truth: GenerationTimings, rows: int, longest: int, outputs: list[int]) -> pilot.Call:
@@ -172,6 +187,8 @@ def test_a_stream_of_uneven_outputs_takes_far_fewer_steps_than_static_batches():
     decoded = 4 * 29 + 12 * 1
     assert stream.seconds == pytest.approx(stream.decode_steps * 0.01 + 0.001 * (16 * 50 + decoded) + 0.5)
     assert sum(stream.batch_seconds) == pytest.approx(stream.seconds - 0.5)
+    # The KV cache its decode steps read: a request at step k of its answer attends its prompt + k tokens.
+    assert stream.decode_context_positions == 4 * sum(50 + k for k in range(1, 30)) + 12 * (50 + 1)
 
 
 def test_a_streams_fit_recovers_its_step_costs_and_the_managers_own_scheduling():

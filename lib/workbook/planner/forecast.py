@@ -88,6 +88,7 @@ class GenerationSimulation:
     overhead_seconds: float  # start-up, warm-up, per-call overhead, writing and finishing
     decode_steps: float
     prefill_tokens: int  # padded prompt positions
+    decode_context_positions: float = 0.0  # KV cache positions the decode steps read, over every row and step
 
 
 def batch_plan(prompt_lengths: list[int], prompts_per_call: int) -> list[list[int]]:
@@ -103,10 +104,17 @@ def batch_seconds(rows: int, longest_prompt: int, steps: float, timings: Generat
     prefill = (timings.prefill_fixed_seconds + timings.prefill_seconds_per_token * rows * longest_prompt
                + timings.prefill_seconds_per_token_pair * rows * longest_prompt ** 2)
     decode_steps = max(steps - 1, 0.0)
-    context_sum = decode_steps * longest_prompt + decode_steps * (decode_steps + 1) / 2  # sum of contexts
-    decode = decode_steps * timings.step_fixed_seconds + timings.step_seconds_per_context_token * rows * context_sum
+    decode = (decode_steps * timings.step_fixed_seconds
+              + timings.step_seconds_per_context_token * rows * decode_contexts(longest_prompt, steps))
     overhead = timings.call_overhead_seconds + timings.write_seconds_per_output * rows
     return prefill, decode, overhead
+
+
+def decode_contexts(longest_prompt: int, steps: float) -> float:
+    """The positions one row attends over a static call's ``steps - 1`` decode steps (the prefill yields
+    the first token), its context growing by one each step: the KV cache it reads."""
+    decode_steps = max(steps - 1, 0.0)
+    return decode_steps * longest_prompt + decode_steps * (decode_steps + 1) / 2
 
 
 def simulate_generation(prompt_lengths: list[int], *, prompts_per_call: int, max_new_tokens: int,
@@ -118,7 +126,7 @@ def simulate_generation(prompt_lengths: list[int], *, prompts_per_call: int, max
     per_process = [sorted(prompt_lengths, reverse=True)[rank::processes] for rank in range(processes)]
     slowest = None
     for lengths in per_process:
-        prefill = decode = overhead = steps_total = 0.0
+        prefill = decode = overhead = steps_total = contexts = 0.0
         tokens = 0
         seconds_each = []
         for batch in batch_plan(lengths, prompts_per_call):
@@ -128,10 +136,11 @@ def simulate_generation(prompt_lengths: list[int], *, prompts_per_call: int, max
             seconds_each.append(sum(parts))
             steps_total += steps
             tokens += len(batch) * batch[0]
+            contexts += len(batch) * decode_contexts(batch[0], steps)
         fixed = timings.warm_up_seconds + timings.finish_seconds_per_output * len(prompt_lengths)
         fixed += timings.startup_seconds + timings.exit_seconds if include_startup else 0.0
         result = GenerationSimulation(prefill + decode + overhead + fixed, seconds_each, prefill, decode,
-                                      overhead + fixed, steps_total, tokens)
+                                      overhead + fixed, steps_total, tokens, contexts)
         if slowest is None or result.seconds > slowest.seconds:
             slowest = result
     return slowest

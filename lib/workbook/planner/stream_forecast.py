@@ -181,7 +181,8 @@ def simulate_stream(prompt_lengths: list[int], *, prompts_per_call: int, max_new
         total, stepping = sum(weights) or 1, prefill_seconds + decode_seconds
         steps = (prefill.steps + decode.steps) * timings.scales.get("steps", 1.0)
         result = GenerationSimulation(stepping + fixed, [stepping * w / total for w in weights],
-                                      prefill_seconds, decode_seconds, fixed, steps, int(prefill.tokens))
+                                      prefill_seconds, decode_seconds, fixed, steps, int(prefill.tokens),
+                                      decode.decode_keys * timings.scales.get("decode_keys", 1.0))
         if slowest is None or result.seconds > slowest.seconds:
             slowest = result
     return slowest
