@@ -117,10 +117,11 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
             Step("engine overhead, 8B", ["-m", "workbook.bench.engine_overhead", "--model", "Llama-3.1-8B", *on_gpu,
                                          "--profile", profile, "--batch-size", "32", "--out", str(out)], 90),
             Step("generation sweep at 32, 128 and the planner's batch, 8B, beside Hugging Face's pipeline", [
-                # static-compiled last: it compiles for a minute or more per batch size, and a step stopped
-                # by the budget keeps the points it finished (points.jsonl).
-                *bench, "bench_strategies=seed-after,static-sorted,continuous,hf-pipeline,static-compiled",
-                "bench_batch_sizes=32,128,auto", "bench_examples=256", "bench_train_steps=0"], 150),
+                # Strategy by strategy, and a step stopped by the budget keeps the points it finished
+                # (points.jsonl): the pipeline beside static first, static-compiled last (it compiles for a
+                # minute or more per batch size); one timed run a point (a GPU's runs differ by little).
+                *bench, "bench_strategies=seed-after,static-sorted,hf-pipeline,continuous,static-compiled",
+                "bench_batch_sizes=32,128,auto", "bench_examples=256", "bench_repeats=1", "bench_train_steps=0"], 150),
         ],
         "training": [
             # Each step leaves the later ones their time: continuous ~3 min (384 prompts, three arms), the 1B
