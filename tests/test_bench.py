@@ -1,6 +1,7 @@
 """The benchmark's counting (bytes, FLOPs, rooflines, cost), its NVML sampler without NVML, the seed
 claims table, and notebook 05's loading of run folders, broken ones included. Fast: no model runs."""
 
+import importlib
 import json
 import os
 import socket
@@ -13,6 +14,7 @@ from transformers import LlamaConfig
 
 from workbook import bench
 from workbook.bench import review
+from workbook.training import run_plan
 
 # A Llama small enough to count by hand: hidden 64, 2 layers, 4 heads of 16, 2 key/value heads,
 # MLP 128, vocabulary 100, embeddings untied.
@@ -107,12 +109,37 @@ def test_the_training_sweep_runs_each_memory_setting_named_as_one_more_point(tmp
         bench.training_points({**params, "bench_train_settings": "chunked"}, torch.device("cpu"))
 
 
+class FakeMemory:
+    def __init__(self, available: int):
+        self.available = available
+
+
+def test_offloaded_activations_are_capped_by_the_host_memory_they_are_pinned_in(monkeypatch):
+    """An H200's planned 1B micro-batch offloads ~150 GB to a 128 GiB host: the auto micro-batch is the
+    largest whose pinned copies (up to 2x their bytes: power-of-two blocks) fit 90% of what is free."""
+    import torch
+    from workbook import params as params_module
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")
+    monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))
+    monkeypatch.setattr(run_plan.psutil, "virtual_memory", lambda: FakeMemory(120 * 2**30))
+    params = {**params_module.load_all()["h200"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+              "bench_train_settings": "offload_activations", "bench_train_micro_batches": "auto"}
+    offloaded = [p for p in training_sweep.training_points(params, torch.device("cuda")) if p.get("offload_activations")]
+    micro = offloaded[0]["micro_batch_size"]
+    config = training_sweep.point_config(params, offloaded[0], Path("unused"))
+    per_row = run_plan.memory_plan(config, 1, 2048).settings["offloaded_activation_bytes"]
+    assert 2 * micro * per_row <= 0.9 * 120 * 2**30 < 2 * (micro + 1) * per_row
+    assert run_plan.memory_plan(config, micro + 1, 2048).fits  # the GPU would hold more: the host decided
+    assert "capped at" in offloaded[0]["micro_batch_rule"] and "by host memory" in offloaded[0]["micro_batch_rule"]
+
+
 def test_an_auto_micro_batch_runs_each_memory_setting_at_the_largest_the_planner_fits_for_it(monkeypatch):
     import importlib
     import torch
     from workbook import params as params_module, training
     training_sweep = importlib.import_module("workbook.bench.training_sweep")
     monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))  # the h100's bf16
+    monkeypatch.setattr(run_plan.psutil, "virtual_memory", lambda: FakeMemory(2**40))  # a host that holds any offload
     params = {**params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
               "bench_train_settings": "loss_chunk_tokens,offload_activations"}
     points = training_sweep.training_points({**params, "bench_train_micro_batches": "auto"}, torch.device("cuda"))

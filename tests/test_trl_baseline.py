@@ -91,3 +91,21 @@ def test_a_baseline_that_fails_is_recorded_with_its_error_and_the_sweep_goes_on(
     assert len(sweep["points"]) == 4 and len(sweep["baselines"]) == 1
     assert sweep["baselines"][0]["skipped"] == ("not measured: it failed with RuntimeError: flex attention got an "
                                                 "unexpected keyword argument 'cu_seq_lens_q'")
+
+
+def test_trl_trains_a_preset_without_its_tokenizer_or_the_hub(tmp_path, monkeypatch):
+    """A GPU session's 1B preset has random weights and no tokenizer: SFTTrainer gets a stand-in for its
+    pad and end-of-sequence tokens instead of fetching the model's from the Hub (no network there)."""
+    from workbook import presets
+    from workbook.bench import trl_baseline
+    small = {**presets.PRESETS["Llama-3.2-1B"], "_name_or_path": "meta-llama/Small-Llama", "hidden_size": 64,
+             "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16, "vocab_size": 512}
+    monkeypatch.setitem(presets.PRESETS, "Small-Llama", small)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub lookup fails at once instead of passing unnoticed here
+    params = {**params_module.load_all()["cpu"], "bench_train_model": "Small-Llama", "seq_len": 64,
+              "bench_train_micro_batches": "2", "bench_train_steps": 3, "bench_train_settings": ""}
+    plain = training_sweep.training_points(params, torch.device("cpu"))[0]
+    measured = trl_baseline.sft_run(training_sweep.point_config(params, plain, tmp_path), str(tmp_path / "trl"))
+    assert measured["steps"] == 3 and all(math.isfinite(loss) for loss in measured["step_losses"])
+    assert sum(measured["step_tokens"]) == 3 * 2 * 64  # full synthetic rows of 64 tokens

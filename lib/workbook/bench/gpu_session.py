@@ -159,7 +159,8 @@ def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float
              outputs: Path = OUTPUTS_DIR, clock=time.monotonic, say=print) -> list[dict]:
     """Run ``steps`` in order within ``budget_seconds``; returns one record per step."""
     deadline = clock() + budget_seconds - RESERVE_SECONDS
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    # Offline: the device reaches no network, so a lookup on the Hub fails at once instead of timing out.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))}
     records = []
     with log_path.open("a") as log:

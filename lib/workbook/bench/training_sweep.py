@@ -104,10 +104,10 @@ def planned_micro_batch(params, point: dict) -> dict:
     prepared = None if isinstance(config.max_seq_length, int) else training.prepare_data(config, log=lambda line: None)
     seq_len = prepared.max_seq_length if prepared else config.max_seq_length
     try:
-        fits = training.memory_plan(config, 1, seq_len).require_fit().max_batch_size
+        fits, why = training.largest_micro_batch(config, seq_len)
     except DoesNotFitError as error:
         return {**point, "skipped": f"skipped: not even micro-batch 1 fits the plan ({error})"}
-    micro, rule = fits, "auto: the planner's largest for these settings"
+    micro, rule = fits, f"auto: {why}"
     if prepared is not None:
         run = training.plan_run(dataclasses.replace(config, micro_batch_size=AUTO), prepared)
         micro, rule = run.micro_batch_size, run.micro_batch_rule

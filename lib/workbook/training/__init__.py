@@ -24,9 +24,9 @@ from workbook.training.loop import train
 from workbook.training.prepare import PreparedData, prepare_data
 from workbook.training.processes import launch
 from workbook.training.report import summary_lines
-from workbook.training.run_plan import RunPlan, memory_plan, plan_run
+from workbook.training.run_plan import RunPlan, largest_micro_batch, memory_plan, plan_run
 
 __all__ = [
     "PARAMS_USED", "PreparedData", "RunPlan", "TrainConfig", "TrainError", "config_from_params", "launch", "main",
-    "memory_plan", "plan_run", "prepare_data", "summary_lines", "train",
+    "largest_micro_batch", "memory_plan", "plan_run", "prepare_data", "summary_lines", "train",
 ]

@@ -29,7 +29,7 @@ from workbook.training import batches, checkpoints, evaluation, packed_attention
 from workbook.training.config import (
     ADAM_BETAS, MAX_GRAD_NORM, RESULT_FILE, TrainConfig, TrainError, accelerate_mixed_precision,
 )
-from workbook.training.offload import OffloadActivations
+from workbook.training.offload import OffloadActivations, release_pinned_host_memory
 from workbook.training.prepare import PreparedData, prepare_data
 from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run
 
@@ -182,6 +182,8 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
     finally:
         accelerator.end_training()
         reset_accelerate_state()
+        if config.offload_activations:
+            release_pinned_host_memory()
 
 
 def _print(accelerator, text: str) -> None:

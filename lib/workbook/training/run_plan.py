@@ -10,6 +10,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import psutil
+
 from workbook import models, presets
 from workbook.params import AUTO
 from workbook.planner import Plan
@@ -17,6 +19,9 @@ from workbook.planner.profile import train_plan
 from workbook.training import batches, packed_attention
 from workbook.training.config import TrainConfig, TrainError
 from workbook.training.prepare import PreparedData
+
+HOST_SHARE = 0.9  # of the host memory available when planning, for pinned offloaded activations
+PINNED_ROUNDING = 2  # torch's pinned-memory cache rounds each block up to a power of two: up to 2x
 
 LR_SCALING_RULES = ("none", "linear", "sqrt")
 MIN_LR_FRACTION = 0.1  # cosine decay ends at this fraction of the peak learning rate
@@ -81,11 +86,11 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
     lengths = [example.length for example in prepared.train]
     rows = batches.plan_rows(lengths, config.padding, prepared.max_seq_length)
     if config.micro_batch_size == AUTO:
-        fits = memory_plan(config, 1, prepared.max_seq_length).require_fit().max_batch_size
+        fits, fits_rule = largest_micro_batch(config, prepared.max_seq_length)
         # Never so large that an epoch has no optimizer step (the tiny model on an H200 fits ~10^5 rows).
         one_step = max(1, len(rows) // (config.gradient_accumulation_steps * processes))
         micro = min(fits, one_step)
-        micro_rule = (f"auto: the memory planner's largest micro-batch at {prepared.max_seq_length} tokens ({fits})"
+        micro_rule = (f"auto: {fits_rule}"
                       + (f", capped at {micro} so that an epoch ({len(rows)} rows) has an optimizer step"
                          if micro < fits else ""))
     else:
@@ -118,6 +123,25 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
         padding_comparison=batches.padding_comparison(lengths, prepared.max_seq_length, micro, config.seed),
         rows=len(rows),
     )
+
+
+def largest_micro_batch(config: TrainConfig, seq_len: int) -> tuple[int, str]:
+    """The planner's largest micro-batch at ``seq_len`` (DoesNotFitError when not even 1 fits), and the
+    rule that chose it. Offloaded activations must also fit the host: pinned memory at most
+    ``HOST_SHARE`` of what is available now, counted at ``PINNED_ROUNDING`` times their bytes, since
+    torch's pinned-memory cache rounds each block up to a power of two (an 8B-shaped planned batch
+    on an H200 offloads more than the 128 GiB of RAM such a machine has)."""
+    plan = memory_plan(config, 1, seq_len).require_fit()
+    fits, rule = plan.max_batch_size, f"the memory planner's largest micro-batch at {seq_len} tokens ({plan.max_batch_size})"
+    per_row = plan.settings.get("offloaded_activation_bytes") or 0
+    if per_row:
+        available = psutil.virtual_memory().available
+        host_rows = max(1, int(HOST_SHARE * available / (PINNED_ROUNDING * per_row)))
+        if host_rows < fits:
+            fits, rule = host_rows, (f"{rule}, capped at {host_rows} by host memory: offloaded activations take "
+                                     f"{per_row / 2**30:.2f} GiB a row in pinned memory (up to {PINNED_ROUNDING}x "
+                                     f"that), of {available / 2**30:.0f} GiB available")
+    return fits, rule
 
 
 def memory_plan(config: TrainConfig, micro_batch_size: int, seq_len: int, sharding: str = "none") -> Plan:
