@@ -369,9 +369,17 @@ def test_a_preset_trains_on_synthetic_sequences_of_exactly_max_seq_length(tmp_pa
         training.prepare_data(make_config(tmp_path, model="llama-3.2-1b", max_seq_length="auto"))
     prepared = training.prepare_data(make_config(tmp_path, model="llama-3.2-1b", max_seq_length=128,
                                               synthetic_examples=16, validation_fraction=0.25))
-    assert (len(prepared.train), len(prepared.validation)) == (12, 4)
-    assert {e.length for e in prepared.train} == {128} and max(max(e.input_ids) for e in prepared.train) < 128256
-    assert prepared.tokenize_report["synthetic"]
+    # 16 sequences, 4 held out, each cut into documents of 64, 32, 16 and 16 tokens: packed SFT rows, whose
+    # position ids restart at each document (the attention path packing takes, and the one planned).
+    assert (len(prepared.train), len(prepared.validation)) == (12 * 4, 4 * 4)
+    assert sorted(e.length for e in prepared.train[:4]) == [16, 16, 32, 64]
+    assert max(max(e.input_ids) for e in prepared.train) < 128256 and prepared.tokenize_report["synthetic"]
+    lengths = [e.length for e in prepared.train]
+    rows = sft_batches.plan_rows(lengths, "packing", 128)
+    # Packed back into 12 full rows (first-fit decreasing: two halves, four quarters or eight eighths a row).
+    assert len(rows) == 12 and all(sum(lengths[i] for i in row) == 128 and len(row) >= 2 for row in rows)
+    position_ids = sft_batches.Collator("packing", 128, 0)([[prepared.train[i] for i in rows[0]]])["position_ids"]
+    assert (position_ids[0] == 0).sum() == len(rows[0])
 
 
 def test_a_preset_architecture_trains_with_random_weights_for_benchmarks(tmp_path, monkeypatch):

@@ -32,16 +32,21 @@ def plan_rows(lengths: list[int], padding: str, max_seq_length: int) -> list[tup
         raise DataError(f"{len(too_long)} example(s) are longer than max_seq_length={max_seq_length}; truncate first")
     rows: list[list[int]] = []
     free: list[int] = []  # tokens left per row
+    open_rows: list[int] = []  # rows with room left, in order: a full row takes nothing more
     for index in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
         length = lengths[index]
-        for row, room in enumerate(free):  # first fit; rows are few, a linear scan is fine
-            if room >= length:
+        for position, row in enumerate(open_rows):  # first fit, a linear scan over the rows not yet full
+            if free[row] >= length:
                 rows[row].append(index)
                 free[row] -= length
+                if not free[row]:
+                    del open_rows[position]
                 break
         else:
             rows.append([index])
             free.append(max_seq_length - length)
+            if free[-1]:
+                open_rows.append(len(rows) - 1)
     return [tuple(row) for row in rows]
 
 

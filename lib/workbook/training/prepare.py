@@ -169,9 +169,19 @@ def _choose_max_seq_length(config: TrainConfig, lengths: list[int], model_limit:
     return chosen, "set in params"
 
 
+def synthetic_documents(length: int) -> list[int]:
+    """The lengths of the documents one synthetic row of ``length`` tokens holds: a half, a quarter and
+    two eighths, as packed SFT rows hold several examples (whose position ids restart, so the attention
+    keeps each to itself: the path packing takes, and the one the planner plans); first-fit decreasing
+    packs them back into full rows. One document where ``length`` is too short to split."""
+    quarter, eighth = length // 4, length // 8
+    return [length - quarter - 2 * eighth, quarter, eighth, eighth] if eighth else [length]
+
+
 def synthetic_data(config: TrainConfig) -> PreparedData:
-    """Random token sequences of exactly max_seq_length tokens, all carrying loss: for throughput
-    benchmarks of preset architectures (random weights, no tokenizer). Nothing here is learnable."""
+    """Random token sequences of exactly max_seq_length tokens, all carrying loss, each cut into
+    ``synthetic_documents``: for throughput benchmarks of preset architectures (random weights, no
+    tokenizer). Nothing here is learnable."""
     if config.max_seq_length == AUTO:
         raise TrainError(f"model {config.model!r} is a preset (random weights, synthetic data): set max_seq_length "
                          "to the sequence length to benchmark, e.g. --set max_seq_length=2048")
@@ -179,15 +189,22 @@ def synthetic_data(config: TrainConfig) -> PreparedData:
     length = int(config.max_seq_length)
     generator = torch.Generator().manual_seed(config.seed)
     ids = torch.randint(0, vocab, (config.synthetic_examples, length), generator=generator).tolist()
-    examples = [sft_examples.TokenizedExample(row, list(row), f"synthetic {index + 1}") for index, row in enumerate(ids)]
-    held = max(1, round(len(examples) * config.validation_fraction)) if config.validation_fraction else 0
-    lengths = [length] * len(examples)
+    pieces = synthetic_documents(length)
+    starts = [sum(pieces[:i]) for i in range(len(pieces))]
+    sequences = [[sft_examples.TokenizedExample(row[start:start + size], row[start:start + size],
+                                                f"synthetic {index + 1}.{piece + 1}")
+                  for piece, (start, size) in enumerate(zip(starts, pieces))] for index, row in enumerate(ids)]
+    held = max(1, round(len(sequences) * config.validation_fraction)) if config.validation_fraction else 0
+    examples = [example for documents in sequences for example in documents]
+    held *= len(pieces)  # whole sequences held out: validation rows are full rows too
+    lengths = [example.length for example in examples]
     return PreparedData(
         train=examples[held:], validation=examples[:held], accuracy_records=[], max_seq_length=length,
         max_seq_length_rule="set in params (synthetic sequences of exactly this length)",
         length_stats=sft_examples.length_statistics(lengths), lengths=lengths,
         truncation={"max_seq_length": length, "truncated": 0, "dropped_without_response": 0, "tokens_cut": 0},
         tokenize_report={"synthetic": True, "examples": len(examples)},
-        source=f"{len(examples)} random sequences of {length} tokens (preset {config.model}: random weights)",
+        source=(f"{len(sequences)} random sequences of {length} tokens, each {len(pieces)} documents of "
+                f"{', '.join(map(str, pieces))} tokens (preset {config.model}: random weights)"),
         pad_token_id=0,
     )
