@@ -117,7 +117,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_total):
         hidden, weight, targets, positions = ctx.saved_tensors
         grad_hidden = torch.zeros(hidden.shape, device=hidden.device, dtype=ctx.hidden_dtype)
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+        # Summed in the weight's own dtype: fp32 master weights (mixed precision) get an fp32 sum; pure bf16
+        # weights a bf16 one, as autograd sums a bf16 head's gradients. An fp32 sum beside a bf16 weight
+        # would hold 4 B x vocab x hidden the plan does not (1 GB at Llama-3.2-1B) while every activation lives.
+        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=ctx.weight_dtype)
         for start in range(0, positions.shape[0], ctx.chunk_tokens):
             rows = positions[start:start + ctx.chunk_tokens]
             h, t = hidden.index_select(0, rows), targets.index_select(0, rows)
@@ -130,8 +133,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
                 grad_logits *= 1 - (capped / ctx.softcap) ** 2
             grad_logits = grad_logits.to(weight.dtype)
             grad_hidden.index_copy_(0, rows, (grad_logits @ weight).to(ctx.hidden_dtype))
-            grad_weight += (grad_logits.T @ h).float()
-        return grad_hidden, grad_weight.to(ctx.weight_dtype), None, None, None, None
+            grad_weight += grad_logits.T @ h
+        return grad_hidden, grad_weight, None, None, None, None
 
 
 def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
