@@ -684,3 +684,17 @@ def test_packed_rows_saved_bytes_match_the_plan_of_the_attention_path_they_run(a
         assert activations_term(plan_train(small_llama(3), micro_batch_size=batch, seq_len=seq_len, dtype="fp32",
                                            mixed_precision=False, lora_rank=lora_rank, attn_implementation=attention,
                                            gpu_memory_bytes=GiB)) - activations_term(plain) >= 3 * batch * seq_len * seq_len * 4
+
+
+def test_flex_attention_is_planned_with_keys_and_values_repeated_where_transformers_repeats_them():
+    """transformers' flex attention runs grouped queries only for a power-of-two count of heads: Qwen2.5's
+    14 query heads get their 2 key/value heads repeated to 14 before the call, which the kernel keeps."""
+    from workbook.planner.formulas import attention_core_bytes_per_token
+    from workbook.planner.shape import model_shape
+    qwen, llama = model_shape("Qwen2.5-0.5B"), model_shape("Llama-3.2-1B")
+    assert qwen.num_attention_heads == 14 and llama.num_attention_heads == 32
+    for shape, repeated in ((qwen, True), (llama, False)):
+        flex = attention_core_bytes_per_token(shape, 2, "flex_attention", 2048)
+        document = attention_core_bytes_per_token(shape, 2, "document_sdpa", 2048) - 2 * shape.query_width
+        extra = 2 * 2 * (shape.query_width - shape.key_value_width) if repeated else 0
+        assert flex - document == extra

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from workbook.planner.architectures import (
-    DOCUMENT_SDPA, SDPA_BLOCK_MASK, SDPA_MATH, TRAINING_ATTENTIONS, LatentAttention, attention_implementation_run,
+    DOCUMENT_SDPA, FLEX_ATTENTION, SDPA_BLOCK_MASK, SDPA_MATH, TRAINING_ATTENTIONS, LatentAttention,
+    attention_implementation_run,
 )
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, BITS_PER_PARAMETER, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES,
@@ -240,8 +241,12 @@ def attention_core_bytes_per_token(
         # itself (integrations/sdpa_attention.py, use_gqa_in_sdpa) instead of sdpa's grouped-query path.
         # torch converts that boolean mask to an additive one in the query's dtype at every call, and keeps
         # it for backward: one (batch, 1, seq, seq) tensor per windowed layer.
-        # (one key/value head is repeated as a view: no copy).
-        repeated = windowed and shape.num_key_value_heads > 1
+        # (one key/value head is repeated as a view: no copy). Flex attention runs grouped queries only
+        # for a power-of-two count of heads; otherwise transformers repeats keys and values to every
+        # head before the call (integrations/flex_attention.py), and the kernel keeps those copies.
+        heads = shape.num_attention_heads
+        flex_repeats = attn_implementation == FLEX_ATTENTION and heads & (heads - 1) != 0
+        repeated = (windowed or flex_repeats) and shape.num_key_value_heads > 1
         key_value_width = shape.query_width if repeated else shape.key_value_width
         attention = p * (2 * shape.query_width + 2 * key_value_width)
         attention += FP32_BYTES * shape.num_attention_heads  # logsumexp kept for backward
