@@ -76,3 +76,21 @@ def test_the_command_prints_what_it_built_as_its_last_line(tmp_path, monkeypatch
     assert random_weights.main(["--preset", "Small-Llama", "--out", str(tmp_path / "m"), "--device", "cpu"]) == 0
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # what forecast_check reads
     assert printed["preset"] == "Small-Llama" and printed["dtype"] == "bf16" and printed["parameters"] > 0
+
+
+def test_a_model_directory_loads_straight_onto_a_gpu_not_through_host_memory(tiny_model_path, monkeypatch):
+    """On CUDA, from_pretrained places the weights on the device itself (an 8B model's 16 GB never sit
+    in host RAM first); on CPU the model loads as before."""
+    from transformers import AutoModelForCausalLM
+    from workbook import models
+    asked = []
+    original = AutoModelForCausalLM.from_pretrained
+
+    def recording(path, **kwargs):
+        asked.append(kwargs.get("device_map"))
+        return original(path, **{key: value for key, value in kwargs.items() if key != "device_map"})
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", recording)
+    models.load_model(str(tiny_model_path), "fp32", "cpu")
+    models.load_model(str(tiny_model_path), "fp32", "cuda:0")
+    assert asked == [None, "cuda:0"]

@@ -66,8 +66,11 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
                                                       **sharding)
         return LoadedModel(loaded.eval(), f"{description}, tensor parallel over {loaded.tp_size} processes", path)
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation)
-    return LoadedModel(loaded.to(device).eval(), description, path)
+    # Straight onto a GPU: through host memory, an 8B model's 16 GB would be read into RAM first, then copied.
+    placed = {"device_map": str(torch.device(device))} if torch.device(device).type == "cuda" else {}
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                                  **placed)
+    return LoadedModel((loaded if placed else loaded.to(device)).eval(), description, path)
 
 
 def build_random(model: str, dtype: str | torch.dtype, device: str | torch.device, *,
