@@ -6,6 +6,7 @@ not in the GPU's minutes. The measured ceilings run on this CPU."""
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -160,3 +161,10 @@ def test_the_ceilings_command_writes_its_record(tmp_path):
     assert record["measured"]["copy_gb_per_second"] > 0.1 and record["hardware"]
     assert ceilings.load(tmp_path) == record
     assert re.search(r"\| copy bandwidth \(read \+ write\) \| [\d,]+ GB/s \| n/a GB/s \| n/a", (tmp_path / "ceilings.md").read_text())
+
+
+def test_a_ceiling_sample_times_runs_back_to_back_and_reports_one_runs_seconds():
+    """A GPU's 1.5 ms copy timed alone would carry a launch and a synchronization: several runs a sample."""
+    calls = []
+    seconds = ceilings._best_seconds(lambda: calls.append(time.sleep(0.002)), torch.device("cpu"), repeats=2, runs=3)
+    assert len(calls) == 1 + 2 * 3 and 0.002 <= seconds < 0.02

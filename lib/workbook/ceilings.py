@@ -26,6 +26,7 @@ RESULT_FILE = "ceilings.json"
 # Sizes: large enough that launch overheads and caches do not count (a GPU's L2 is tens of MiB),
 # small enough for any GPU of the profiles; a CPU gets sizes that take a fraction of a second.
 GPU_COPY_BYTES, GPU_MATMUL_SIZE = 2 * 2 ** 30, 8192
+GPU_RUNS_PER_SAMPLE = 10  # a GPU sample times this many runs back to back (each ~1.5 ms)
 CPU_COPY_BYTES, CPU_MATMUL_SIZE = 128 * 2 ** 20, 2048
 
 
@@ -38,11 +39,14 @@ class Ceilings:
     matmul_size: int  # n of the n x n x n matmul
     repeats: int
     device: str
+    runs_per_sample: int = 1  # back to back between two synchronizations: a GPU's launch and sync left out
 
     @property
     def how(self) -> str:
+        each = f" of {self.runs_per_sample} back-to-back runs" if self.runs_per_sample > 1 else ""
         return (f"measured on {self.device}: a {self.copy_bytes / 2 ** 20:,.0f} MiB device-to-device copy "
-                f"(read + write) and a {self.matmul_size}^3 {self.matmul_dtype} matmul, best of {self.repeats}")
+                f"(read + write) and a {self.matmul_size}^3 {self.matmul_dtype} matmul, best of {self.repeats}"
+                f"{each}")
 
     def to_dict(self) -> dict:
         return {**dataclasses.asdict(self), "copy_gb_per_second": self.copy_bytes_per_second / 1e9,
@@ -60,31 +64,35 @@ def measure(device: torch.device | str | None = None, *, dtype: torch.dtype | No
     size = matmul_size or (GPU_MATMUL_SIZE if cuda else CPU_MATMUL_SIZE)
     source = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device).fill_(1.0)
     target = torch.empty_like(source)
-    copy_seconds = _best_seconds(lambda: target.copy_(source), device, repeats)
+    # A GPU copies 2 GiB or multiplies 8192^3 in ~1.5 ms, where a launch and a synchronization cost tens of
+    # microseconds: each sample times several runs back to back. A CPU's take seconds: one.
+    runs = GPU_RUNS_PER_SAMPLE if cuda else 1
+    copy_seconds = _best_seconds(lambda: target.copy_(source), device, repeats, runs)
     del source, target
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
-    matmul_seconds = _best_seconds(lambda: a @ b, device, repeats)
+    matmul_seconds = _best_seconds(lambda: a @ b, device, repeats, runs)
     del a, b
     if cuda:  # hand the blocks back: a later peak-memory reading must not count them
         torch.cuda.empty_cache()
     return Ceilings(copy_bytes_per_second=2 * copy_bytes / copy_seconds,
                     matmul_flops_per_second=2 * size ** 3 / matmul_seconds,
                     matmul_dtype=str(dtype).removeprefix("torch."), copy_bytes=copy_bytes, matmul_size=size,
-                    repeats=repeats, device=_device_name(device))
+                    repeats=repeats, device=_device_name(device), runs_per_sample=runs)
 
 
-def _best_seconds(work, device: torch.device, repeats: int) -> float:
-    """The fastest of ``repeats`` timed runs of ``work``, after one untimed run (allocator, kernel
-    selection, clocks ramping up)."""
+def _best_seconds(work, device: torch.device, repeats: int, runs: int = 1) -> float:
+    """Seconds of one run of ``work``: the fastest of ``repeats`` samples, each ``runs`` runs back to
+    back, after one untimed run (allocator, kernel selection, clocks ramping up)."""
     work()
     best = float("inf")
     for _ in range(repeats):
         runtime.synchronize(device)
         began = time.perf_counter()
-        work()
+        for _ in range(runs):
+            work()
         runtime.synchronize(device)
-        best = min(best, time.perf_counter() - began)
+        best = min(best, (time.perf_counter() - began) / runs)
     return best
 
 
