@@ -42,7 +42,9 @@ class StaticBackend:
                 # Hugging Face compiles generation only on CUDA-like devices unless told otherwise
                 # (CompileConfig._compile_all_devices, used by its own CPU tests). Dynamic shapes, so
                 # other prompt lengths do not compile again (a new batch size still does, measured);
-                # CUDA keeps Hugging Face's default (CUDA graphs).
+                # CUDA keeps Hugging Face's default (CUDA graphs). To check on a GPU (read in transformers
+                # 5.17, not measured): it builds a new static cache every generate call, so the graphs are
+                # recorded again each batch, and after 128 re-recordings torch runs the step eagerly.
                 from transformers import CompileConfig
                 compile_config = CompileConfig(mode="default", dynamic=True)
                 compile_config._compile_all_devices = True
