@@ -295,6 +295,19 @@ def test_warm_up_leaves_the_pilots_first_batch_timed_warm_and_measures_the_one_o
     assert clock() - began == pytest.approx(0.001 * 4 * 50)  # steady: nothing one-off left in it
 
 
+def test_warm_up_through_the_backend_runs_a_short_generation_twice_and_measures_the_one_off():
+    """A static job's pilot warms up with a short generation of its first batch through the job's own
+    backend (a prefill and a decode step: the decode-shaped kernels loaded too), not a bare forward."""
+    clock, calls = FakeClock(), []
+
+    def short_generation():
+        calls.append(clock.now)
+        clock.now += 0.2 + (0.7 if len(calls) == 1 else 0.0)  # the first call loads kernels and grows caches
+
+    one_off = pilot.warm_up(None, torch.device("cpu"), token_id=0, rows=4, length=50, clock=clock, call=short_generation)
+    assert len(calls) == 2 and one_off == pytest.approx(0.7)
+
+
 def test_the_recorded_forecast_keeps_the_timings_the_eta_reads(tmp_path):
     """The job's ETA reads the timings back from the recorded forecast: per-token times of ~1e-5 s
     must survive the recording (rounded to 4 decimals they became 0.0001 or 0)."""

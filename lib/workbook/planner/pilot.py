@@ -48,6 +48,7 @@ PARAMS_USED = (
     "num_nodes", "seq_len", "tensor_parallel_size",
 )
 DEFAULT_SHARE = 0.1
+WARM_UP_NEW_TOKENS = 2  # the warm-up's generation: a prefill and one decode step at the pilot's first shape
 # What the forecast predicts: wall seconds (what a user waits and pays for), or this process's CPU
 # seconds (user + system), which a machine shared with other work does not stretch: with one thread
 # per process (OMP_NUM_THREADS=1) they equal the wall time of the same run on an idle machine.
@@ -114,22 +115,29 @@ def fit_prefill(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[fl
 
 
 def warm_up(model, device: torch.device, token_id: int, rows: int, length: int,
-            clock: Callable[[], float] = time.perf_counter) -> float:
+            clock: Callable[[], float] = time.perf_counter, call: Callable[[], object] | None = None) -> float:
     """The first forward's extra cost over a steady one, at the pilot's first (largest) batch shape,
     ``rows`` x ``length`` tokens: the job pays it once, in its first batch. A warm-up at a smaller
     shape leaves the pilot's first batch to grow the allocator and caches (measured on CPU: its
-    prefill 18% slower than the same batch warm), which the fit would spread over every batch."""
-    ids = torch.full((max(rows, 1), max(length, 1)), token_id, dtype=torch.long, device=device)
-    mask = torch.ones_like(ids)
-    mask[0, 0] = 0  # one left-padded row: the masked attention path the job's padded batches take
-    # Logits of the last position only, as generate() asks: all of them could outgrow the GPU.
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+    prefill 18% slower than the same batch warm), which the fit would spread over every batch.
+    ``call``: a short generation of that batch through the job's backend instead of a bare forward, so
+    that the decode step's kernels are loaded too (a GPU's pilot may be one batch, whose first decode
+    steps would otherwise carry them into the fitted cost of every batch)."""
+    if call is None:
+        ids = torch.full((max(rows, 1), max(length, 1)), token_id, dtype=torch.long, device=device)
+        mask = torch.ones_like(ids)
+        mask[0, 0] = 0  # one left-padded row: the masked attention path the job's padded batches take
+        # Logits of the last position only, as generate() asks: all of them could outgrow the GPU.
+        keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
+
+        def call():
+            return model(input_ids=ids, attention_mask=mask, **keep)
     seconds = []
     with torch.no_grad():
         for _ in range(2):
             runtime.synchronize(device)
             began = clock()
-            model(input_ids=ids, attention_mask=mask, **keep)
+            call()
             runtime.synchronize(device)
             seconds.append(clock() - began)
     return max(seconds[0] - seconds[1], 0.0)
@@ -170,11 +178,13 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         chosen = pick_batches(pending, share) if pending else []
         before_pilot = startup.seconds_so_far(clock)
         first = pending[chosen[0]] if chosen else []
-        warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id, len(first),
-                                  max((len(p.token_ids) for p in first), default=1), CLOCKS[clock])
-        pilot_began = time.perf_counter()
         # A streaming backend (continuous) runs the chosen batches' prompts as one stream, as the job does.
         streaming = callable(getattr(backend, "stream", None)) and bool(chosen)
+        short = [dataclasses.replace(p, max_new_tokens=min(p.max_new_tokens, WARM_UP_NEW_TOKENS)) for p in first]
+        warm_up_seconds = warm_up(model, rank.device, share_.settings.pad_token_id, len(first),
+                                  max((len(p.token_ids) for p in first), default=1), CLOCKS[clock],
+                                  call=(lambda: backend.generate(short)) if first and not streaming else None)
+        pilot_began = time.perf_counter()
         if streaming:
             stream = stream_forecast.run_stream_pilot(params, share_, files, rank, [pending[i] for i in chosen], log,
                                                       CLOCKS[clock])
