@@ -116,7 +116,7 @@ def fit_prefill(shapes: list[tuple[int, int]], seconds: list[float]) -> tuple[fl
 
 def warm_up(model, device: torch.device, token_id: int, rows: int, length: int,
             clock: Callable[[], float] = time.perf_counter, call: Callable[[], object] | None = None) -> float:
-    """The first forward's extra cost over a steady one, at the pilot's first (largest) batch shape,
+    """The first call's extra cost over a steady one, at the pilot's first (largest) batch shape,
     ``rows`` x ``length`` tokens: the job pays it once, in its first batch. A warm-up at a smaller
     shape leaves the pilot's first batch to grow the allocator and caches (measured on CPU: its
     prefill 18% slower than the same batch warm), which the fit would spread over every batch.
