@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    results, load_before, stopped = [], os.getloadavg(), None
+    results, load_before, stopped, interrupted = [], os.getloadavg(), None, False
     try:
         loaded = models.load_model(args.model, args.dtype, device)
         model = loaded.model
@@ -389,17 +389,19 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(run_workload(name, model, prompts, eos_ids, pad, batch_sizes, args.repeats,
                                             Path(folder), print, budget, bandwidth))
                 if results[-1]["stopped_by_budget"]:
-                    raise KeyboardInterrupt
+                    break
     except KeyboardInterrupt:
         if not budget.expired:
             raise
-        cut = [r for r in results if r["stopped_by_budget"]]
+        interrupted = True
+    finally:
+        budget.cancel()
+    cut = [r for r in results if r["stopped_by_budget"]]
+    if interrupted or cut:
         stopped = (f"the time budget of {args.time_budget_seconds:g} s ran out after {len(results) - len(cut)} of "
                    f"{len(args.workloads.split(','))} workloads; the results hold the finished ones"
                    + (f", and the arms of '{cut[0]['workload']}' that finished ({', '.join(cut[0]['arms'])})"
                       if cut else ""))
-    finally:
-        budget.cancel()
     uneven = drawn_lengths(args.examples, args.max_new_tokens)
     report = {
         "what": "static (length-sorted) vs continuous batching on full-length and uneven outputs, and the "

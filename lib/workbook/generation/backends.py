@@ -92,7 +92,9 @@ def resolve_backend(params, reference_dir: Path = REFERENCE_DIR) -> tuple[str, s
     try:
         report = json.loads(path.read_text())
         results = {result["workload"]: result for result in report["results"]}
-        workloads = [results[name] for name in ("uneven", "full") if name in results] or [results["full"]]
+        workloads = [results[name] for name in ("uneven", "full") if name in results]
+        if not workloads:
+            raise KeyError("neither an 'uneven' nor a 'full' workload")
         # A run its time budget cut may lack an arm, and so the ratio, of a workload.
         measured = next((result for result in workloads if result["continuous_vs_static"] is not None), None)
         ratio = None if measured is None else float(measured["continuous_vs_static"])

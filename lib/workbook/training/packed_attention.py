@@ -52,7 +52,7 @@ def _example_spans(position_ids: torch.Tensor | None, row: int, seq_len: int) ->
 
 def register() -> None:
     """Make ``attn_implementation="document_sdpa"`` loadable (no mask is built for it), and flex
-    attention run under autocast as sdpa does (``autocast_flex_attention``)."""
+    attention run under autocast as sdpa does (``autocast_attention``)."""
     from transformers import AttentionInterface
     from transformers.integrations.flex_attention import flex_attention_forward
     from transformers.masking_utils import AttentionMaskInterface

@@ -194,9 +194,9 @@ def synthetic_data(config: TrainConfig) -> PreparedData:
     sequences = [[sft_examples.TokenizedExample(row[start:start + size], row[start:start + size],
                                                 f"synthetic {index + 1}.{piece + 1}")
                   for piece, (start, size) in enumerate(zip(starts, pieces))] for index, row in enumerate(ids)]
-    held = max(1, round(len(sequences) * config.validation_fraction)) if config.validation_fraction else 0
+    held_sequences = max(1, round(len(sequences) * config.validation_fraction)) if config.validation_fraction else 0
+    held = held_sequences * len(pieces)  # whole sequences held out: validation rows are full rows too
     examples = [example for documents in sequences for example in documents]
-    held *= len(pieces)  # whole sequences held out: validation rows are full rows too
     lengths = [example.length for example in examples]
     return PreparedData(
         train=examples[held:], validation=examples[:held], accuracy_records=[], max_seq_length=length,
