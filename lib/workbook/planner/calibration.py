@@ -349,13 +349,11 @@ def summarize(records: list[dict]) -> dict:
 def _probed_overhead(path: str | None) -> int | None:
     """The overhead probe's constant from ``path`` (its JSON); None without one: the grid still runs,
     each case planned with its own memory outside PyTorch's allocator (as its record says)."""
-    if not path:
-        return None
-    if not Path(path).is_file():
+    if path and not Path(path).is_file():
         print(f"{path} is missing (its probe did not run or failed): each case is planned with the memory "
               "outside PyTorch's allocator measured in its own run")
-        return None
-    return json.loads(Path(path).read_text())["overhead_bytes"]
+        path = None
+    return json.loads(Path(path).read_text())["overhead_bytes"] if path else None
 
 
 def command_line(out_dir: str | Path, profile_name: str) -> str:
