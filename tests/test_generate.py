@@ -119,9 +119,33 @@ def test_batched_greedy_equals_one_at_a_time(tiny, varied, backend, prompt_count
     prompts, settings, reference = varied
     prompts = prompts[:prompt_count]
     for batch_size in batch_sizes:
-        results = engine_results(generation.make_backend(backend, tiny[0], settings, batch_size), prompts)
+        made = generation.make_backend(backend, tiny[0], settings, batch_size)
+        used = spy_on_static_caches(made) if backend == "static-compiled" else None
+        results = engine_results(made, prompts)
         assert results == {p.index: reference[p.index] for p in prompts}, \
             f"{backend} at batch {batch_size} differs from one-at-a-time generation"
+        if used is not None:
+            # CUDA graphs stay valid only while every batch writes the same cache tensors: a new cache
+            # per batch (generate's own default) would have them recorded again each time.
+            assert len(used) == prompt_count // batch_size >= 2
+            assert len({id(cache) for cache, _ in used}) == 1
+            pointers = [pointer for _, pointer in used[1:]] + [used[0][0].layers[0].keys.data_ptr()]
+            assert len(set(pointers)) == 1, "the kept static cache moved between batches"
+
+
+def spy_on_static_caches(backend):
+    """Records each static cache ``backend`` hands to generate, with its first layer's key address
+    at that moment (None before its first batch allocates it)."""
+    used, hand_out = [], backend.static_cache
+
+    def spied(*args):
+        cache = hand_out(*args)
+        keys = getattr(cache.layers[0], "keys", None)
+        used.append((cache, None if keys is None else keys.data_ptr()))
+        return cache
+
+    backend.static_cache = spied
+    return used
 
 
 def test_output_is_sliced_at_the_padded_prompt_length_not_at_the_unpadded_count(tiny):

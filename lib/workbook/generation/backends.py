@@ -36,15 +36,21 @@ class StaticBackend:
         self.extra: dict[str, Any] = {}
         # prompts -> logits processors for their batch (the benchmark forces each row's length with one)
         self.logits_processors: Callable[[list[Prompt]], list] | None = None
+        # The static cache this backend passes to ``generate`` and keeps: (batch size, length, cache).
+        self._static_cache: tuple[int, int, Any] | None = None
         if compiled:
-            self.extra["cache_implementation"] = "static"
+            # generate builds a new static cache per call unless given one (transformers 5.17-5.23,
+            # _prepare_static_cache), and a new cache is a new address: CUDA graphs are then recorded
+            # again every batch (torch re-records when a static input moves, and after 128 it runs the
+            # step eagerly). One cache, reset between batches, keeps the graphs valid. A model whose
+            # generation_config names its own cache keeps that (generate refuses both).
+            if getattr(getattr(model, "generation_config", None), "cache_implementation", None) not in (None, "hybrid"):
+                self.extra["cache_implementation"] = "static"
             if model.device.type != "cuda":
                 # Hugging Face compiles generation only on CUDA-like devices unless told otherwise
                 # (CompileConfig._compile_all_devices, used by its own CPU tests). Dynamic shapes, so
                 # other prompt lengths do not compile again (a new batch size still does, measured);
-                # CUDA keeps Hugging Face's default (CUDA graphs). To check on a GPU (read in transformers
-                # 5.17, not measured): it builds a new static cache every generate call, so the graphs are
-                # recorded again each batch, and after 128 re-recordings torch runs the step eagerly.
+                # CUDA keeps Hugging Face's default (CUDA graphs).
                 from transformers import CompileConfig
                 compile_config = CompileConfig(mode="default", dynamic=True)
                 compile_config._compile_all_devices = True
@@ -55,12 +61,33 @@ class StaticBackend:
                                              self.model.device)
         new_tokens = max(p.max_new_tokens for p in prompts)
         processors = self.logits_processors(prompts) if self.logits_processors is not None else None
+        cache = {}
+        if self.name == "static-compiled" and "cache_implementation" not in self.extra:
+            cache["past_key_values"] = self.static_cache(len(prompts), input_ids.shape[1] + new_tokens)
         output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, logits_processor=processors,
-                                     generation_config=self.settings.generation_config(new_tokens, **self.extra))
+                                     generation_config=self.settings.generation_config(new_tokens, **self.extra),
+                                     **cache)
         generated = output[:, input_ids.shape[1]:].tolist()  # sliced at the padded prompt length
         completions = [finish(row, p.max_new_tokens, self.settings.eos_token_ids)
                        for row, p in zip(generated, prompts)]
         return BackendOutput(completions, token_slots=output.shape[0] * output.shape[1])
+
+    def static_cache(self, batch_size: int, length: int):
+        """The kept static cache, emptied, when it has ``batch_size`` rows and room for ``length``
+        positions; else a new one (the old one dropped first, so both never live at once: after an
+        out-of-memory split the half batch gets the memory back). Batches run longest first, so the
+        first batch's cache serves the job; as in generate, a cache never shrinks in length."""
+        if self._static_cache is not None:
+            rows, room, cache = self._static_cache
+            if rows == batch_size and room >= length:
+                cache.reset()
+                return cache
+            length = max(length, room)
+            self._static_cache = None
+        from transformers import StaticCache
+        cache = StaticCache(config=self.model.config.get_text_config(decoder=True), max_cache_len=length)
+        self._static_cache = (batch_size, length, cache)
+        return cache
 
 
 def make_backend(name: str, model, settings: DecodingSettings, batch_size: int):
