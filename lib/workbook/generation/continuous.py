@@ -169,7 +169,10 @@ class ContinuousBackend:
     def _start(self, limit: int, prompt_tokens: int, new_tokens: int):
         """A started manager with ``limit`` requests in flight and the planner's paged cache."""
         manager = self.model.init_continuous_batching(**self.manager_arguments(limit, prompt_tokens, new_tokens))
-        self.attention = getattr(self.model.config, "_attn_implementation", None)
+        attention = getattr(self.model.config, "_attn_implementation", None)
+        # transformers 5.17 names the paged kernels "paged|sdpa", "paged|flash_attention_2"; later releases
+        # plain: the kernel is what the reports and the planner compare.
+        self.attention = attention.removeprefix("paged|") if isinstance(attention, str) else attention
         if callable(getattr(manager, "warmup", None)) and not getattr(manager, "warmed_up", True):
             manager.warmup()  # as generate_batch does: CUDA graphs captured before the first request
         manager.start()
