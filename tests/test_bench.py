@@ -37,19 +37,40 @@ def test_decode_step_bytes_and_flops_match_a_hand_count():
     assert cost.flops == 4 * (2 * MATMUL + 4 * 2 * 64 * 10)
 
 
-def test_roofline_and_fractions_of_peak():
-    cost = bench.StepCost(bytes_read=10**9, flops=10**12, weights_bytes=10**9, kv_cache_bytes=0)
-    # batch 8, 1000 GB/s: 1000 steps/s x 8 = 8000 tokens/s; 100 TFLOP/s: 100 steps/s x 8 = 800.
-    roof = bench.roofline_tokens_per_second(cost, 8, 1000.0, 100.0)
-    assert roof == {"bandwidth": 8000.0, "compute": 800.0, "roofline": 800.0}
-    fractions = bench.fractions_of_peak(400.0, cost, 8, 1000.0, 100.0)  # 50 steps/s
-    assert fractions["bandwidth"] == pytest.approx(0.05) and fractions["compute"] == pytest.approx(0.5)
+def test_a_pass_is_counted_prompt_by_prompt_and_step_by_step():
+    # Prompts of 3, 5 and 4 tokens, batches of 2 rows, 3 new tokens: prefill gives the first, then 2
+    # decode steps a batch, the step after k new tokens attending prompt + k positions.
+    whole = bench.pass_cost(CONFIG, "bf16", [3, 5, 4], batch_size=2, new_tokens=3)
+    step = bench.decode_step_cost(CONFIG, "bf16", batch_size=1, context_tokens=1)
+    attention = 4 * 2 * 64  # per token per position attended: 4 x layers x heads x head_dim
+    assert whole.prefill_flops == 2 * MATMUL * 12 + attention * (9 + 25 + 16) // 2
+    assert whole.prefill_bytes == 2 * step.weights_bytes  # two batches
+    attended = sum(length + k for length in (3, 5, 4) for k in (1, 2))
+    assert whole.decode_steps == 4
+    assert whole.decode_bytes == 4 * step.weights_bytes + KV_PER_TOKEN_BF16 * attended
+    assert whole.decode_flops == 2 * MATMUL * 3 * 2 + attention * attended
+    # A batch size above the prompts forms one batch of them all, as the pass does.
+    assert bench.pass_cost(CONFIG, "bf16", [3, 5, 4], batch_size=32, new_tokens=3).decode_steps == 2
+
+
+def test_a_pass_beside_its_roofline_counts_prefill_at_the_compute_peak_and_decode_at_the_bandwidth():
+    cost = bench.PassCost(prefill_flops=10**12, prefill_bytes=10**9, decode_flops=10**12, decode_bytes=10**11,
+                          decode_steps=100)
+    # 100 TFLOP/s: prefill 10 ms (its 1 GB at 1000 GB/s takes 1 ms); decode: 100 GB at 1000 GB/s, 100 ms.
+    figures = bench.pass_figures(cost, output_tokens=1000, seconds=0.22, bandwidth_gbs=1000.0, peak_tflops_value=100.0)
+    roof = figures["roofline"]["seconds"]
+    assert roof["prefill"] == pytest.approx(0.01) and roof["decode"] == pytest.approx(0.1)
+    assert figures["roofline"]["tokens_per_second"] == pytest.approx(1000 / 0.11)
+    assert figures["fraction_of_roofline"]["datasheet"] == pytest.approx(0.5)
+    assert figures["fraction_of_peak"]["bandwidth"] == pytest.approx(101e9 / 0.22 / 1e12)
+    assert figures["fraction_of_peak"]["compute"] == pytest.approx(2e12 / 0.22 / 1e14)
+    # Beside the datasheet: this GPU's measured copy bandwidth (800 of 1000 GB/s) and matmul (80 TFLOP/s).
+    measured = bench.pass_figures(cost, 1000, 0.22, 1000.0, 100.0, {"copy_gb_per_second": 800.0, "matmul_tflops": 80.0})
+    assert measured["fraction_of_roofline"]["measured_ceilings"] == pytest.approx((0.0125 + 0.125) / 0.22)
     # The cpu profile has no peaks: n/a, never a number.
-    assert bench.roofline_tokens_per_second(cost, 8, 0.0, 0.0)["roofline"] is None
-    assert bench.fractions_of_peak(400.0, cost, 8, 0.0, 0.0) == {"bandwidth": None, "bandwidth_measured": None,
-                                                                 "compute": None}
-    # Beside the datasheet: the GPU's measured copy bandwidth (800 of its 1000 GB/s).
-    assert bench.fractions_of_peak(400.0, cost, 8, 1000.0, 100.0, 800.0)["bandwidth_measured"] == pytest.approx(0.0625)
+    none = bench.pass_figures(cost, 1000, 0.22, 0.0, 0.0)
+    assert none["roofline"]["seconds"] is None and none["fraction_of_roofline"]["datasheet"] is None
+    assert none["fraction_of_peak"] == {"bandwidth": None, "compute": None}
 
 
 def test_cost_per_examples_and_tokens_and_none_without_a_price():
@@ -222,6 +243,8 @@ def fake_point(strategy, batch, tokens_per_second, **extra):
             "output_tokens_per_second": {"median": tokens_per_second, "min": tokens_per_second, "max": tokens_per_second},
             "examples": 10, "failed": 0, "examples_per_minute": 600.0, "peak_memory_bytes": None,
             "predicted_peak_bytes": 10**6, "fraction_of_peak": {"bandwidth": None, "compute": None},
+            "roofline": {"seconds": None, "tokens_per_second": None},
+            "fraction_of_roofline": {"datasheet": None, "measured_ceilings": None},
             "nvml": {"available": False, "reason": "no NVML", "samples": 0}, "identical_to_one_at_a_time": 10,
             **extra}
 
@@ -266,19 +289,22 @@ def test_auto_batch_is_the_planners_point_and_named_as_such():
 def test_goals_are_judged_at_the_planners_batch_and_say_by_how_much_they_miss():
     at_planner = fake_point("static-sorted", 512, 9000.0, planner_batch="the planner's largest batch on h200: 512",
                             speedup_over_seed_after=12.0)
-    at_planner["fraction_of_peak"] = {"bandwidth": 0.45, "compute": 0.2}
+    at_planner["fraction_of_roofline"] = {"datasheet": 0.45, "measured_ceilings": None}
+    at_planner["roofline"] = {"seconds": {"prefill": 0.25, "decode": 0.75, "total": 1.0}}
     generation = {"points": [fake_point("seed-after", 32, 750.0, speedup_over_seed_after=1.0),
                              fake_point("static-sorted", 8, 20000.0, speedup_over_seed_after=26.7), at_planner]}
     rows = {row["goal"]: row for row in bench.goals_table(generation, {"points": [{"mfu": 0.5}, {"mfu": 0.3}]})}
     bandwidth, speedup, mfu = (rows[goal] for goal in bench.GOALS[:3])
-    assert bandwidth["measured"].startswith("45.0% of the datasheet bandwidth (static-sorted, batch 512")
+    assert bandwidth["measured"].startswith("45.0% of the roofline at the datasheet's peaks; prefill is 25% of that "
+                                            "roofline (static-sorted, batch 512")
     assert bandwidth["met"] == "no: 75% of the goal"
     assert speedup["measured"].startswith("12.0x") and speedup["met"] == "yes"  # batch 8's 26.7x is not the planner's
     assert mfu["measured"].startswith("50.0%") and mfu["met"] == "yes"
-    # Where the run measured the GPU's copy bandwidth, the goal is judged against it, the datasheet's beside.
-    at_planner["fraction_of_peak"] = {"bandwidth": 0.54, "bandwidth_measured": 0.62, "compute": 0.2}
+    # Where the run measured the GPU's copy bandwidth and matmul, the goal is judged against them, the datasheet beside.
+    at_planner["fraction_of_roofline"] = {"datasheet": 0.54, "measured_ceilings": 0.62}
     measured = bench.goals_table(generation, None)[0]
-    assert measured["measured"].startswith("62.0% of the measured copy bandwidth; 54.0% of the datasheet's")
+    assert measured["measured"].startswith("62.0% of the roofline at this GPU's measured copy bandwidth and matmul; "
+                                           "54.0% at the datasheet's")
     assert measured["met"] == "yes"
     none = {row["goal"]: row for row in bench.goals_table({"points": [fake_point("seed-after", 32, 1.0)]}, None)}
     assert none[bench.GOALS[0]]["measured"].startswith("not measured: bench_batch_sizes has no 'auto'")

@@ -204,7 +204,9 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
         assert len(p["output_tokens_per_second"]["runs"]) == cpu.bench_repeats
         assert p["output_tokens_per_second"]["min"] <= p["output_tokens_per_second"]["median"] > 0
         # CPU: no peaks, no price, no peak memory: n/a and "not measured", never a made-up number.
-        assert p["fraction_of_peak"] == {"bandwidth": None, "bandwidth_measured": None, "compute": None}
+        assert p["fraction_of_peak"] == {"bandwidth": None, "compute": None}
+        assert p["fraction_of_roofline"] == {"datasheet": None, "measured_ceilings": None}
+        assert p["rows_per_batch"] == min(p["batch_size"], cpu.bench_examples)
         assert p["peak_memory_bytes"] is None and p["peak_memory_note"].startswith("not measured")
         assert p["predicted_peak_bytes"] > 0 and p["cost"]["usd_per_1000_examples"] is None
         assert p["nvml"]["available"] is False

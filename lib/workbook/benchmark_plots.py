@@ -20,7 +20,7 @@ def _timed_points(report: dict) -> list[dict]:
 
 def throughput_vs_batch(report: dict):
     """Output tokens/s (median, with min-max bars) per strategy vs batch size, log-log, with the
-    memory-bandwidth roofline (and the compute one) where the profile has peaks."""
+    roofline of the same pass (datasheet peaks) where the profile has peaks."""
     figure, axis = plt.subplots(figsize=(8, 4.8))
     points = _timed_points(report)
     for strategy in dict.fromkeys(p["strategy"] for p in points):
@@ -31,10 +31,10 @@ def throughput_vs_batch(report: dict):
         high = [p["output_tokens_per_second"]["max"] - p["output_tokens_per_second"]["median"] for p in mine]
         axis.errorbar(x, y, yerr=[low, high], marker="o", capsize=3, label=strategy,
                       color=STRATEGY_COLORS.get(strategy))
-    roofs = sorted((p["batch_size"], p["roofline_tokens_per_second"]) for p in points)
-    if any(r["roofline"] for _, r in roofs):
-        axis.plot([b for b, _ in roofs], [r["roofline"] for _, r in roofs], "k--",
-                  label="roofline (min of bandwidth, compute)")
+    roofs = sorted({(p["batch_size"], p["roofline"]["tokens_per_second"]) for p in points})
+    if any(roof for _, roof in roofs):
+        axis.plot([b for b, _ in roofs], [roof for _, roof in roofs], "k--",
+                  label="roofline (prefill at the compute peak, decode at the bandwidth)")
     else:
         axis.text(0.01, 0.98, "no roofline: the profile has no bandwidth/compute peak (cpu)", transform=axis.transAxes,
                   va="top", fontsize=8)

@@ -12,9 +12,10 @@ over it at each batch size.
 Each point: one warm-up batch, then ``bench_repeats`` timed runs with the device synchronized; the
 median counts and the spread (min, max) is kept. Reported per point: output tokens/s, examples/min,
 time to first result, padding waste, peak memory beside the planner's prediction (CPU: "not
-measured", never invented), and the fraction of the memory-bandwidth roofline and of the compute
-peak reached. Bytes and FLOPs per decode step are counted from the model config (``decode_step_cost``);
-the peaks come from the profile (0 on the cpu profile: "n/a").
+measured", never invented), and the fraction of the pass's roofline reached: the least time the same
+tokens take with prefill at the compute peak and every decode step's bytes (weights, each row's KV
+cache) at the bandwidth (``pass_cost``, counted from the model config; the datasheet's peaks from the
+profile, 0 on the cpu profile: "n/a"; and this GPU's measured copy bandwidth and matmul).
 
 Training sweep (``training.train`` on each point): micro-batch x gradient checkpointing x compile x
 packing, one factor at a time around each micro-batch; tokens/s, MFU, peak memory vs prediction.
@@ -35,8 +36,8 @@ Where each part lives: ``counting`` (bytes and FLOPs per step, rooflines, peaks,
 
 from workbook.bench.claims import GOALS, claims_table, goals_table
 from workbook.bench.counting import (
-    BASELINE, HF_PIPELINE, NA, NOT_MEASURED, STRATEGIES, BenchError, StepCost, cost_figures, decode_step_cost,
-    fractions_of_peak, parse_int_list, parse_strategies, peak_tflops, roofline_tokens_per_second, run_dtype,
+    BASELINE, HF_PIPELINE, NA, NOT_MEASURED, STRATEGIES, BenchError, PassCost, StepCost, cost_figures,
+    decode_step_cost, parse_int_list, parse_strategies, pass_cost, pass_figures, peak_tflops, run_dtype,
 )
 from workbook.bench.generation_sweep import (
     GenerationSetup, generation_point, generation_setup, generation_sweep, mixed_prompts, planner_batch,
@@ -51,10 +52,10 @@ from workbook.bench.training_sweep import training_point, training_points, train
 
 __all__ = [
     "BASELINE", "GOALS", "HF_PIPELINE", "NA", "NOT_MEASURED", "PARAMS_USED", "STRATEGIES", "BenchError",
-    "GenerationSetup", "NvmlSampler", "StepCost", "baseline_note", "claims_table", "cli_main", "cost_figures",
-    "decode_step_cost", "fractions_of_peak", "generation_point", "generation_rows", "generation_setup",
+    "GenerationSetup", "NvmlSampler", "PassCost", "StepCost", "baseline_note", "claims_table", "cli_main", "cost_figures",
+    "decode_step_cost", "generation_point", "generation_rows", "generation_setup",
     "generation_sweep", "goals_table", "gpu_capacity_bytes", "hardware_text", "mixed_prompts", "nvml_rows",
-    "parse_int_list", "parse_strategies", "peak_tflops", "pipeline_comparison_lines", "planner_batch",
-    "roofline_tokens_per_second", "run_benchmark", "run_dtype", "same_greedy_tokens", "sweep_points",
+    "parse_int_list", "parse_strategies", "pass_cost", "pass_figures", "peak_tflops", "pipeline_comparison_lines", "planner_batch",
+    "run_benchmark", "run_dtype", "same_greedy_tokens", "sweep_points",
     "training_point", "training_points", "training_rows", "training_sweep",
 ]

@@ -34,26 +34,82 @@ class StepCost:
     kv_cache_bytes: int
 
 
-def decode_step_cost(model, dtype: str, batch_size: int, context_tokens: int) -> StepCost:
-    """Bytes and FLOPs of one decode step of ``batch_size`` sequences with ``context_tokens`` each.
+@dataclasses.dataclass(frozen=True)
+class TokenCost:
+    """What one token costs a model, the numbers every count below is made of."""
 
-    Bytes: every weight is read once per step (the input embedding only for the rows it gathers,
-    so an untied embedding matrix is left out) plus each sequence's KV cache
-    (``kv_cache_bytes_per_token`` x context). FLOPs per token: 2 per matmul weight (one
-    multiply-add) plus 4 x layers x heads x head_dim x context for the scores and the weighted
-    values. Norms, rotary embeddings and the softmax are left out (well under 1%).
-    """
+    weights_bytes: int  # streamed once per forward (an untied input embedding left out: rows are gathered)
+    kv_bytes_per_token: int  # one context position's keys and values, all layers
+    matmul_flops: int  # per token: 2 per matmul weight (one multiply-add)
+    attention_flops: int  # per token per position attended: 4 x layers x heads x head_dim (scores, weighted values)
+
+
+def token_cost(model, dtype: str) -> TokenCost:
+    """Norms, rotary embeddings and the softmax are left out (well under 1%)."""
     config = presets.load_config(model) if isinstance(model, str) else model
     shape = model_shape(config)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
-    parameter_bytes = BITS_PER_PARAMETER[canonical_dtype(dtype)] // 8
     streamed = shape.parameters - (0 if tied else shape.vocab_size * shape.hidden_size)
-    weights = streamed * parameter_bytes
-    kv = batch_size * context_tokens * kv_cache_bytes_per_token(shape, dtype)
     matmul = sum(layer.in_features * layer.out_features for layer in shape.linear_layers)
-    per_token = 2 * matmul + 4 * shape.num_layers * shape.query_width * context_tokens
-    return StepCost(bytes_read=weights + kv, flops=batch_size * per_token, weights_bytes=weights, kv_cache_bytes=kv)
+    return TokenCost(weights_bytes=streamed * BITS_PER_PARAMETER[canonical_dtype(dtype)] // 8,
+                     kv_bytes_per_token=kv_cache_bytes_per_token(shape, dtype), matmul_flops=2 * matmul,
+                     attention_flops=4 * shape.num_layers * shape.query_width)
+
+
+def decode_step_cost(model, dtype: str, batch_size: int, context_tokens: int) -> StepCost:
+    """Bytes and FLOPs of one decode step of ``batch_size`` sequences with ``context_tokens`` each:
+    every weight read once (``token_cost``) plus each sequence's KV cache; per token, the matmuls
+    plus attention over the context."""
+    unit = token_cost(model, dtype)
+    kv = batch_size * context_tokens * unit.kv_bytes_per_token
+    per_token = unit.matmul_flops + unit.attention_flops * context_tokens
+    return StepCost(bytes_read=unit.weights_bytes + kv, flops=batch_size * per_token,
+                    weights_bytes=unit.weights_bytes, kv_cache_bytes=kv)
+
+
+@dataclasses.dataclass(frozen=True)
+class PassCost:
+    """A whole generation pass as an ideal engine runs it: no padding, no wasted row."""
+
+    prefill_flops: int
+    prefill_bytes: int  # the weights, once per batch
+    decode_flops: int
+    decode_bytes: int  # the weights once per step, and every row's KV cache
+    decode_steps: int
+
+    def roofline_seconds(self, bandwidth_gbs: float, peak_tflops_value: float) -> dict | None:
+        """The least time the pass can take: each phase at whichever of ``bandwidth_gbs`` and the
+        compute peak binds it (prefill: compute; decode: bandwidth, until batches grow very large).
+        None without both peaks."""
+        if not bandwidth_gbs or not peak_tflops_value:
+            return None
+        bandwidth, peak = bandwidth_gbs * 1e9, peak_tflops_value * 1e12
+        prefill = max(self.prefill_flops / peak, self.prefill_bytes / bandwidth)
+        decode = max(self.decode_bytes / bandwidth, self.decode_flops / peak)
+        return {"prefill": prefill, "decode": decode, "total": prefill + decode}
+
+
+def pass_cost(model, dtype: str, prompt_lengths: list[int], batch_size: int, new_tokens: int) -> PassCost:
+    """Every prompt (of ``prompt_lengths`` tokens) gets ``new_tokens``, ``batch_size`` rows a batch
+    (fewer in the last). Prefill: each prompt's real tokens through the matmuls and causal
+    attention (half the square of its length), which also gives the first new token; then
+    ``new_tokens - 1`` decode steps per batch, the step after k new tokens attending prompt + k
+    positions. The counts do not depend on how prompts are grouped, but for the weights read once
+    per batch and per step; batches of the rows a pass really forms, not a batch size larger than
+    its prompts."""
+    unit = token_cost(model, dtype)
+    batches = -(-len(prompt_lengths) // batch_size)
+    tokens, squares = sum(prompt_lengths), sum(length * length for length in prompt_lengths)
+    steps = max(new_tokens - 1, 0)
+    # Positions attended over a row's decode steps: (prompt + 1) + ... + (prompt + steps).
+    attended = steps * tokens + len(prompt_lengths) * steps * (steps + 1) // 2
+    return PassCost(
+        prefill_flops=unit.matmul_flops * tokens + unit.attention_flops * squares // 2,
+        prefill_bytes=batches * unit.weights_bytes,
+        decode_flops=unit.matmul_flops * steps * len(prompt_lengths) + unit.attention_flops * attended,
+        decode_bytes=batches * steps * unit.weights_bytes + unit.kv_bytes_per_token * attended,
+        decode_steps=batches * steps)
 
 
 def peak_tflops(params, dtype: str) -> float:
@@ -61,27 +117,28 @@ def peak_tflops(params, dtype: str) -> float:
     return {"bf16": params["peak_bf16_tflops"], "fp16": params["peak_fp16_tflops"]}.get(dtype, 0.0)
 
 
-def roofline_tokens_per_second(cost: StepCost, batch_size: int, bandwidth_gbs: float,
-                               peak_tflops_value: float) -> dict:
-    """Output tokens/s if a decode step took only its memory reads at peak bandwidth (``bandwidth``),
-    or only its FLOPs at the peak (``compute``); the roofline is the lower of the two. None: no peak."""
-    bandwidth = batch_size * bandwidth_gbs * 1e9 / cost.bytes_read if bandwidth_gbs else None
-    compute = batch_size * peak_tflops_value * 1e12 / cost.flops if peak_tflops_value else None
-    bounds = [value for value in (bandwidth, compute) if value is not None]
-    return {"bandwidth": bandwidth, "compute": compute, "roofline": min(bounds) if bounds else None}
-
-
-def fractions_of_peak(tokens_per_second: float | None, cost: StepCost, batch_size: int, bandwidth_gbs: float,
-                      peak_tflops_value: float, measured_bandwidth_gbs: float | None = None) -> dict:
-    """Achieved memory traffic / peak bandwidth (the datasheet's, and the measured copy bandwidth's
-    where there is one) and achieved FLOP/s / peak; None where there is no peak."""
-    if not tokens_per_second:
-        return {"bandwidth": None, "bandwidth_measured": None, "compute": None}
-    steps_per_second = tokens_per_second / batch_size
-    traffic = steps_per_second * cost.bytes_read
-    return {"bandwidth": traffic / (bandwidth_gbs * 1e9) if bandwidth_gbs else None,
-            "bandwidth_measured": traffic / (measured_bandwidth_gbs * 1e9) if measured_bandwidth_gbs else None,
-            "compute": steps_per_second * cost.flops / (peak_tflops_value * 1e12) if peak_tflops_value else None}
+def pass_figures(cost: PassCost, output_tokens: int, seconds: float, bandwidth_gbs: float, peak_tflops_value: float,
+                 ceilings: dict | None = None) -> dict:
+    """A timed pass beside its roofline: ``roofline`` (the least time ``cost`` allows at the
+    datasheet's peaks, and at this GPU's measured copy bandwidth and matmul where ``ceilings`` has
+    them), ``fraction_of_roofline`` (that time over the pass's) and ``fraction_of_peak`` (the
+    memory traffic and FLOP/s the pass averaged, over the datasheet's peaks). None where a peak is
+    missing (the cpu profile)."""
+    datasheet = cost.roofline_seconds(bandwidth_gbs, peak_tflops_value)
+    measured = ceilings and cost.roofline_seconds(ceilings["copy_gb_per_second"], ceilings["matmul_tflops"])
+    traffic = (cost.prefill_bytes + cost.decode_bytes) / seconds
+    flops = (cost.prefill_flops + cost.decode_flops) / seconds
+    return {
+        "roofline": {
+            "seconds": datasheet, "seconds_at_measured_ceilings": measured or None,
+            "tokens_per_second": output_tokens / datasheet["total"] if datasheet else None,
+            "how": "prefill and decode each at whichever peak binds it (prefill: compute; decode: the weights once a "
+                   "step and every row's KV cache, at the bandwidth), no padding: the least time for the same tokens"},
+        "fraction_of_roofline": {"datasheet": datasheet["total"] / seconds if datasheet else None,
+                                 "measured_ceilings": measured["total"] / seconds if measured else None},
+        "fraction_of_peak": {"bandwidth": traffic / (bandwidth_gbs * 1e9) if bandwidth_gbs else None,
+                             "compute": flops / (peak_tflops_value * 1e12) if peak_tflops_value else None},
+    }
 
 
 def cost_figures(seconds: float, examples: int, output_tokens: int, usd_per_gpu_hour: float, gpus: int = 1) -> dict:

@@ -1,5 +1,6 @@
 """The generation sweep: every strategy on the same prompts, each point warmed up, synchronized and
-repeated, against the bandwidth roofline and the compute peak, with peak memory beside the planner.
+repeated, against the pass's roofline (``counting.pass_cost``: prefill at the compute peak, decode at the
+bandwidth) and the peaks, with peak memory beside the planner.
 
 Prompts are random token ids, lengths uniform in [prompt_len / 4, prompt_len], every output forced to
 ``bench_max_new_tokens`` so padding comes from the prompts and the batch's longest output alone:
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import random
-import statistics
 import time
 from typing import Callable
 
@@ -29,8 +29,8 @@ import torch
 from workbook import ceilings, generation, models, runtime
 from workbook.bench import hf_pipeline
 from workbook.bench.counting import (
-    BASELINE, HF_PIPELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, decode_step_cost, fractions_of_peak,
-    parse_int_list, parse_strategies, peak_tflops, roofline_tokens_per_second, run_dtype, spread,
+    BASELINE, HF_PIPELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, parse_int_list, parse_strategies,
+    pass_cost, pass_figures, peak_tflops, run_dtype, spread,
 )
 from workbook.bench.sampler import NvmlSampler
 from workbook.params import AUTO
@@ -178,15 +178,12 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
     median_run = sorted(runs, key=lambda run: run["seconds"])[len(runs) // 2]
     tokens = median_run["output_tokens"]
     tokens_per_second = [run["output_tokens"] / run["seconds"] for run in runs]
-    mean_context = statistics.fmean(len(p.token_ids) for p in setup.prompts) + setup.settings.max_new_tokens / 2
-    cost = decode_step_cost(setup.model.config, dtype, batch, round(mean_context))
-    peak = peak_tflops(params, dtype)
-    bandwidth = params["memory_bandwidth_gbs"]
-    achieved = statistics.median(tokens_per_second)
-    longest_prompt = max(len(p.token_ids) for p in setup.prompts)
+    rows = min(batch, len(setup.prompts))  # the batches the pass formed: a batch size above the prompts is not run
+    lengths = [len(p.token_ids) for p in setup.prompts]
+    whole = pass_cost(setup.model.config, dtype, lengths, rows, setup.settings.max_new_tokens)
     try:
-        predicted = profile.plan(params, mode="generate", model=setup.model_name, batch_size=batch,
-                                 prompt_len=longest_prompt, max_new_tokens=setup.settings.max_new_tokens,
+        predicted = profile.plan(params, mode="generate", model=setup.model_name, batch_size=rows,
+                                 prompt_len=max(lengths), max_new_tokens=setup.settings.max_new_tokens,
                                  dtype=dtype, backend=point["backend"]).total_bytes  # continuous: paged plan
     except ValueError as error:
         predicted = None
@@ -203,10 +200,9 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
         peak_memory_bytes=peak_bytes, peak_memory_note=NOT_MEASURED + " (CPU: no resettable high-water mark)"
         if peak_bytes is None else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
         predicted_peak_bytes=predicted,
-        decode_step={"bytes_read": cost.bytes_read, "flops": cost.flops, "context_tokens": round(mean_context)},
-        roofline_tokens_per_second=roofline_tokens_per_second(cost, batch, bandwidth, peak),
-        fraction_of_peak=fractions_of_peak(achieved, cost, batch, bandwidth, peak,
-                                           setup.ceilings and setup.ceilings["copy_gb_per_second"]),
+        rows_per_batch=rows, pass_cost=dataclasses.asdict(whole),
+        **pass_figures(whole, tokens, median_run["seconds"], params["memory_bandwidth_gbs"], peak_tflops(params, dtype),
+                       setup.ceilings),
         cost=cost_figures(median_run["seconds"], median_run["generated"], tokens, params["usd_per_gpu_hour"]),
         nvml=sampler.summary(),
         # transformers' continuous batching ignores min_new_tokens (measured): its rows may end at

@@ -114,9 +114,10 @@ def generation_rows(report: dict) -> list[dict]:
             "padding waste": _format(p["padding_waste"], "{:.1%}"),
             "peak memory": format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else NOT_MEASURED,
             "planner": format_bytes(p["predicted_peak_bytes"]) if p["predicted_peak_bytes"] else NA,
-            "of bandwidth roofline": _format(p["fraction_of_peak"]["bandwidth"], "{:.1%}"),
-            "of measured copy bandwidth": _format(p["fraction_of_peak"].get("bandwidth_measured"), "{:.1%}"),
-            "of compute peak": _format(p["fraction_of_peak"]["compute"], "{:.2%}"),
+            "of roofline": _format(p["fraction_of_roofline"]["datasheet"], "{:.1%}"),
+            "of roofline, measured ceilings": _format(p["fraction_of_roofline"]["measured_ceilings"], "{:.1%}"),
+            "prefill share of roofline": _format(p["roofline"]["seconds"] and p["roofline"]["seconds"]["prefill"]
+                                                 / p["roofline"]["seconds"]["total"], "{:.0%}"),
             "speedup vs seed-after": _format(p.get("speedup_over_seed_after"), "{:.2f}x"),
             **({"vs hf-pipeline, same batch": _format(tps["median"] / pipeline[p["batch_size"]]
                                                       if p["batch_size"] in pipeline else None, "{:.2f}x")}
