@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -448,6 +449,38 @@ def test_a_benchmark_stopped_part_way_keeps_every_point_it_finished(tiny_model_p
     assert all(line["output_tokens_per_second"]["median"] > 0 for line in lines[:2])
     assert [line["tokens_per_second"] > 0 for line in lines[2:]] == [True, True]
     assert "completions" not in lines[0]  # the outputs stay out of the record
+
+
+def test_a_benchmark_whose_time_budget_runs_out_writes_its_report_with_what_it_measured(
+        tiny_model_path, tmp_path, monkeypatch):
+    # A lent GPU's call gives the benchmark its time: the point running when it ends is stopped, the rest
+    # marked not run, and benchmark.json (its goals and claims) is still written.
+    import importlib
+    from workbook import notebook
+    from workbook.bench import report
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")
+    monkeypatch.setattr(notebook, "new_run_dir", lambda name: (tmp_path / name).mkdir() or tmp_path / name)
+    original, budgets, made = training_sweep.training_point, [], report.TimeBudget
+    monkeypatch.setattr(report, "TimeBudget", lambda seconds: budgets.append(made(seconds)) or budgets[-1])
+
+    def the_budget_ends_in_the_second(params, point, work_dir, log):
+        if point["grad_checkpointing"]:
+            budgets[0]._expire()  # as the budget's timer does: an interrupt in the middle of the point
+            time.sleep(1)
+        return original(params, point, work_dir, log)
+    monkeypatch.setattr(training_sweep, "training_point", the_budget_ends_in_the_second)
+    assert report.cli_main("cpu", ["bench_strategies=seed-after", "bench_examples=4", "bench_max_new_tokens=2",
+                                   "bench_repeats=1", "bench_train_micro_batches=2", "bench_train_steps=3"],
+                           time_budget_seconds=600) == 0
+    written = json.loads((tmp_path / "bench-cpu" / "benchmark.json").read_text())
+    assert written["time_budget"] == {"seconds": 600, "ran_out": True} and written["goals"] and written["claims"]
+    assert "--time-budget-seconds 600" in written["command"]
+    assert written["generation"]["points"][0]["output_tokens_per_second"]["median"] > 0
+    plain, checkpointed, *rest = written["training"]["points"]
+    assert plain["tokens_per_second"] > 0 and checkpointed["skipped"].startswith("stopped: the time budget")
+    assert rest and all(point["skipped"].startswith("not run: the time budget") for point in rest)
+    # The plain point's baselines ran beside it, before the budget ended.
+    assert [baseline["micro_batch_size"] for baseline in written["training"]["baselines"]] == [2, 2]
 
 
 def test_a_gpu_profile_run_on_a_cpu_is_not_judged_against_that_gpus_peaks_or_price():

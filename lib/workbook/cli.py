@@ -130,7 +130,7 @@ def _cmd_verify(args) -> int:
 
 def _cmd_bench(args) -> int:
     from workbook.bench.report import cli_main
-    return cli_main(args.params, args.set)
+    return cli_main(args.params, args.set, args.time_budget_seconds)
 
 
 # The jobs that take a params profile: name -> (handler, help, the module whose PARAMS_USED lists
@@ -269,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
         job.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
         add_set_argument(job)
         job.set_defaults(handler=handler)
+        if name == "bench":
+            job.add_argument("--time-budget-seconds", type=float,
+                             help="stop after this many seconds: the point running is stopped, the rest marked not "
+                                  "run, and the report written with what was measured (a lent GPU's call)")
         if name == "forecast":
             job.add_argument("--mode", choices=params_module.PLAN_MODES, help="default: the profile's plan_mode")
             job.add_argument("--json", action="store_true", help="print the forecast as JSON")

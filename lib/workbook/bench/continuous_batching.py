@@ -47,7 +47,6 @@ import json
 import math
 import os
 import random
-import _thread
 import statistics
 import sys
 import tempfile
@@ -60,6 +59,7 @@ import torch
 from transformers import LogitsProcessor
 
 from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_model
+from workbook.bench.budget import TimeBudget
 from workbook.bench.continuous_report import ARMS, markdown
 from workbook.bench.counting import decode_step_cost
 from workbook.bench.engine_overhead import sample_prompts, timed
@@ -174,35 +174,6 @@ def direct_arm(model, backend: ContinuousBackend, prompts, uneven: bool) -> dict
     finally:  # a time budget's end leaves requests in flight: stopped at once, not generated to their end
         stop_manager(manager, hard=len(outputs) < len(prompts))
     return {"output_tokens": sum(outputs), "first_result_seconds": first, "failed": len(prompts) - len(outputs)}
-
-
-class TimeBudget:
-    """A wall-clock budget: ``fits`` says whether a step of some seconds still fits; at the
-    deadline, ``KeyboardInterrupt`` is raised in the main thread (``expired`` tells it from Ctrl-C)."""
-
-    def __init__(self, seconds: float | None):
-        self.deadline = time.monotonic() + seconds if seconds else None
-        self.expired, self.timer = False, None
-        if self.deadline is not None:
-            self.timer = threading.Timer(seconds, self._expire)
-            self.timer.daemon = True
-            self.timer.start()
-
-    def _expire(self):
-        self.expired = True
-        _thread.interrupt_main()
-
-    def fits(self, seconds: float) -> bool:
-        return self.deadline is None or time.monotonic() + seconds <= self.deadline
-
-    def check(self):
-        """Stop here if the deadline passed (its interrupt may have landed where it was swallowed, e.g. a __del__)."""
-        if self.expired:
-            raise KeyboardInterrupt
-
-    def cancel(self):
-        if self.timer is not None:
-            self.timer.cancel()
 
 
 def bandwidth_roofline(config, dtype: str, prompts, slots: int, bandwidth_gbs: float | None) -> dict | None:

@@ -28,6 +28,7 @@ import torch
 
 from workbook import ceilings, generation, models, runtime
 from workbook.bench import hf_pipeline
+from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.counting import (
     BASELINE, HF_PIPELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, parse_int_list, parse_strategies,
     pass_cost, pass_figures, peak_tflops, run_dtype, spread,
@@ -228,15 +229,16 @@ def same_greedy_tokens(candidate: generation.Completion | None, reference: gener
 
 
 def generation_sweep(params, log: Callable[[str], None] = print, setup: GenerationSetup | None = None,
-                     on_point: Callable[[dict], None] = lambda point: None) -> dict:
+                     on_point: Callable[[dict], None] = lambda point: None, budget: TimeBudget = NO_BUDGET) -> dict:
     """Every point of the sweep; ``on_point`` gets each as it is measured (its outputs left out), so a
-    sweep stopped part way still leaves what it measured."""
+    sweep stopped part way still leaves what it measured; the points ``budget`` leaves no time for are
+    marked so."""
     setup = setup or generation_setup(params)
     repeats = params["bench_repeats"]
     planned = planner_batch(params, setup) if AUTO in str(params["bench_batch_sizes"]) else None
     points = []
     for point in sweep_points(params, setup.device, planned):
-        points.append(generation_point(setup, params, point, repeats, log))
+        points.append(budget.measure(point, lambda: generation_point(setup, params, point, repeats, log)))
         on_point({key: value for key, value in points[-1].items() if key != "completions"})
     # Greedy decoding: every strategy must give the tokens one-at-a-time generation gives.
     reference = next((p["completions"] for p in points if p["strategy"] == "seed-before" and "completions" in p), None)

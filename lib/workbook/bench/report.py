@@ -18,6 +18,7 @@ import torch
 
 from workbook import gpu, notebook, params as params_module, runner, runtime
 from workbook.bench import published
+from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
 from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, peak_tflops, run_dtype
 from workbook.bench.generation_sweep import generation_sweep
@@ -37,9 +38,11 @@ PARAMS_USED = ("profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "pe
 
 
 def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
-                  on_point: Callable[[str, dict], None] = lambda sweep, point: None) -> dict:
+                  on_point: Callable[[str, dict], None] = lambda sweep, point: None,
+                  budget: TimeBudget = NO_BUDGET) -> dict:
     """Both sweeps, the claims and the context (params, versions, hardware), as one JSON-ready dict.
-    ``on_point(sweep, point)`` gets each point ("generation" or "training") as soon as it is measured."""
+    ``on_point(sweep, point)`` gets each point ("generation" or "training") as soon as it is measured;
+    the points ``budget`` leaves no time for are marked so, and the report is written all the same."""
     missing = [key for key in PARAMS_USED if key not in params]
     if missing:
         raise BenchError(f"the benchmark needs parameter(s) {', '.join(missing)}; declare them in notebook 04's "
@@ -47,10 +50,12 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
     device = runtime.default_device()
     params = without_absent_peaks(params, device, log)
     began = time.perf_counter()
-    generation = generation_sweep(params, log, on_point=lambda point: on_point("generation", point))
+    generation = generation_sweep(params, log, on_point=lambda point: on_point("generation", point), budget=budget)
     runtime.reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
-    training = (training_sweep(params, Path(work_dir), log, on_point=lambda point: on_point("training", point))
+    training = (training_sweep(params, Path(work_dir), log, on_point=lambda point: on_point("training", point),
+                               budget=budget)
                 if params["bench_train_steps"] else None)
+    budget.cancel()  # what follows writes the report
     matmul = tf32_matmul_speedup(device)
     dtype = run_dtype(params, device)
     return {
@@ -268,8 +273,9 @@ def partial_record(path: Path) -> Callable[[str, dict], None]:
     return write
 
 
-def cli_main(params_arg: str, overrides: list[str]) -> int:
-    """Run the benchmark into a new run folder: benchmark.json, the PNGs and benchmark.md."""
+def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float | None = None) -> int:
+    """Run the benchmark into a new run folder: benchmark.json, the PNGs and benchmark.md; with
+    ``time_budget_seconds``, the points left when it runs out are marked so and the report written."""
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
@@ -279,11 +285,18 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
         run = runner.start_job(notebook.new_run_dir(f"bench-{params['profile']}"), "bench", params, params_file,
                                overrides)
         run_dir = run.run_dir
-        report = run_benchmark(params, run_dir, log=say, on_point=partial_record(run_dir / POINTS_FILE))
+        budget = TimeBudget(time_budget_seconds)  # from here: the model builds count too
+        try:
+            report = run_benchmark(params, run_dir, log=say, on_point=partial_record(run_dir / POINTS_FILE),
+                                   budget=budget)
+        finally:
+            budget.cancel()
     except (params_module.ParamsError, BenchError, GenerationError, DoesNotFitError) as error:
         say(f"error: {error}")
         return runner.finish_job(run, 2, error)
-    report["command"] = "workbook bench --params " + params_arg + (" --set " + " ".join(overrides) if overrides else "")
+    report["command"] = ("workbook bench --params " + params_arg + (" --set " + " ".join(overrides) if overrides else "")
+                         + (f" --time-budget-seconds {time_budget_seconds:g}" if time_budget_seconds else ""))
+    report["time_budget"] = {"seconds": time_budget_seconds, "ran_out": budget.expired}
     (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
     from workbook import benchmark_plots  # matplotlib only for the figures
     for name, figure in benchmark_plots.benchmark_figures(report, gpu_capacity_bytes(params)).items():

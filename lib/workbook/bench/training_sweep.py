@@ -17,6 +17,7 @@ import torch
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from workbook import models, params as params_module, runtime, training
+from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.counting import cost_figures, parse_int_list, run_dtype
 from workbook.bench.sampler import NvmlSampler
 from workbook.params import AUTO
@@ -249,23 +250,26 @@ def _cost_per_million_tokens(params, tokens_per_second: float | None) -> dict:
 
 
 def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
-                   on_point: Callable[[dict], None] = lambda point: None) -> dict:
-    """Every point but the compiled ones, the baselines (``bench_train_baselines``), then the compiled
-    points: each compiles for a minute or more on a GPU, so a sweep stopped by a time budget loses them
-    first (``on_point`` gets each point as it is measured)."""
+                   on_point: Callable[[dict], None] = lambda point: None, budget: TimeBudget = NO_BUDGET) -> dict:
+    """Every point but the compiled ones, each plain point followed by its baselines
+    (``bench_train_baselines``: the comparison with the tools users know comes before the memory
+    settings), then the compiled points: each compiles for a minute or more on a GPU, so a sweep
+    stopped by ``budget`` loses them first (``on_point`` gets each point as it is measured)."""
     device = runtime.default_device()
     points, baselines = [], []
     planned = training_points(params, device)
-    for point in [p for p in planned if not p["torch_compile"]]:
-        points.append(training_point(params, point, work_dir, log))
-        on_point(points[-1])
     tools = [tool for tool in params_module.choice_list(params, "bench_train_baselines") if tool != "none"]
-    for tool in tools:
-        for point in [p for p in points if _is_plain(p) and "tokens_per_second" in p]:
-            baselines.append(baseline_point(params, point, work_dir, log, tool))
+    for point in [p for p in planned if not p["torch_compile"]]:
+        points.append(budget.measure(point, lambda: training_point(params, point, work_dir, log)))
+        on_point(points[-1])
+        for tool in tools if _is_plain(points[-1]) and "tokens_per_second" in points[-1] else ():
+            measured = points[-1]
+            skeleton = {key: measured[key] for key in ("micro_batch_size", *PLAIN)}
+            baselines.append(budget.measure({**skeleton, "loop": tool},
+                                            lambda: baseline_point(params, measured, work_dir, log, tool)))
             on_point(baselines[-1])
     for point in [p for p in planned if p["torch_compile"]]:
-        points.append(training_point(params, point, work_dir, log))
+        points.append(budget.measure(point, lambda: training_point(params, point, work_dir, log)))
         on_point(points[-1])
     return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
             "steps_per_point": params["bench_train_steps"],

@@ -1,0 +1,52 @@
+"""A benchmark's wall-clock budget (a lent GPU's call is cut at its limit, and a benchmark cut from
+outside writes nothing but what it streamed): the benchmark stops itself and writes its report."""
+
+from __future__ import annotations
+
+import _thread
+import threading
+import time
+
+
+class TimeBudget:
+    """A wall-clock budget: ``fits`` says whether a step of some seconds still fits; at the
+    deadline, ``KeyboardInterrupt`` is raised in the main thread (``expired`` tells it from Ctrl-C)."""
+
+    def __init__(self, seconds: float | None):
+        self.deadline = time.monotonic() + seconds if seconds else None
+        self.expired, self.timer = False, None
+        if self.deadline is not None:
+            self.timer = threading.Timer(seconds, self._expire)
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _expire(self):
+        self.expired = True
+        _thread.interrupt_main()
+
+    def fits(self, seconds: float) -> bool:
+        return self.deadline is None or time.monotonic() + seconds <= self.deadline
+
+    def check(self):
+        """Stop here if the deadline passed (its interrupt may have landed where it was swallowed, e.g. a __del__)."""
+        if self.expired:
+            raise KeyboardInterrupt
+
+    def cancel(self):
+        if self.timer is not None:
+            self.timer.cancel()
+
+    def measure(self, point: dict, measure) -> dict:
+        """``measure()`` (one benchmark point), or ``point`` marked as not run when the budget has run
+        out, or as stopped when it ran out during the point: the sweep goes on to its report."""
+        if self.expired:
+            return {**point, "skipped": "not run: the time budget had run out"}
+        try:
+            return measure()
+        except KeyboardInterrupt:
+            if not self.expired:  # Ctrl-C: the user's, not the budget's
+                raise
+            return {**point, "skipped": "stopped: the time budget ran out during this point"}
+
+
+NO_BUDGET = TimeBudget(None)
