@@ -176,6 +176,9 @@ def test_summary_against_the_goal():
     assert not summarize(records + [record("8b", "oom")])["meets_goal"]
     assert not summarize(records + [record("d", "measured", 0.05)])["meets_goal"]
     assert not summarize([record("lora", "skipped")])["meets_goal"]  # nothing measured
+    # A case that failed otherwise than out of memory is listed with why; the grid's other cases stand.
+    failed = summarize(records + [{"case": {"name": "8b-lora"}, "status": "failed", "reason": "RuntimeError: x"}])
+    assert failed["failed"] == [{"name": "8b-lora", "reason": "RuntimeError: x"}] and failed["meets_goal"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,3 +245,22 @@ def test_accuracy_figure_draws_a_calibration_record(tmp_path):
     assert "median |error| 2.00%" in figure._suptitle.get_text() and "3 measured cases" in figure._suptitle.get_text()
     figure.savefig(tmp_path / "memory_accuracy.png")
     assert (tmp_path / "memory_accuracy.png").stat().st_size > 10_000
+
+
+def test_a_grid_cut_part_way_keeps_every_case_it_measured(tmp_path, monkeypatch):
+    # A lent GPU's call is cut at its limit: the cases measured before it must be on disk.
+    from workbook.planner import calibration
+    cases, measured = calibration_grid("h100")[:3], []
+
+    def cut_at_the_third(case, overhead_bytes=None):
+        if len(measured) == 2:
+            raise KeyboardInterrupt  # as a kill stops it
+        measured.append(case.name)
+        return {**record(case.name, "measured", 0.01), "predicted_bytes": 2 * GiB, "measured_bytes": GiB}
+    monkeypatch.setattr(calibration.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(calibration, "measure_case", cut_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        calibration.run_calibration(tmp_path, "h100", cases, log=None)
+    written = json.loads((tmp_path / calibration.RESULT_FILE).read_text())
+    assert [case["case"]["name"] for case in written["cases"]] == measured and written["cases_planned"] == 3
+    assert written["summary"]["measured"] == 2

@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -207,8 +208,9 @@ def measure_case(case: CalibrationCase, *, device: str | torch.device = "cuda", 
     try:
         measurement = run_case_probe(case, device)
     except Exception as error:
-        if not should_reduce_batch_size(error):
-            raise
+        if not should_reduce_batch_size(error):  # a case that fails otherwise is a finding; the grid goes on
+            traceback.print_exc()
+            return {**record, "status": "failed", "reason": error_summary(error)}
         measurement = None
         oom_error = error_summary(error)
     finally:
@@ -274,16 +276,10 @@ def run_case_probe(case: CalibrationCase, device: torch.device) -> ProbeMeasurem
 # The whole grid, written to memory_accuracy.json.
 
 
-def run_calibration(
-    out_dir: str | Path,
-    profile_name: str,
-    cases: list[CalibrationCase] | None = None,
-    *,
-    log=print,
-    overhead_bytes: int | None = None,
-) -> dict:
+def run_calibration(out_dir: str | Path, profile_name: str, cases: list[CalibrationCase] | None = None, *,
+                    log=print, overhead_bytes: int | None = None) -> dict:
     """Measure every case (default: ``calibration_grid(profile_name)``) on this CUDA GPU and
-    write ``<out_dir>/memory_accuracy.json``; returns the same record.
+    write ``<out_dir>/memory_accuracy.json`` after each; returns the same record.
 
     The record holds every case (settings, predicted, measured, relative error), the summary
     against the goal, the hardware, the software versions and the command that reproduces it.
@@ -295,38 +291,40 @@ def run_calibration(
         )
     cases = calibration_grid(profile_name) if cases is None else cases
     say = log or (lambda line: None)
-    started = time.perf_counter()
-    records = []
+    started, records = time.perf_counter(), []
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     for number, case in enumerate(cases, 1):
-        record = measure_case(case, overhead_bytes=overhead_bytes)
-        records.append(record)
-        say(f"[{number}/{len(cases)}] {case.name}: {_case_line(record)}")
-    result = {
+        records.append(measure_case(case, overhead_bytes=overhead_bytes))
+        say(f"[{number}/{len(cases)}] {case.name}: {_case_line(records[-1])}")
+        # Written after every case: a run cut at a time limit keeps the cases it measured.
+        result = _result(records, len(cases), profile_name, overhead_bytes, out_dir, started)
+        (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+def _result(records: list[dict], planned: int, profile_name: str, overhead_bytes: int | None, out_dir: Path,
+            started: float) -> dict:
+    return {
         "profile": profile_name,
         "goal": {"median_abs_relative_error": GOAL_MEDIAN_ABS_RELATIVE_ERROR,
                  "max_abs_relative_error": GOAL_MAX_ABS_RELATIVE_ERROR},
         "summary": summarize(records),
         "cuda_context_term": (f"{overhead_bytes / GiB:.3f} GiB, the overhead probe's constant" if overhead_bytes is not None
                               else "each case's own memory outside PyTorch's allocator, measured in its run"),
-        "cases": records,
+        "cases": records, "cases_planned": planned,
         "hardware": gpu.detect(),
         "versions": gpu.software_versions(),
         "command": command_line(out_dir, profile_name),
         "seconds": time.perf_counter() - started,
     }
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
-    return result
 
 
 def summarize(records: list[dict]) -> dict:
     """Median and max absolute relative error of the measured cases that count toward the goal,
     and whether the goal is met (no case may run out of memory)."""
-    errors = [
-        abs(record["relative_error"]) for record in records
-        if record["status"] == "measured" and record["case"]["counts_toward_goal"]
-    ]
+    errors = [abs(record["relative_error"]) for record in records
+              if record["status"] == "measured" and record["case"]["counts_toward_goal"]]
     out_of_memory = [record["case"]["name"] for record in records if record["status"] == "oom"]
     median = statistics.median(errors) if errors else None
     largest = max(errors) if errors else None
@@ -337,6 +335,7 @@ def summarize(records: list[dict]) -> dict:
         "skipped": [{"name": r["case"]["name"], "reason": r["reason"]}
                     for r in records if r["status"] == "skipped"],
         "out_of_memory": out_of_memory,
+        "failed": [{"name": r["case"]["name"], "reason": r["reason"]} for r in records if r["status"] == "failed"],
         "median_abs_relative_error": median,
         "max_abs_relative_error": largest,
         "meets_goal": bool(errors) and not out_of_memory
