@@ -26,6 +26,8 @@ from workbook.planner.finder import error_summary
 from workbook.planner.profile import Budget
 from workbook.training.config import TIMING_WARMUP_STEPS
 
+SWEEP_RECOMPILE_LIMIT = 64
+
 
 # bench_train_settings: each names one more point per micro-batch, the plain point with this change.
 MEMORY_SETTINGS = {
@@ -258,6 +260,10 @@ def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
     device = runtime.default_device()
     points, baselines = [], []
     planned = training_points(params, device)
+    # One process trains every point, where a job trains one: flex attention (packing on CUDA) compiles
+    # again for each new batch shape and precision, and past dynamo's limit (8) it would run unfused,
+    # holding the whole score matrix, without a word. The limit is raised for the sweep's many points.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SWEEP_RECOMPILE_LIMIT)
     tools = [tool for tool in params_module.choice_list(params, "bench_train_baselines") if tool != "none"]
     for point in [p for p in planned if not p["torch_compile"]]:
         points.append(budget.measure(point, lambda: training_point(params, point, work_dir, log)))
