@@ -32,7 +32,8 @@ from workbook.units import GiB
 
 RESULT_FILE = "cuda_overhead.json"
 PROBE_LAYERS = 2  # the architecture's width, two layers: the kernels a job loads, in seconds
-STAGES = ("context", "bf16 matmul (cuBLAS)", "generation (sdpa, sampling)", "training step (backward, fused AdamW)")
+STAGES = ("context", "bf16 matmul (cuBLAS)", "generation (left-padded sdpa, sampling)",
+          "training step (backward, fused AdamW)")
 
 
 def non_pytorch_bytes(device: torch.device) -> int:
@@ -57,9 +58,11 @@ def measure(model_name: str, device: torch.device, read: Callable[[torch.device]
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     prompt = torch.randint(0, config.vocab_size, (4, 64), device=device)
+    # Left-padded, as the engine's batches are: a masked sdpa loads other kernels than an unmasked one.
+    attention_mask = torch.ones_like(prompt)
+    attention_mask[1:, :8] = 0
     with torch.no_grad():
-        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=True,
-                       pad_token_id=0)
+        model.generate(prompt, attention_mask=attention_mask, max_new_tokens=4, do_sample=True, pad_token_id=0)
     readings[STAGES[2]] = read(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
     model.train()
