@@ -35,11 +35,11 @@ def vllm_decode_fractions() -> list[dict]:
 
 
 def vllm_line() -> str:
-    """One sentence for a report: vLLM's published figures as fractions of the same roofline."""
+    """One sentence for a report: vLLM's published figures as fractions of the decode roofline."""
     figures = vllm_decode_fractions()
     parts = [f"{figure['what']}: {figure['fraction']:.0%} ({figure['source']})" for figure in figures]
     floor = figures[0]["roofline_seconds"]
-    return (f"Beside vLLM's published figures for an 8B Llama decoding on one H100, as fractions of the same "
-            f"roofline (batch 1: {VLLM_MODEL}'s bf16 weights read once a step at the H100 SXM's datasheet "
-            f"bandwidth, {floor * 1e3:.2f} ms): " + "; ".join(parts) + ". Those are step times at light load (a batch "
+    return (f"Beside vLLM's published figures for an 8B Llama decoding on one H100, as fractions of the decode "
+            f"steps' bandwidth roofline (batch 1: {VLLM_MODEL}'s bf16 weights read once a step at the H100 SXM's "
+            f"datasheet bandwidth, {floor * 1e3:.2f} ms): " + "; ".join(parts) + ". Those are step times at light load (a batch "
             "of one or a few), not throughput at a large batch.")
