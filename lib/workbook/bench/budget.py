@@ -10,19 +10,25 @@ import time
 
 class TimeBudget:
     """A wall-clock budget: ``fits`` says whether a step of some seconds still fits; at the
-    deadline, ``KeyboardInterrupt`` is raised in the main thread (``expired`` tells it from Ctrl-C)."""
+    deadline, ``KeyboardInterrupt`` is raised in the main thread (``expired`` tells it from Ctrl-C).
+    ``points_only``: raised only inside ``measure`` (a benchmark point); elsewhere (a model's build,
+    writing a record) the deadline only marks the budget expired, so the next point is not run and the
+    report is still written."""
 
-    def __init__(self, seconds: float | None):
+    def __init__(self, seconds: float | None, points_only: bool = False):
         self.deadline = time.monotonic() + seconds if seconds else None
         self.expired, self.timer = False, None
+        self.points_only, self.measuring, self.lock = points_only, False, threading.Lock()
         if self.deadline is not None:
-            self.timer = threading.Timer(seconds, self._expire)
+            self.timer = threading.Timer(max(seconds, 0), self._expire)
             self.timer.daemon = True
             self.timer.start()
 
     def _expire(self):
-        self.expired = True
-        _thread.interrupt_main()
+        with self.lock:
+            self.expired = True
+            if self.measuring or not self.points_only:
+                _thread.interrupt_main()
 
     def fits(self, seconds: float) -> bool:
         return self.deadline is None or time.monotonic() + seconds <= self.deadline
@@ -39,14 +45,19 @@ class TimeBudget:
     def measure(self, point: dict, measure) -> dict:
         """``measure()`` (one benchmark point), or ``point`` marked as not run when the budget has run
         out, or as stopped when it ran out during the point: the sweep goes on to its report."""
-        if self.expired:
-            return {**point, "skipped": "not run: the time budget had run out"}
+        with self.lock:
+            if self.expired:
+                return {**point, "skipped": "not run: the time budget had run out"}
+            self.measuring = True
         try:
             return measure()
         except KeyboardInterrupt:
             if not self.expired:  # Ctrl-C: the user's, not the budget's
                 raise
             return {**point, "skipped": "stopped: the time budget ran out during this point"}
+        finally:
+            with self.lock:
+                self.measuring = False
 
 
 NO_BUDGET = TimeBudget(None)

@@ -260,6 +260,7 @@ def gpu_capacity_bytes(params) -> int | None:
 
 
 POINTS_FILE = "points.jsonl"  # each point as it is measured: what a stopped benchmark leaves
+REPORT_SECONDS = 15  # kept from a time budget for writing the report: figures, JSON, the TF32 matmul check
 
 
 def partial_record(path: Path) -> Callable[[str, dict], None]:
@@ -285,7 +286,9 @@ def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float |
         run = runner.start_job(notebook.new_run_dir(f"bench-{params['profile']}"), "bench", params, params_file,
                                overrides)
         run_dir = run.run_dir
-        budget = TimeBudget(time_budget_seconds)  # from here: the model builds count too
+        # From the process's start (its imports count), less the report's writing (figures, the TF32 matmuls).
+        budget = TimeBudget(time_budget_seconds and time_budget_seconds - (runtime.process_age_seconds() or 0)
+                            - REPORT_SECONDS, points_only=True)
         try:
             report = run_benchmark(params, run_dir, log=say, on_point=partial_record(run_dir / POINTS_FILE),
                                    budget=budget)
