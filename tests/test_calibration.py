@@ -176,9 +176,11 @@ def test_summary_against_the_goal():
     assert not summarize(records + [record("8b", "oom")])["meets_goal"]
     assert not summarize(records + [record("d", "measured", 0.05)])["meets_goal"]
     assert not summarize([record("lora", "skipped")])["meets_goal"]  # nothing measured
-    # A case that failed otherwise than out of memory is listed with why; the grid's other cases stand.
+    # A case that failed otherwise than out of memory is listed with why; unchecked, it leaves the goal unmet,
+    # as does a grid cut short.
     failed = summarize(records + [{"case": {"name": "8b-lora"}, "status": "failed", "reason": "RuntimeError: x"}])
-    assert failed["failed"] == [{"name": "8b-lora", "reason": "RuntimeError: x"}] and failed["meets_goal"]
+    assert failed["failed"] == [{"name": "8b-lora", "reason": "RuntimeError: x"}] and not failed["meets_goal"]
+    assert summarize(records, planned=len(records))["meets_goal"] and not summarize(records, planned=20)["meets_goal"]
 
 
 # ---------------------------------------------------------------------------------------------

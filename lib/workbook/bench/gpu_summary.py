@@ -54,7 +54,8 @@ def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
         summary = record["summary"]
         add("10", "planner: median |error| <= 1.5%, max <= 4%, no case the planner says fits runs out of memory",
             f"median {_share(summary['median_abs_relative_error'], 2)}, max {_share(summary['max_abs_relative_error'], 2)}"
-            f" over {summary['counted_toward_goal']} cases; out of memory: {len(summary['out_of_memory'])}; context "
+            f" over {summary['counted_toward_goal']} cases ({len(record.get('cases', []))} of {record.get('cases_planned', '?')} run, "
+            f"{len(summary.get('failed', []))} failed); out of memory: {len(summary['out_of_memory'])}; context "
             f"term: {record.get('cuda_context_term', 'each case its own')}", "yes" if summary["meets_goal"] else "no",
             source)
     goals, claims = {goal: [] for goal in GOALS}, {}

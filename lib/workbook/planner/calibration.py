@@ -299,7 +299,8 @@ def run_calibration(out_dir: str | Path, profile_name: str, cases: list[Calibrat
         say(f"[{number}/{len(cases)}] {case.name}: {_case_line(records[-1])}")
         # Written after every case: a run cut at a time limit keeps the cases it measured.
         result = _result(records, len(cases), profile_name, overhead_bytes, out_dir, started)
-        (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=2) + "\n")
+        (partial := out_dir / f".{RESULT_FILE}").write_text(json.dumps(result, indent=2) + "\n")
+        partial.replace(out_dir / RESULT_FILE)  # whole or the last whole one, never half
     return result
 
 
@@ -309,7 +310,7 @@ def _result(records: list[dict], planned: int, profile_name: str, overhead_bytes
         "profile": profile_name,
         "goal": {"median_abs_relative_error": GOAL_MEDIAN_ABS_RELATIVE_ERROR,
                  "max_abs_relative_error": GOAL_MAX_ABS_RELATIVE_ERROR},
-        "summary": summarize(records),
+        "summary": summarize(records, planned),
         "cuda_context_term": (f"{overhead_bytes / GiB:.3f} GiB, the overhead probe's constant" if overhead_bytes is not None
                               else "each case's own memory outside PyTorch's allocator, measured in its run"),
         "cases": records, "cases_planned": planned,
@@ -320,14 +321,12 @@ def _result(records: list[dict], planned: int, profile_name: str, overhead_bytes
     }
 
 
-def summarize(records: list[dict]) -> dict:
-    """Median and max absolute relative error of the measured cases that count toward the goal,
-    and whether the goal is met (no case may run out of memory)."""
+def summarize(records: list[dict], planned: int | None = None) -> dict:
+    """Median and max |relative error| of the measured cases counted toward the goal, and whether it is met."""
     errors = [abs(record["relative_error"]) for record in records
               if record["status"] == "measured" and record["case"]["counts_toward_goal"]]
     out_of_memory = [record["case"]["name"] for record in records if record["status"] == "oom"]
-    median = statistics.median(errors) if errors else None
-    largest = max(errors) if errors else None
+    median, largest = (statistics.median(errors), max(errors)) if errors else (None, None)
     return {
         "cases": len(records),
         "measured": sum(record["status"] == "measured" for record in records),
@@ -338,7 +337,9 @@ def summarize(records: list[dict]) -> dict:
         "failed": [{"name": r["case"]["name"], "reason": r["reason"]} for r in records if r["status"] == "failed"],
         "median_abs_relative_error": median,
         "max_abs_relative_error": largest,
-        "meets_goal": bool(errors) and not out_of_memory
+        # Only a whole grid meets it: a case cut off by a time limit, or failed, was not checked.
+        "meets_goal": bool(errors) and not out_of_memory and (planned is None or len(records) == planned)
+        and not any(r["status"] == "failed" for r in records)
         and median <= GOAL_MEDIAN_ABS_RELATIVE_ERROR and largest <= GOAL_MAX_ABS_RELATIVE_ERROR,
         "accelerate_estimate_memory": accelerate_estimate.summarize([
             record for record in records if record["status"] == "measured" and record["case"]["counts_toward_goal"]]),
