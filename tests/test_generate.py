@@ -1,5 +1,6 @@
 """The generation engine: batched equals one-at-a-time, nothing lost to a kill, an OOM or a bad line."""
 
+import dataclasses
 import json
 import os
 import random
@@ -131,6 +132,20 @@ def test_batched_greedy_equals_one_at_a_time(tiny, varied, backend, prompt_count
             assert len({id(cache) for cache, _ in used}) == 1
             pointers = [pointer for _, pointer in used[1:]] + [used[0][0].layers[0].keys.data_ptr()]
             assert len(set(pointers)) == 1, "the kept static cache moved between batches"
+
+
+def test_a_short_warm_up_call_leaves_static_compiled_a_cache_the_job_reuses(tiny, varied):
+    # The pilot warms a backend up with two new tokens, then times the job's batch: a cache sized for the
+    # warm-up alone would be replaced (a recompile, CUDA graphs recorded again) inside the timed batch.
+    prompts, settings, reference = varied
+    backend = generation.make_backend("static-compiled", tiny[0], settings, 6)
+    used = spy_on_static_caches(backend)
+    batch = prompts[:6]
+    backend.generate([dataclasses.replace(p, max_new_tokens=2) for p in batch])
+    output = backend.generate(batch)
+    assert len({id(cache) for cache, _ in used}) == 1
+    assert {p.index: c.token_ids for p, c in zip(batch, output.completions)} == {p.index: reference[p.index]
+                                                                                for p in batch}
 
 
 def spy_on_static_caches(backend):

@@ -63,7 +63,12 @@ class StaticBackend:
         processors = self.logits_processors(prompts) if self.logits_processors is not None else None
         cache = {}
         if self.name == "static-compiled" and "cache_implementation" not in self.extra:
-            cache["past_key_values"] = self.static_cache(len(prompts), input_ids.shape[1] + new_tokens)
+            # Room for the job's outputs even on a shorter call (a pilot's two-token warm-up): the next
+            # batch then reuses the cache instead of recompiling for a new one. Never past the context.
+            context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+            needed = input_ids.shape[1] + new_tokens
+            room = input_ids.shape[1] + max(new_tokens, self.settings.max_new_tokens)
+            cache["past_key_values"] = self.static_cache(len(prompts), max(needed, min(room, context or room)))
         output = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, logits_processor=processors,
                                      generation_config=self.settings.generation_config(new_tokens, **self.extra),
                                      **cache)
