@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from workbook import cli, generation, params
+from workbook import bench, cli, generation, params
 from workbook.paths import PARAMS_DIR
 from workbook.planner import eta, forecast, pilot, regression, startup, stream_forecast
 from workbook.planner.forecast import GenerationTimings, OutputLengths
@@ -48,6 +48,7 @@ def test_simulation_adds_up_the_engines_batches_on_synthetic_timings():
     assert result.batch_seconds == pytest.approx([by_hand(2, 50), by_hand(2, 30), by_hand(1, 10)])
     assert result.seconds == pytest.approx(sum(result.batch_seconds))
     assert result.prefill_tokens == 2 * 50 + 2 * 30 + 10
+    assert result.decode_steps == 3 * 3  # three calls of 4 tokens: the prefill yields each call's first
     # The KV cache the decode steps read: each row its context at each of the 3 steps.
     contexts = lambda longest: sum(longest + step for step in (1, 2, 3))
     assert result.decode_context_positions == 2 * contexts(50) + 2 * contexts(30) + contexts(10)
@@ -62,7 +63,11 @@ def test_the_decode_phase_counts_the_kv_cache_it_reads_beside_the_weights(tiny_m
                                           decode_context_positions=2e6)
     phases = pilot.generation_phases(model, "fp32", whole)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if model.get_output_embeddings().weight is not model.get_input_embeddings().weight:
+        weights -= model.get_input_embeddings().weight.numel() * 4  # gathered a row per token, not streamed
     assert phases.decode_bytes == 100 * weights + 2e6 * kv_cache_bytes_per_token(model.config, "fp32")
+    # The same weights per step as the bench's roofline counts.
+    assert weights == bench.decode_step_cost(model.config, "fp32", 1, 0).weights_bytes
 
 
 def fake_call(truth: GenerationTimings, rows: int, longest: int, outputs: list[int]) -> pilot.Call:

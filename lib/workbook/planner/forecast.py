@@ -134,7 +134,7 @@ def simulate_generation(prompt_lengths: list[int], *, prompts_per_call: int, max
             parts = batch_seconds(len(batch), batch[0], steps, timings)
             prefill, decode, overhead = prefill + parts[0], decode + parts[1], overhead + parts[2]
             seconds_each.append(sum(parts))
-            steps_total += steps
+            steps_total += max(steps - 1, 0.0)  # decode steps: the prefill yields the first token
             tokens += len(batch) * batch[0]
             contexts += len(batch) * decode_contexts(batch[0], steps)
         fixed = timings.warm_up_seconds + timings.finish_seconds_per_output * len(prompt_lengths)

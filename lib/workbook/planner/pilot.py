@@ -266,10 +266,13 @@ def run_pilot(params, share_, files, rank, batches: list[list], seconds: float |
 def generation_phases(model, dtype: str, whole: forecast.GenerationSimulation) -> Phases:
     """The simulated job by what bounds each part: decode steps read every weight once and each row's
     KV cache (at an 8B model's planned batch on an 80 GB GPU the cache read outweighs the weights), the
-    prefill costs 2 FLOPs per weight per token."""
+    prefill costs 2 FLOPs per multiplied weight per token."""
     from workbook.planner.formulas import kv_cache_bytes_per_token
-    parameters = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # An untied input embedding is gathered a row per token, not streamed or multiplied (as the bench counts).
+    embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
+    gathered = 0 if head is not None and head.weight is embedding else embedding.numel()
+    parameters = sum(p.numel() for p in model.parameters()) - gathered
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - gathered * embedding.element_size()
     kv_bytes = whole.decode_context_positions * kv_cache_bytes_per_token(model.config, dtype)
     return Phases(decode_seconds=whole.decode_seconds, compute_seconds=whole.prefill_seconds,
                   other_seconds=whole.overhead_seconds, decode_bytes=whole.decode_steps * weight_bytes + kv_bytes,
