@@ -495,6 +495,24 @@ def test_a_budget_that_runs_out_between_points_interrupts_nothing_and_runs_no_mo
         "not run: the time budget")
 
 
+def test_the_sweep_drops_static_compiled_graphs_before_the_next_point(monkeypatch):
+    # CUDA graphs keep a memory pool while the compiled step lives on the model: the points after
+    # static-compiled would carry it in their measured peak memory.
+    import types
+    import torch
+    sweep = importlib.import_module("workbook.bench.generation_sweep")
+    order = []
+    points = [{"strategy": "static-compiled", "batch_size": 4}, {"strategy": "static-sorted", "batch_size": 4}]
+    monkeypatch.setattr(sweep, "sweep_points", lambda params, device, planned: [dict(p) for p in points])
+    monkeypatch.setattr(sweep, "generation_point",
+                        lambda setup, params, point, repeats, log: order.append(point["strategy"]) or dict(point))
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: order.append("reset"))
+    setup = sweep.GenerationSetup(model=None, description="tiny", model_name="tiny", prompts=[types.SimpleNamespace(
+        token_ids=[1, 2])], settings=types.SimpleNamespace(max_new_tokens=2), device=torch.device("cpu"), dtype="fp32")
+    sweep.generation_sweep({"bench_repeats": 1, "bench_batch_sizes": "4"}, log=lambda line: None, setup=setup)
+    assert order == ["static-compiled", "reset", "static-sorted"]
+
+
 def test_a_gpu_profile_run_on_a_cpu_is_not_judged_against_that_gpus_peaks_or_price():
     import torch
     from workbook import params as params_module

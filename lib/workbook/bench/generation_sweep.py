@@ -239,6 +239,10 @@ def generation_sweep(params, log: Callable[[str], None] = print, setup: Generati
     points = []
     for point in sweep_points(params, setup.device, planned):
         points.append(budget.measure(point, lambda: generation_point(setup, params, point, repeats, log)))
+        if point["strategy"] == "static-compiled" and not point.get("skipped"):
+            # Its CUDA graphs keep their memory pool while the compiled step lives (on the model): the next
+            # point would carry it in its peak memory. Dropped, as a fresh process would have none.
+            torch._dynamo.reset()
         on_point({key: value for key, value in points[-1].items() if key != "completions"})
     # Greedy decoding: every strategy must give the tokens one-at-a-time generation gives.
     reference = next((p["completions"] for p in points if p["strategy"] == "seed-before" and "completions" in p), None)
