@@ -285,6 +285,10 @@ def test_auto_batch_is_the_planners_point_and_named_as_such():
     points = bench.sweep_points(params, torch.device("cpu"), planned)
     assert [p["batch_size"] for p in points] == [8, 32]  # 'auto' = 32 is run once
     assert points[1]["planner_batch"] == planned["note"] and "planner_batch" not in points[0]
+    # A batch above the sweep's prompts is the batch of all of them: run once, not again under another label.
+    capped = bench.sweep_points({**params, "bench_batch_sizes": "8,32,64,auto", "bench_examples": 32},
+                                torch.device("cpu"), planned)
+    assert [p["batch_size"] for p in capped] == [8, 32] and capped[1]["planner_batch"] == planned["note"]
 
 
 def test_goals_are_judged_at_the_planners_batch_and_say_by_how_much_they_miss():

@@ -98,7 +98,11 @@ def sweep_points(params, device: torch.device, planned: dict | None = None) -> l
     """(strategy, batch size, sort, backend name) of every point, with a skip reason where one applies.
     ``planned``: ``planner_batch``'s answer, which an 'auto' batch size stands for."""
     auto = planned["batch_size"] if planned else None
-    batch_sizes = list(dict.fromkeys(parse_int_list(params["bench_batch_sizes"], "bench_batch_sizes", auto)))
+    # A batch larger than the sweep's prompts runs them all in one batch: the same point as a batch of
+    # exactly them (measured once, and labelled by the rows it holds).
+    examples = params.get("bench_examples")
+    batch_sizes = list(dict.fromkeys(min(batch, examples or batch) for batch in
+                                     parse_int_list(params["bench_batch_sizes"], "bench_batch_sizes", auto)))
     points = []
     for strategy in parse_strategies(params["bench_strategies"]):
         if strategy == "seed-before":
