@@ -191,6 +191,10 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
     assert data["versions"]["torch"] and data["hardware"]["cpu"]["logical_cores"] >= 1
     points = {(p["strategy"], p["batch_size"]): p for p in data["generation"]["points"]}
     assert ("seed-before", 1) in points and ("seed-after", 32) in points
+    # Each point was on disk as soon as it was measured: a notebook stopped part way keeps them.
+    streamed = (cpu_run.run_dir / "points.jsonl").read_text().splitlines()
+    assert len(streamed) == len(data["generation"]["points"]) + len(data["training"]["points"]) + len(
+        data["training"]["baselines"])
     assert all("skipped on CPU" in p["skipped"] for (s, _), p in points.items() if s == "static-compiled")
     timed = [p for p in points.values() if "seconds" in p]
     for p in timed:

@@ -678,3 +678,13 @@ def test_an_unwritable_outputs_folder_is_one_error_line_before_any_model_loads(t
     error = capsys.readouterr().err
     assert error.startswith("error: cannot create or lock a run folder (") and error.count("\n") == 1
     assert f"make {tmp_path / 'a-file' / 'outputs'} writable" in error
+
+
+def test_a_run_too_short_to_leave_out_its_warm_up_steps_says_its_figure_is_not_a_steady_state():
+    from types import SimpleNamespace
+    from workbook.training import report
+    config = SimpleNamespace(peak_bf16_tflops=0.0, peak_fp16_tflops=0.0, dtype="fp32", profile="cpu")
+    steps = [{"tokens": 100, "seconds": 1.0, "flops": 1e9}]
+    assert "not a steady state" in report.throughput(steps, config, 1, on_gpu=False)["what"]
+    longer = report.throughput(steps * 4, config, 1, on_gpu=False)
+    assert "left out of the steady-state figure" in longer["what"] and longer["tokens_per_second"] == 100.0

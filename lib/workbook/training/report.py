@@ -65,8 +65,11 @@ def throughput(steps: list[dict], config, processes: int, on_gpu: bool) -> dict:
     return {
         "tokens_per_second": tokens_per_second, "tokens_per_second_overall": overall,
         "tokens_per_second_per_process": tokens_per_second / processes if tokens_per_second else None,
-        "what": f"non-padding tokens of all processes per second of training steps, first {TIMING_WARMUP_STEPS} "
-                "step(s) of this invocation left out of the steady-state figure",
+        "what": "non-padding tokens of all processes per second of training steps, " + (
+            f"first {TIMING_WARMUP_STEPS} step(s) of this invocation left out of the steady-state figure"
+            if len(steps) > TIMING_WARMUP_STEPS else
+            f"all {len(steps)} step(s) counted, the first (compilation, allocator warm-up) among them: too few "
+            f"steps to leave out the first {TIMING_WARMUP_STEPS}, so not a steady state"),
         "achieved_tflops": achieved_tflops, "mfu": mfu, "mfu_note": mfu_note,
         "flops_convention": "torchtitan: 6 x matmul params x n + 12 x layers x heads x head_dim x n^2 per example "
                             "of n tokens (LoRA: 4 x params); recomputation not counted",
