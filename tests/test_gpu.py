@@ -121,6 +121,13 @@ def test_gpus_without_an_exact_profile_get_the_nearest_loudly():
     assert any("memory_bandwidth_gbs=2000" in p for p in problems)
     unknown = gpu.select_profile(fake_gpus("NVIDIA B200", 1, 183359), profiles)
     assert unknown.profile == "h200" and not unknown.exact
+    # An H100 NVL (94 GB) is nearer the A100 80GB by memory, whose peak (MFU's yardstick) is 37% of its own.
+    nvl = gpu.select_profile(fake_gpus("NVIDIA H100 NVL", 1, 95830), profiles)
+    assert nvl.profile == "h100" and not nvl.exact
+    # Never a profile with more memory than the GPU when a smaller one exists: a plan must fit.
+    small = gpu.select_profile(fake_gpus("NVIDIA GeForce RTX 4090", 1, 24564), profiles)
+    assert profiles[small.profile]["gpu_memory_gib"] == min(p["gpu_memory_gib"] for p in profiles.values()
+                                                            if p["gpu_count"])
 
 
 def test_spec_table_covers_the_common_rental_gpus_with_sources():

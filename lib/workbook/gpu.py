@@ -246,7 +246,7 @@ def memory_devices(detection: dict) -> tuple[list[dict], str]:
 @dataclass(frozen=True)
 class ProfileChoice:
     profile: str
-    exact: bool  # False: nearest by memory; the reason says what differs
+    exact: bool  # False: the nearest profile; the reason says what differs
     reason: str
 
 
@@ -254,8 +254,8 @@ def select_profile(gpus: list[dict], profiles: dict) -> ProfileChoice:
     """Pick the params profile for the detected GPUs.
 
     Exact: the name matches the profile's pattern, memory is within 10% and the count is equal.
-    Otherwise the nearest GPU profile by memory per GPU (then name, then count), with a reason
-    that says what differs. No GPU: `cpu`.
+    Otherwise the nearest GPU profile (no more memory than the GPU has, then the nearest compute peak
+    in the spec table, then memory, name and count), with a reason that says what differs. No GPU: `cpu`.
     """
     if not gpus:
         return ProfileChoice("cpu", True, "no GPU detected")
@@ -275,8 +275,17 @@ def select_profile(gpus: list[dict], profiles: dict) -> ProfileChoice:
             return ProfileChoice(p["profile"], True, f"{detected} matches profile '{p['profile']}'")
     if not candidates:
         return ProfileChoice("cpu", False, f"{detected}, but there is no GPU profile in params/")
-    nearest = min(candidates, key=lambda p: (abs(p["gpu_memory_gib"] - memory_gib), not name_matches(p),
-                                             abs(p["gpu_count"] - count)))
+    spec = spec_for_name(name)
+
+    def nearness(p):
+        # First no more memory than the GPU has (a plan must not count memory that is not there), then the
+        # nearest compute peak (MFU is measured against it: an H100 NVL is nearer an A100 80GB by memory,
+        # whose peak is 37% of its own), then memory, name and count.
+        over = max(0.0, p["gpu_memory_gib"] - 1.1 * memory_gib)
+        peak_gap = abs(p["peak_bf16_tflops"] - spec.peak_bf16_tflops) if spec else 0.0
+        return over, peak_gap, abs(p["gpu_memory_gib"] - memory_gib), not name_matches(p), abs(p["gpu_count"] - count)
+
+    nearest = min(candidates, key=nearness)
     differences = []
     if not name_matches(nearest):
         differences.append(f"its pattern {nearest['gpu_name_pattern']!r} does not match the GPU name")
@@ -285,7 +294,7 @@ def select_profile(gpus: list[dict], profiles: dict) -> ProfileChoice:
     if nearest["gpu_count"] != count:
         differences.append(f"it expects {nearest['gpu_count']} GPU(s); pass --set gpu_count={count}")
     return ProfileChoice(nearest["profile"], False,
-                         f"NO EXACT PROFILE for {detected}: using the nearest by memory, "
+                         f"NO EXACT PROFILE for {detected}: using the nearest, "
                          f"'{nearest['profile']}', but {'; '.join(differences)}. Hardware figures "
                          f"(peaks, bandwidth, price) come from that profile: check them, or add "
                          f"params/<your-gpu>.yaml.")
