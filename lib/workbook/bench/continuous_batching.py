@@ -61,11 +61,11 @@ from transformers import LogitsProcessor
 from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_model
 from workbook.bench.budget import TimeBudget
 from workbook.bench.continuous_report import ARMS, markdown
-from workbook.bench.counting import decode_step_cost
 from workbook.bench.engine_overhead import sample_prompts, timed
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.generation.continuous import ContinuousBackend, stop_manager
 from workbook.planner import plan_generate
+from workbook.planner.formulas import token_cost
 from workbook.planner.paged import continuous_attention, plan_generate_paged
 
 LOGNORMAL_SIGMA = 1.0
@@ -179,16 +179,16 @@ def direct_arm(model, backend: ContinuousBackend, prompts, uneven: bool) -> dict
 def bandwidth_roofline(config, dtype: str, prompts, slots: int, bandwidth_gbs: float | None) -> dict | None:
     """Seconds a purely memory-bound engine needs for ``prompts`` (each to its ``max_new_tokens``)
     with ``slots`` sequences always decoding: each step reads the weights once, each new token its
-    context's KV cache once (``counting.decode_step_cost``; prefill and partly empty last steps left
+    context's KV cache once (``formulas.token_cost``, as the sweep counts; prefill and partly empty last steps left
     out, so it is a lower bound). None without a bandwidth (CPU: no peak in the profile)."""
     if not bandwidth_gbs:
         return None
-    unit = decode_step_cost(config, dtype, 1, 1)  # weights per step; KV bytes per context token
+    unit = token_cost(config, dtype)
     output_tokens = sum(p.max_new_tokens for p in prompts)
     context_reads = sum(len(p.token_ids) * p.max_new_tokens + p.max_new_tokens * (p.max_new_tokens - 1) // 2
                         for p in prompts)
     steps = math.ceil(output_tokens / slots)
-    total = steps * unit.weights_bytes + context_reads * unit.kv_cache_bytes
+    total = steps * unit.weights_bytes + context_reads * unit.kv_bytes_per_token
     return {"seconds": total / (bandwidth_gbs * 1e9), "bytes": total, "decode_steps": steps}
 
 

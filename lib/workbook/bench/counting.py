@@ -8,9 +8,8 @@ import statistics
 
 import torch
 
-from workbook import presets
 from workbook.params import AUTO
-from workbook.planner import BITS_PER_PARAMETER, canonical_dtype, kv_cache_bytes_per_token, model_shape
+from workbook.planner.formulas import token_cost
 
 SEED_BATCH_SIZE = 32  # the seeds' "after": static batches of 32 in file order
 HF_PIPELINE = "hf-pipeline"  # Hugging Face's pipeline("text-generation"): the tool users know, measured beside ours
@@ -32,29 +31,6 @@ class StepCost:
     flops: int  # 2 x matmul parameters per token + attention over the context, all rows
     weights_bytes: int
     kv_cache_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenCost:
-    """What one token costs a model, the numbers every count below is made of."""
-
-    weights_bytes: int  # streamed once per forward (an untied input embedding left out: rows are gathered)
-    kv_bytes_per_token: int  # one context position's keys and values, all layers
-    matmul_flops: int  # per token: 2 per matmul weight (one multiply-add)
-    attention_flops: int  # per token per position attended: 4 x layers x heads x head_dim (scores, weighted values)
-
-
-def token_cost(model, dtype: str) -> TokenCost:
-    """Norms, rotary embeddings and the softmax are left out (well under 1%)."""
-    config = presets.load_config(model) if isinstance(model, str) else model
-    shape = model_shape(config)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
-    streamed = shape.parameters - (0 if tied else shape.vocab_size * shape.hidden_size)
-    matmul = sum(layer.in_features * layer.out_features for layer in shape.linear_layers)
-    return TokenCost(weights_bytes=streamed * BITS_PER_PARAMETER[canonical_dtype(dtype)] // 8,
-                     kv_bytes_per_token=kv_cache_bytes_per_token(shape, dtype), matmul_flops=2 * matmul,
-                     attention_flops=4 * shape.num_layers * shape.query_width)
 
 
 def decode_step_cost(model, dtype: str, batch_size: int, context_tokens: int) -> StepCost:

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from workbook import arithmetic, generation, jsonl, models, notebook, params, runtime, tiny_model
-from workbook.bench.counting import decode_step_cost
 from workbook.bench.generation_sweep import mixed_prompts
+from workbook.planner.formulas import token_cost
 
 ARMS = ("bare", "engine", "sorted")
 
@@ -124,7 +124,7 @@ def weights_read_bound(model_name: str, dtype: str, batch_size: int, bandwidth_g
     memory-bandwidth roofline of batched decoding, KV-cache reads left out)."""
     if not bandwidth_gbs:
         return None
-    weights = decode_step_cost(model_name, dtype, batch_size, 0).weights_bytes  # as the sweep counts them
+    weights = token_cost(model_name, dtype).weights_bytes  # as the sweep counts them
     return batch_size * bandwidth_gbs * 1e9 / weights
 
 

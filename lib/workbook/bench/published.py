@@ -1,6 +1,6 @@
 """What other projects published about the same measurement, set beside the workbook's own: each figure
 with its source and what it measured, and any fraction derived from it computed here, by the same
-counting as the workbook's (``counting.decode_step_cost``, the GPU spec table), never typed in.
+counting as the workbook's (``formulas.token_cost``, the GPU spec table), never typed in.
 
 vLLM's team published two figures for an 8B Llama decoding on one H100 (the shape of the GPU
 reference's generation runs), from which its fraction of the bandwidth roofline follows:
@@ -12,7 +12,7 @@ reference's generation runs), from which its fraction of the bandwidth roofline 
 from __future__ import annotations
 
 from workbook import gpu
-from workbook.bench.counting import decode_step_cost
+from workbook.planner.formulas import token_cost
 
 VLLM_MODEL = "Llama-3.1-8B"  # the preset with Llama 3 8B's shape (only the rotary scaling differs)
 VLLM_GPU = "NVIDIA H100 80GB HBM3"  # the H100 SXM; the posts say H100
@@ -27,7 +27,7 @@ VLLM_FIGURES = (
 def vllm_decode_fractions() -> list[dict]:
     """Each published step time as a fraction of the bandwidth roofline at batch 1: the time to read the
     8B model's bf16 weights once at the H100's datasheet bandwidth, over the published time."""
-    weights = decode_step_cost(VLLM_MODEL, "bf16", 1, 1).weights_bytes
+    weights = token_cost(VLLM_MODEL, "bf16").weights_bytes
     bandwidth = gpu.spec_for_name(VLLM_GPU).memory_bandwidth_gbs * 1e9
     floor = weights / bandwidth
     return [{"what": what, "source": source, "step_seconds": seconds, "roofline_seconds": floor,

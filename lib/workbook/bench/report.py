@@ -55,7 +55,6 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
     training = (training_sweep(params, Path(work_dir), log, on_point=lambda point: on_point("training", point),
                                budget=budget)
                 if params["bench_train_steps"] else None)
-    budget.cancel()  # what follows writes the report
     matmul = tf32_matmul_speedup(device)
     dtype = run_dtype(params, device)
     return {

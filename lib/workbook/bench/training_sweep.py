@@ -266,11 +266,13 @@ def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SWEEP_RECOMPILE_LIMIT)
     tools = [tool for tool in params_module.choice_list(params, "bench_train_baselines") if tool != "none"]
     for point in [p for p in planned if not p["torch_compile"]]:
-        points.append(budget.measure(point, lambda: training_point(params, point, work_dir, log)))
-        on_point(points[-1])
-        for tool in tools if _is_plain(points[-1]) and "tokens_per_second" in points[-1] else ():
-            measured = points[-1]
-            skeleton = {key: measured[key] for key in ("micro_batch_size", *PLAIN)}
+        measured = budget.measure(point, lambda: training_point(params, point, work_dir, log))
+        points.append(measured)
+        on_point(measured)
+        if not (_is_plain(measured) and "tokens_per_second" in measured):
+            continue
+        skeleton = {key: measured[key] for key in ("micro_batch_size", *PLAIN)}
+        for tool in tools:
             baselines.append(budget.measure({**skeleton, "loop": tool},
                                             lambda: baseline_point(params, measured, work_dir, log, tool)))
             on_point(baselines[-1])

@@ -55,6 +55,7 @@ class StaticBackend:
                 compile_config = CompileConfig(mode="default", dynamic=True)
                 compile_config._compile_all_devices = True
                 self.extra["compile_config"] = compile_config
+        self.keeps_cache = compiled and "cache_implementation" not in self.extra
 
     def generate(self, prompts: list[Prompt]) -> BackendOutput:
         input_ids, attention_mask = left_pad([p.token_ids for p in prompts], self.settings.pad_token_id,
@@ -62,7 +63,7 @@ class StaticBackend:
         new_tokens = max(p.max_new_tokens for p in prompts)
         processors = self.logits_processors(prompts) if self.logits_processors is not None else None
         cache = {}
-        if self.name == "static-compiled" and "cache_implementation" not in self.extra:
+        if self.keeps_cache:
             # Room for the job's outputs even on a shorter call (a pilot's two-token warm-up): the next
             # batch then reuses the cache instead of recompiling for a new one. Never past the context.
             context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)

@@ -294,31 +294,23 @@ def run_calibration(out_dir: str | Path, profile_name: str, cases: list[Calibrat
     started, records = time.perf_counter(), []
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    fixed = {  # what every case's rewrite of the record shares, read once
+        "profile": profile_name,
+        "goal": {"median_abs_relative_error": GOAL_MEDIAN_ABS_RELATIVE_ERROR,
+                 "max_abs_relative_error": GOAL_MAX_ABS_RELATIVE_ERROR},
+        "cuda_context_term": (f"{overhead_bytes / GiB:.3f} GiB, the overhead probe's constant" if overhead_bytes is not None
+                              else "each case's own memory outside PyTorch's allocator, measured in its run"),
+        "hardware": gpu.detect(), "versions": gpu.software_versions(), "command": command_line(out_dir, profile_name),
+    }
     for number, case in enumerate(cases, 1):
         records.append(measure_case(case, overhead_bytes=overhead_bytes))
         say(f"[{number}/{len(cases)}] {case.name}: {_case_line(records[-1])}")
         # Written after every case: a run cut at a time limit keeps the cases it measured.
-        result = _result(records, len(cases), profile_name, overhead_bytes, out_dir, started)
+        result = {**fixed, "summary": summarize(records, len(cases)), "cases": records, "cases_planned": len(cases),
+                  "seconds": time.perf_counter() - started}
         (partial := out_dir / f".{RESULT_FILE}").write_text(json.dumps(result, indent=2) + "\n")
         partial.replace(out_dir / RESULT_FILE)  # whole or the last whole one, never half
     return result
-
-
-def _result(records: list[dict], planned: int, profile_name: str, overhead_bytes: int | None, out_dir: Path,
-            started: float) -> dict:
-    return {
-        "profile": profile_name,
-        "goal": {"median_abs_relative_error": GOAL_MEDIAN_ABS_RELATIVE_ERROR,
-                 "max_abs_relative_error": GOAL_MAX_ABS_RELATIVE_ERROR},
-        "summary": summarize(records, planned),
-        "cuda_context_term": (f"{overhead_bytes / GiB:.3f} GiB, the overhead probe's constant" if overhead_bytes is not None
-                              else "each case's own memory outside PyTorch's allocator, measured in its run"),
-        "cases": records, "cases_planned": planned,
-        "hardware": gpu.detect(),
-        "versions": gpu.software_versions(),
-        "command": command_line(out_dir, profile_name),
-        "seconds": time.perf_counter() - started,
-    }
 
 
 def summarize(records: list[dict], planned: int | None = None) -> dict:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from workbook import presets
 from workbook.planner.architectures import (
     DOCUMENT_SDPA, FLEX_ATTENTION, SDPA_BLOCK_MASK, SDPA_MATH, TRAINING_ATTENTIONS, LatentAttention,
     attention_implementation_run,
@@ -56,6 +57,29 @@ def weights_bytes(model: PretrainedConfig | ModelShape | str, dtype: str) -> int
         + scale_bytes
         + kept_in_bf16 * BITS_PER_PARAMETER["bf16"] // 8
     )
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    """What one token costs a model: the numbers the bench's rooflines and the forecast's phases are made of."""
+
+    weights_bytes: int  # streamed once per forward (an untied input embedding left out: rows are gathered)
+    kv_bytes_per_token: int  # one context position's keys and values, all layers
+    matmul_flops: int  # per token: 2 per matmul weight (one multiply-add)
+    attention_flops: int  # per token per position attended: 4 x layers x heads x head_dim (scores, weighted values)
+
+
+def token_cost(model: PretrainedConfig | str, dtype: str) -> TokenCost:
+    """Norms, rotary embeddings and the softmax are left out (well under 1%)."""
+    config = presets.load_config(model) if isinstance(model, str) else model
+    shape = model_shape(config)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    tied = bool(getattr(text, "tie_word_embeddings", getattr(config, "tie_word_embeddings", False)))
+    streamed = shape.parameters - (0 if tied else shape.vocab_size * shape.hidden_size)
+    matmul = sum(layer.in_features * layer.out_features for layer in shape.linear_layers)
+    return TokenCost(weights_bytes=streamed * BITS_PER_PARAMETER[canonical_dtype(dtype)] // 8,
+                     kv_bytes_per_token=kv_cache_bytes_per_token(shape, dtype), matmul_flops=2 * matmul,
+                     attention_flops=4 * shape.num_layers * shape.query_width)
 
 
 def kv_cache_bytes_per_token(model: PretrainedConfig | ModelShape | str, dtype: str) -> int:
