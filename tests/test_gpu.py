@@ -113,7 +113,7 @@ def test_each_gpu_profile_is_chosen_exactly_for_its_gpu_and_agrees_with_the_spec
 def test_gpus_without_an_exact_profile_get_the_nearest_loudly():
     profiles = params.load_all()
     four = gpu.select_profile(fake_gpus("NVIDIA H100 80GB HBM3", 4, 81559), profiles)
-    assert four.profile == "h100" and not four.exact and "--set gpu_count=4" in four.reason
+    assert four.profile == "h100" and not four.exact and "expects 1 GPU(s)" in four.reason
     pcie_gpus = fake_gpus("NVIDIA H100 PCIe", 1, 81559)
     pcie = gpu.select_profile(pcie_gpus, profiles)
     assert pcie.profile == "h100" and not pcie.exact and "NO EXACT PROFILE" in pcie.reason
@@ -128,6 +128,43 @@ def test_gpus_without_an_exact_profile_get_the_nearest_loudly():
     small = gpu.select_profile(fake_gpus("NVIDIA GeForce RTX 4090", 1, 24564), profiles)
     assert profiles[small.profile]["gpu_memory_gib"] == min(p["gpu_memory_gib"] for p in profiles.values()
                                                             if p["gpu_count"])
+
+
+def test_auto_runs_the_nearest_profile_with_the_detected_gpus_own_figures(monkeypatch):
+    # An H100 PCIe under 'h100' used to measure MFU and the roofline against the SXM's 989 TFLOP/s and
+    # 3.35 TB/s: its own are 756.5 and 2.0 (a third off both). The profile's run settings stay; --set wins.
+    from workbook import runner
+    gpus = fake_gpus("NVIDIA H100 PCIe", 2, 81559)
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": gpus})
+    said = []
+    loaded, path, _ = runner.resolve_params("auto", ["memory_bandwidth_gbs=1900"], log=said.append)
+    assert path.endswith("h100.yaml") and loaded["profile"] == "h100"
+    assert (loaded["peak_bf16_tflops"], loaded["peak_fp16_tflops"], loaded["gpu_count"]) == (756.5, 756.5, 2)
+    assert loaded["memory_bandwidth_gbs"] == 1900 and loaded["gpu_memory_gib"] == 79.6
+    assert loaded["max_new_tokens"] == params.load(PARAMS_DIR / "h100.yaml")["max_new_tokens"]
+    assert any("spec table for H100 PCIe" in line for line in said)
+    assert gpu.profile_mismatches({**loaded, "memory_bandwidth_gbs": 2000}, gpus) == []
+
+    # Not in the spec table: count and memory are the driver's; no other GPU's peaks stand in for its own.
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": fake_gpus("NVIDIA B200", 1, 183359)})
+    said.clear()
+    loaded = runner.resolve_params("auto", ["peak_fp16_tflops=2250"], log=said.append)[0]
+    assert loaded["profile"] == "h200" and loaded["gpu_memory_gib"] == 179.1
+    assert (loaded["peak_bf16_tflops"], loaded["memory_bandwidth_gbs"], loaded["peak_fp16_tflops"]) == (0, 0, 2250)
+    assert any("not in the spec table" in line and "--set peak_bf16_tflops=" in line for line in said)
+
+    # An exact match keeps its profile untouched.
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": fake_gpus("NVIDIA H100 80GB HBM3", 1, 81559)})
+    assert runner.resolve_params("auto", [], log=said.append)[0] == params.load(PARAMS_DIR / "h100.yaml")
+
+
+def test_a_gpu_without_bf16_under_a_bf16_profile_runs_fp16(monkeypatch):
+    from workbook import runner
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": fake_gpus("Tesla T4", 1, 15360, capability=(7, 5))})
+    said = []
+    loaded = runner.resolve_params("auto", [], log=said.append)[0]
+    assert loaded["gpu_count"] == 1 and not loaded["supports_bf16"]
+    assert loaded["dtype"] in ("fp16", "fp32") and "NO EXACT PROFILE" in said[0]
 
 
 def test_spec_table_covers_the_common_rental_gpus_with_sources():

@@ -292,12 +292,33 @@ def select_profile(gpus: list[dict], profiles: dict) -> ProfileChoice:
     if not memory_matches(nearest):
         differences.append(f"it expects {nearest['gpu_memory_gib']:g} GiB per GPU")
     if nearest["gpu_count"] != count:
-        differences.append(f"it expects {nearest['gpu_count']} GPU(s); pass --set gpu_count={count}")
+        differences.append(f"it expects {nearest['gpu_count']} GPU(s)")
     return ProfileChoice(nearest["profile"], False,
                          f"NO EXACT PROFILE for {detected}: using the nearest, "
-                         f"'{nearest['profile']}', but {'; '.join(differences)}. Hardware figures "
-                         f"(peaks, bandwidth, price) come from that profile: check them, or add "
-                         f"params/<your-gpu>.yaml.")
+                         f"'{nearest['profile']}', but {'; '.join(differences)}. Its run settings and "
+                         f"price apply; add params/<your-gpu>.yaml to choose them for this GPU.")
+
+
+def hardware_overrides(gpus: list[dict]) -> tuple[dict, str]:
+    """The detected GPUs' own hardware facts as params keys, and where each came from.
+
+    Laid over the nearest profile when none matches exactly: an H100 PCIe run under 'h100' must
+    measure MFU and the roofline against its own 756 TFLOP/s and 2.0 TB/s, not the SXM's. Count,
+    memory and bf16/TF32 support are the driver's readings; peaks and bandwidth come from the spec
+    table; where the table lacks the GPU they are 0 ("not measured against": MFU and roofline figures
+    read n/a) rather than another GPU's, and the description says which keys to set.
+    """
+    first = gpus[0]
+    overrides = {"gpu_count": len(gpus), "gpu_memory_gib": round(first["memory_total_bytes"] / GiB, 1),
+                 "supports_bf16": first["supports_bf16"], "supports_tf32": first["supports_tf32"]}
+    spec = first["spec"] or {}
+    for key in ("peak_bf16_tflops", "peak_fp16_tflops", "memory_bandwidth_gbs"):
+        overrides[key] = spec.get(key, 0.0)
+    if spec:
+        return overrides, f"the driver (count, memory, bf16/TF32) and the spec table for {spec['name']} ({spec['source']})"
+    return overrides, (f"the driver (count, memory, bf16/TF32); {first['name']} is not in the spec table, so its peaks "
+                       "are unknown (0: MFU and roofline n/a): --set peak_bf16_tflops=, peak_fp16_tflops=, "
+                       "memory_bandwidth_gbs= from its datasheet")
 
 
 def profile_mismatches(params, gpus: list[dict]) -> list[str]:

@@ -64,18 +64,28 @@ def resolve_params(params_arg: str, overrides: list[str], log=print) -> tuple[pa
     """Load the profile named by `--params` ('auto', a name, or a file), then apply `--set` overrides.
 
     Returns (params, params file, detection or None). 'auto' detects the GPUs and says loudly
-    when no profile matches exactly.
+    when no profile matches exactly; the nearest profile then runs with the detected GPU's own
+    hardware facts (`gpu.hardware_overrides`), and `--set` still overrides those.
     """
     detection = None
+    hardware = {}
     if params_arg == "auto":
         detection = gpu.detect()
         choice = gpu.select_profile(detection["gpus"], params_module.load_all())
         log(("profile: " if choice.exact else "WARNING: ") + choice.reason)
         path = params_module.profile_path(choice.profile)
+        if not choice.exact and detection["gpus"]:
+            hardware, source = gpu.hardware_overrides(detection["gpus"])
+            log("hardware figures from " + source + ": "
+                + ", ".join(f"{key}={value}" for key, value in hardware.items()))
     else:
         path = params_module.profile_path(params_arg)
     loaded = params_module.load(path)
-    return params_module.apply_overrides(loaded, params_module.parse_overrides(overrides)), str(path), detection
+    if hardware and loaded["dtype"] == "bf16" and not hardware["supports_bf16"]:
+        hardware["dtype"] = "fp16"  # the profile's bf16 cannot run here: fp16 is this GPU's half precision
+        log("dtype=fp16: this GPU has no bf16")
+    merged = {**hardware, **params_module.parse_overrides(overrides)}
+    return params_module.apply_overrides(loaded, merged), str(path), detection
 
 
 def git_state() -> dict:
