@@ -52,6 +52,16 @@ def test_a_pass_is_counted_prompt_by_prompt_and_step_by_step():
     assert whole.decode_flops == 2 * MATMUL * 3 * 2 + attention * attended
     # A batch size above the prompts forms one batch of them all, as the pass does.
     assert bench.pass_cost(CONFIG, "bf16", [3, 5, 4], batch_size=32, new_tokens=3).decode_steps == 2
+    # Outputs that ended at end of sequence (3, 1 and 4 tokens): each row counts its own steps; static batches
+    # of 2 put the longest together (4 and 3 tokens: 3 steps; then 1 token: none), refilled slots pack them.
+    uneven = bench.pass_cost(CONFIG, "bf16", [3, 5, 4], batch_size=2, new_tokens=[3, 1, 4])
+    attended = (3 + 1) + (3 + 2) + (4 + 1) + (4 + 2) + (4 + 3)
+    assert uneven.decode_steps == 3 and uneven.prefill_flops == whole.prefill_flops
+    assert uneven.decode_bytes == 3 * step.weights_bytes + KV_PER_TOKEN_BF16 * attended
+    assert uneven.decode_flops == 2 * MATMUL * 5 + attention * attended
+    assert bench.pass_cost(CONFIG, "bf16", [3, 5, 4], 2, [3, 1, 4], refill=True).decode_steps == 3  # its longest row
+    assert bench.pass_cost(CONFIG, "bf16", [3, 5, 4], 2, [3, 3, 4], refill=True).decode_steps == 4  # ceil(7 / 2)
+    assert bench.pass_cost(CONFIG, "bf16", [3, 5, 4], 2, [3, 3, 4]).decode_steps == 5  # batches: 4+3 then 3
 
 
 def test_a_pass_beside_its_roofline_counts_prefill_at_the_compute_peak_and_decode_at_the_bandwidth():

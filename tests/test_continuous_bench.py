@@ -3,9 +3,11 @@ figures the GPU run is for (tokens/s, peak memory, roofline fraction), and its t
 
 import json
 
+import pytest
+
 from workbook.bench import continuous_batching
 
-TINY_RUN = ["--examples", "6", "--max-new-tokens", "4", "--threads", "1", "--bandwidth-gbs", "10"]
+TINY_RUN = ["--examples", "6", "--max-new-tokens", "4", "--threads", "1", "--bandwidth-gbs", "10", "--peak-tflops", "1"]
 
 
 def test_every_arm_computes_the_same_tokens_and_the_report_has_the_gpu_figures(tmp_path, tiny_model_path):
@@ -20,7 +22,15 @@ def test_every_arm_computes_the_same_tokens_and_the_report_has_the_gpu_figures(t
         assert all(1 <= size <= 6 for size in result["batch_size"].values())  # planned in 2 GiB, one per prompt
         for arm in continuous_batching.ARMS:
             assert result["output_tokens_per_second"][arm] > 0 and result["peak_memory_bytes"][arm] >= 0
-            assert result["bandwidth_roofline_fraction"][arm] > 0
+            roofline = result["roofline_seconds"][arm]
+            assert result["roofline_fraction"][arm] > 0 and roofline["prefill"] > 0
+            assert roofline["total"] == pytest.approx(roofline["prefill"] + roofline["decode"], rel=0.01)
+        # The manager's start (once per job) is timed apart, so a short benchmark can be read without it.
+        starts = result["manager_start_seconds"]
+        assert starts["static-sorted"] is None and starts["continuous"] > 0
+        # Direct: timed where it starts its own manager (uneven); one generate_batch call hides it (full).
+        assert (starts["direct"] is None) == (result["workload"] == "full")
+        assert result["continuous_vs_static_after_start"] >= result["continuous_vs_static"]
     text = (tmp_path / "continuous_batching.md").read_text()
     assert "Hardware: " in text and "load average" in text and "--memory-gib 2" in text
     assert "Beside vLLM's published figures" in text  # issue 19: the fraction set beside vLLM's, not by hand

@@ -33,9 +33,10 @@ in that budget (static: ``planner.plan_generate``, dense cache; continuous and d
 
 Peak memory on CPU is the process's resident memory, sampled every 10 ms, above its level before
 the arm, beside the planner's terms beyond the weights; on a GPU the device's peak after a reset.
-The bandwidth roofline (``bandwidth_roofline``) is the time a purely memory-bound engine would take
-for the same tokens with the arm's batch always full, at the GPU spec table's bandwidth (or
-``--bandwidth-gbs``); each arm's fraction of it is that time over its measured median.
+The roofline (``roofline``) is the least time an engine with the arm's batch always full needs for the
+same tokens (``counting.pass_cost`` with refilled slots: prefill at the compute peak, decode at the
+bandwidth), at the GPU spec table's peaks (or ``--bandwidth-gbs``, ``--peak-tflops``); each arm's
+fraction of it is that time over its measured median.
 ``--time-budget-seconds`` stops the run in time: a repeat that would not fit is skipped, and at the
 deadline the run stops, writes what it measured (``stopped`` says where) and exits with 3.
 """
@@ -60,12 +61,12 @@ from transformers import LogitsProcessor
 
 from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_model
 from workbook.bench.budget import TimeBudget
+from workbook.bench.counting import pass_cost
 from workbook.bench.continuous_report import ARMS, markdown
 from workbook.bench.engine_overhead import sample_prompts, timed
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.generation.continuous import ContinuousBackend, stop_manager
 from workbook.planner import plan_generate
-from workbook.planner.formulas import token_cost
 from workbook.planner.paged import continuous_attention, plan_generate_paged
 
 LOGNORMAL_SIGMA = 1.0
@@ -131,6 +132,8 @@ def engine_arm(backend, prompts, folder: Path, device) -> dict:
     """The job's path: run_batches with records appended as the job appends them."""
     path = folder / f"arm-{time.perf_counter_ns()}.jsonl"
     first: list[float] = []
+    starts = getattr(backend, "start_seconds", None)  # the continuous backend's manager starts
+    earlier = len(starts) if starts is not None else 0
     with jsonl.LineAppender(path, getattr(backend, "fsync_every", None)) as appender:
         began = time.perf_counter()
 
@@ -145,7 +148,8 @@ def engine_arm(backend, prompts, folder: Path, device) -> dict:
     path.unlink()
     summary = generation.summarize(batches, time.perf_counter() - began)
     return {"output_tokens": summary["output_tokens"], "padding_waste": summary["padding_waste"],
-            "first_result_seconds": first[0] if first else None, "failed": summary["failed"]}
+            "first_result_seconds": first[0] if first else None, "failed": summary["failed"],
+            "start_seconds": sum(starts[earlier:]) if starts is not None else None}
 
 
 def direct_arm(model, backend: ContinuousBackend, prompts, uneven: bool) -> dict:
@@ -157,9 +161,13 @@ def direct_arm(model, backend: ContinuousBackend, prompts, uneven: bool) -> dict
         results = model.generate_batch([p.token_ids for p in prompts], progress_bar=False,
                                        **backend.manager_arguments(limit, longest, new_tokens, hints=False))
         outputs = [len(result.generated_tokens) for result in results.values()]
-        return {"output_tokens": sum(outputs), "first_result_seconds": None, "failed": len(prompts) - len(outputs)}
+        return {"output_tokens": sum(outputs), "first_result_seconds": None, "failed": len(prompts) - len(outputs),
+                "start_seconds": None}  # inside generate_batch: not separable
     manager = model.init_continuous_batching(**backend.manager_arguments(limit, longest, new_tokens))
+    if callable(getattr(manager, "warmup", None)):
+        manager.warmup()  # as generate_batch and the backend do: CUDA graphs captured before the first request
     manager.start()
+    start_seconds = time.perf_counter() - began
     first, outputs = None, []
     try:
         for prompt in prompts:
@@ -173,23 +181,8 @@ def direct_arm(model, backend: ContinuousBackend, prompts, uneven: bool) -> dict
                 outputs.append(len(result.generated_tokens))
     finally:  # a time budget's end leaves requests in flight: stopped at once, not generated to their end
         stop_manager(manager, hard=len(outputs) < len(prompts))
-    return {"output_tokens": sum(outputs), "first_result_seconds": first, "failed": len(prompts) - len(outputs)}
-
-
-def bandwidth_roofline(config, dtype: str, prompts, slots: int, bandwidth_gbs: float | None) -> dict | None:
-    """Seconds a purely memory-bound engine needs for ``prompts`` (each to its ``max_new_tokens``)
-    with ``slots`` sequences always decoding: each step reads the weights once, each new token its
-    context's KV cache once (``formulas.token_cost``, as the sweep counts; prefill and partly empty last steps left
-    out, so it is a lower bound). None without a bandwidth (CPU: no peak in the profile)."""
-    if not bandwidth_gbs:
-        return None
-    unit = token_cost(config, dtype)
-    output_tokens = sum(p.max_new_tokens for p in prompts)
-    context_reads = sum(len(p.token_ids) * p.max_new_tokens + p.max_new_tokens * (p.max_new_tokens - 1) // 2
-                        for p in prompts)
-    steps = math.ceil(output_tokens / slots)
-    total = steps * unit.weights_bytes + context_reads * unit.kv_bytes_per_token
-    return {"seconds": total / (bandwidth_gbs * 1e9), "bytes": total, "decode_steps": steps}
+    return {"output_tokens": sum(outputs), "first_result_seconds": first, "failed": len(prompts) - len(outputs),
+            "start_seconds": start_seconds}
 
 
 def arm_batch_sizes(config, dtype: str, prompts, batch_size: int, memory_gib: float | None) -> dict[str, int]:
@@ -210,7 +203,7 @@ def arm_batch_sizes(config, dtype: str, prompts, batch_size: int, memory_gib: fl
 
 
 def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folder, log, budget: TimeBudget,
-                 bandwidth_gbs: float | None) -> dict:
+                 peaks: tuple[float | None, float | None]) -> dict:
     device = model.device
     new_tokens = max(p.max_new_tokens for p in prompts)
     static = static_backend(model, generation.DecodingSettings(new_tokens, eos_ids, pad), batch_sizes["static-sorted"])
@@ -258,7 +251,10 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
                     gpu_memory_bytes=psutil.virtual_memory().total, dtype=dtype, overhead_bytes=0,
                     fragmentation_fraction=0.0, attn_implementation=attention)
         planned[arm] = made.total_bytes - (made.weights_bytes if device.type == "cpu" else 0)
-    roofline = {arm: bandwidth_roofline(config, dtype, prompts, batch_sizes[arm], bandwidth_gbs) for arm in arms}
+    # Each arm beside the least time an engine with its batch always full needs for the same tokens.
+    prompt_lengths = [len(p.token_ids) for p in prompts]
+    roofline = {arm: pass_cost(config, dtype, prompt_lengths, batch_sizes[arm], lengths, refill=True
+                               ).roofline_seconds(*peaks) for arm in arms}
     return {
         "workload": name,
         "examples": len(prompts),
@@ -275,12 +271,16 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
         "first_result_seconds": {arm: details[arm]["first_result_seconds"] for arm in arms},
         "continuous_vs_static": _ratio(median, "static-sorted", "continuous"),
         "continuous_vs_direct": _ratio(median, "direct", "continuous"),
+        # The manager's start (paged cache, CUDA graphs) is paid once per job: a long job amortizes it.
+        "manager_start_seconds": {arm: details[arm]["start_seconds"] for arm in arms},
+        "continuous_vs_static_after_start": _ratio(
+            {arm: median[arm] - (details[arm]["start_seconds"] or 0) for arm in arms}, "static-sorted", "continuous"),
         "failed": {arm: details[arm]["failed"] for arm in arms},
         "peak_memory_bytes": {arm: memory[arm] for arm in arms},
         "planned_bytes": planned,
-        "bandwidth_roofline_seconds": {arm: r and float(f"{r['seconds']:.3g}") for arm, r in roofline.items()},
-        "bandwidth_roofline_fraction": {arm: r and float(f"{r['seconds'] / median[arm]:.3g}")
-                                        for arm, r in roofline.items()},
+        "roofline_seconds": {arm: r and {phase: float(f"{value:.3g}") for phase, value in r.items()}
+                             for arm, r in roofline.items()},
+        "roofline_fraction": {arm: r and float(f"{r['total'] / median[arm]:.3g}") for arm, r in roofline.items()},
         "paged_layout": vars(continuous.layout) if continuous.layout else None,
         "continuous_attention": continuous.attention,
     }
@@ -298,14 +298,21 @@ def hardware(device: torch.device) -> str:
     return f"{cpu['model']}, {cpu['usable_cores']} usable of {cpu['logical_cores']} logical cores"
 
 
-def default_bandwidth_gbs(device: torch.device) -> tuple[float | None, str]:
-    """The GPU spec table's bandwidth for this GPU (one place for GPU specs); none on CPU."""
-    if device.type != "cuda":
-        return None, "none on CPU (no peak to compare with; --bandwidth-gbs gives one)"
-    spec = gpu.spec_for_name(torch.cuda.get_device_name(device))
-    if spec is None:
-        return None, f"{torch.cuda.get_device_name(device)} is not in the GPU spec table; pass --bandwidth-gbs"
-    return spec.memory_bandwidth_gbs, f"{spec.memory_bandwidth_gbs:g} GB/s, the GPU spec table's ({spec.source})"
+def roofline_peaks(device: torch.device, dtype: str, bandwidth_gbs: float | None, peak_tflops: float | None
+                   ) -> tuple[tuple[float | None, float | None], str]:
+    """(bandwidth GB/s, dense TFLOP/s for ``dtype``) of the roofline, and where they come from: the
+    arguments, else the GPU spec table (one place for GPU specs); none on CPU."""
+    spec = gpu.spec_for_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    table = {"bf16": spec.peak_bf16_tflops, "fp16": spec.peak_fp16_tflops}.get(dtype) if spec else None
+    bandwidth, peak = bandwidth_gbs or (spec and spec.memory_bandwidth_gbs), peak_tflops or table
+    if not (bandwidth and peak):
+        return (None, None), (f"n/a: no {'bandwidth' if not bandwidth else dtype + ' compute peak'} for "
+                              f"{hardware(device)} (--bandwidth-gbs and --peak-tflops give them)")
+    sources = [f"{bandwidth:g} GB/s" + (" (--bandwidth-gbs)" if bandwidth_gbs else ""),
+               f"{peak:g} TFLOP/s {dtype}" + (" (--peak-tflops)" if peak_tflops else "")]
+    if spec and not (bandwidth_gbs and peak_tflops):
+        sources.append(f"the GPU spec table's {spec.name} ({spec.source})")
+    return (bandwidth, peak), ", ".join(sources)
 
 
 def parse_arguments(argv):
@@ -325,6 +332,8 @@ def parse_arguments(argv):
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--bandwidth-gbs", type=float, help="memory bandwidth for the roofline (default: the GPU "
                         "spec table's for this GPU; none on CPU)")
+    parser.add_argument("--peak-tflops", type=float, help="dense compute peak for --dtype, for the roofline's prefill "
+                        "(default: the GPU spec table's; none on CPU)")
     parser.add_argument("--time-budget-seconds", type=float, help="stop within this many seconds of the start, "
                         "writing what was measured (default: no limit)")
     parser.add_argument("--out", help="results folder (default: a new outputs/<timestamp>-continuous-bench-<device>/)")
@@ -351,14 +360,13 @@ def main(argv: list[str] | None = None) -> int:
             base = mixed_prompts(model.config.vocab_size, args.examples, tuple(args.prompt_tokens),
                                  args.max_new_tokens)
         batch_sizes = arm_batch_sizes(model.config, args.dtype, base, args.batch_size, args.memory_gib)
-        bandwidth, bandwidth_source = ((args.bandwidth_gbs, f"{args.bandwidth_gbs:g} GB/s (--bandwidth-gbs)")
-                                       if args.bandwidth_gbs else default_bandwidth_gbs(device))
+        peaks, peaks_source = roofline_peaks(device, args.dtype, args.bandwidth_gbs, args.peak_tflops)
         lengths = {"full": [args.max_new_tokens] * len(base), "uneven": drawn_lengths(len(base), args.max_new_tokens)}
         with tempfile.TemporaryDirectory(dir=out) as folder:
             for name in args.workloads.split(","):
                 prompts = [generation.Prompt(p.index, p.token_ids, length) for p, length in zip(base, lengths[name])]
                 results.append(run_workload(name, model, prompts, eos_ids, pad, batch_sizes, args.repeats,
-                                            Path(folder), print, budget, bandwidth))
+                                            Path(folder), print, budget, peaks))
                 if results[-1]["stopped_by_budget"]:
                     break
     except KeyboardInterrupt:
@@ -389,10 +397,10 @@ def main(argv: list[str] | None = None) -> int:
                              if args.memory_gib else f"--batch-size {args.batch_size} for every arm"),
         "peak_memory_measured_as": "resident memory above its level before the arm, sampled every 10 ms (CPU)"
         if device.type == "cpu" else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
-        "bandwidth_roofline": "n/a" if stopped and not results else (
-            f"{bandwidth_source}; the time a purely memory-bound engine needs for the same tokens with the arm's batch "
-            "always full (weights read once per step, each token's context once; prefill left out), over the arm's "
-            "median"),
+        "roofline": "n/a" if stopped and not results else (
+            f"{peaks_source}; the least time an engine with the arm's batch always full needs for the same tokens "
+            "(counting.pass_cost, refilled slots: prefill at the compute peak, decode steps reading the weights once "
+            "and each token's context once at the bandwidth), over the arm's median"),
         "stopped": stopped,
         "command": "python -m workbook.bench.continuous_batching " + " ".join(sys.argv[1:] if argv is None else argv),
         "results": results,

@@ -66,26 +66,37 @@ class PassCost:
         return {"prefill": prefill, "decode": decode, "total": prefill + decode}
 
 
-def pass_cost(model, dtype: str, prompt_lengths: list[int], batch_size: int, new_tokens: int) -> PassCost:
-    """Every prompt (of ``prompt_lengths`` tokens) gets ``new_tokens``, ``batch_size`` rows a batch
-    (fewer in the last). Prefill: each prompt's real tokens through the matmuls and causal
-    attention (half the square of its length), which also gives the first new token; then
-    ``new_tokens - 1`` decode steps per batch, the step after k new tokens attending prompt + k
-    positions. The counts do not depend on how prompts are grouped, but for the weights read once
-    per batch and per step; batches of the rows a pass really forms, not a batch size larger than
-    its prompts."""
+def pass_cost(model, dtype: str, prompt_lengths: list[int], batch_size: int, new_tokens: int | list[int], *,
+              refill: bool = False) -> PassCost:
+    """Every prompt (of ``prompt_lengths`` tokens) gets ``new_tokens`` (one count for all, or each
+    prompt's own: outputs that ended at end of sequence), ``batch_size`` rows a batch. Prefill: each
+    prompt's real tokens through the matmuls and causal attention (half the square of its length),
+    which also gives the first new token; then each row's ``new_tokens - 1`` decode steps, the step
+    after k new tokens attending prompt + k positions. Every step reads the weights once: static
+    batches (the longest outputs together, fewer rows in the last) take their longest row's steps;
+    with ``refill`` (continuous batching) a finished row's slot is refilled at once, so the rows'
+    steps are packed ``batch_size`` a step. Either way the least an engine of that batch must do, not a
+    batch size larger than its prompts."""
     unit = token_cost(model, dtype)
-    batches = -(-len(prompt_lengths) // batch_size)
-    tokens, squares = sum(prompt_lengths), sum(length * length for length in prompt_lengths)
-    steps = max(new_tokens - 1, 0)
+    rows = len(prompt_lengths)
+    outputs = [new_tokens] * rows if isinstance(new_tokens, int) else list(new_tokens)
+    if len(outputs) != rows:
+        raise ValueError(f"{len(outputs)} output lengths for {rows} prompts")
+    steps = [max(output - 1, 0) for output in outputs]
     # Positions attended over a row's decode steps: (prompt + 1) + ... + (prompt + steps).
-    attended = steps * tokens + len(prompt_lengths) * steps * (steps + 1) // 2
+    attended = sum(length * step + step * (step + 1) // 2 for length, step in zip(prompt_lengths, steps))
+    if refill:
+        decode_steps = max(-(-sum(steps) // batch_size), max(steps, default=0))
+    else:
+        longest_first = sorted(steps, reverse=True)
+        decode_steps = sum(longest_first[::batch_size])  # each batch's longest row
+    squares = sum(length * length for length in prompt_lengths)
     return PassCost(
-        prefill_flops=unit.matmul_flops * tokens + unit.attention_flops * squares // 2,
-        prefill_bytes=batches * unit.weights_bytes,
-        decode_flops=unit.matmul_flops * steps * len(prompt_lengths) + unit.attention_flops * attended,
-        decode_bytes=batches * steps * unit.weights_bytes + unit.kv_bytes_per_token * attended,
-        decode_steps=batches * steps)
+        prefill_flops=unit.matmul_flops * sum(prompt_lengths) + unit.attention_flops * squares // 2,
+        prefill_bytes=-(-rows // batch_size) * unit.weights_bytes,
+        decode_flops=unit.matmul_flops * sum(steps) + unit.attention_flops * attended,
+        decode_bytes=decode_steps * unit.weights_bytes + unit.kv_bytes_per_token * attended,
+        decode_steps=decode_steps)
 
 
 def peak_tflops(params, dtype: str) -> float:

@@ -185,7 +185,12 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
     tokens_per_second = [run["output_tokens"] / run["seconds"] for run in runs]
     rows = min(batch, len(setup.prompts))  # the batches the pass formed: a batch size above the prompts is not run
     lengths = [len(p.token_ids) for p in setup.prompts]
-    whole = pass_cost(setup.model.config, dtype, lengths, rows, setup.settings.max_new_tokens)
+    # The roofline of the tokens the pass made: a row that ended at end of sequence (continuous batching
+    # ignores min_new_tokens) is judged at its own length, and a continuous point refills its slots.
+    made = median_run["completions"]
+    ran = [p for p in setup.prompts if p.index in made]
+    whole = pass_cost(setup.model.config, dtype, [len(p.token_ids) for p in ran], rows,
+                      [len(made[p.index].token_ids) for p in ran], refill=point["backend"] == "continuous")
     try:
         predicted = profile.plan(params, mode="generate", model=setup.model_name, batch_size=rows,
                                  prompt_len=max(lengths), max_new_tokens=setup.settings.max_new_tokens,

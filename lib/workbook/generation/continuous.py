@@ -61,6 +61,9 @@ class ContinuousBackend:
         # The attention the last manager ran: transformers switches sdpa to flash where it is installed; sdpa
         # takes one dense mask over every request in flight (a step of n decoding requests costs n^2).
         self.attention: str | None = None
+        # Seconds each manager took to start (paged cache allocated, CUDA graphs captured): paid once per
+        # job, so a benchmark of a few hundred prompts states it beside the pass it is part of.
+        self.start_seconds: list[float] = []
 
     # ------------------------------------------------------------------------------------------
     # The whole job as one stream.
@@ -168,6 +171,7 @@ class ContinuousBackend:
 
     def _start(self, limit: int, prompt_tokens: int, new_tokens: int):
         """A started manager with ``limit`` requests in flight and the planner's paged cache."""
+        began = time.perf_counter()
         manager = self.model.init_continuous_batching(**self.manager_arguments(limit, prompt_tokens, new_tokens))
         attention = getattr(self.model.config, "_attn_implementation", None)
         # transformers 5.17 names the paged kernels "paged|sdpa", "paged|flash_attention_2"; later releases
@@ -176,6 +180,7 @@ class ContinuousBackend:
         if callable(getattr(manager, "warmup", None)) and not getattr(manager, "warmed_up", True):
             manager.warmup()  # as generate_batch does: CUDA graphs captured before the first request
         manager.start()
+        self.start_seconds.append(time.perf_counter() - began)
         return manager
 
     def manager_arguments(self, limit: int, prompt_tokens: int, new_tokens: int, *, hints: bool = True) -> dict:
