@@ -688,3 +688,18 @@ def test_a_run_too_short_to_leave_out_its_warm_up_steps_says_its_figure_is_not_a
     assert "not a steady state" in report.throughput(steps, config, 1, on_gpu=False)["what"]
     longer = report.throughput(steps * 4, config, 1, on_gpu=False)
     assert "left out of the steady-state figure" in longer["what"] and longer["tokens_per_second"] == 100.0
+
+
+def test_an_auto_micro_batch_leaves_the_run_its_warm_up(tmp_path, tiny_model_path):
+    # The tiny model fits thousands of rows: 'auto' once took them all, one optimizer step, and a run whose
+    # learning rate never left its warm-up (warmup_steps 20 on the GPU profiles).
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"input": f"Question {i}?", "output": "x" * 5} for i in range(60)])
+    config = make_config(tmp_path, path, use_chat_template=False, padding="length_grouped", micro_batch_size="auto",
+                         max_steps=0, epochs=2, warmup_steps=9)
+    prepared = training.prepare_data(config)
+    run = training.plan_run(config, prepared)
+    assert (run.micro_batch_size, run.steps_per_epoch, run.total_steps) == (12, 5, 10)
+    assert "capped at 12 so that the 2 epoch(s) of 60 rows give at least warmup_steps + 1 = 10" in run.micro_batch_rule
+    # A run max_steps decides needs one step an epoch (the loader goes round again).
+    fixed = training.plan_run(dataclasses.replace(config, max_steps=3), prepared)
+    assert fixed.micro_batch_size == 60 and "an epoch (60 rows) has an optimizer step" in fixed.micro_batch_rule

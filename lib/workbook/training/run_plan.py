@@ -87,12 +87,15 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
     rows = batches.plan_rows(lengths, config.padding, prepared.max_seq_length)
     if config.micro_batch_size == AUTO:
         fits, fits_rule = largest_micro_batch(config, prepared.max_seq_length)
-        # Never so large that an epoch has no optimizer step (the tiny model on an H200 fits ~10^5 rows).
-        one_step = max(1, len(rows) // (config.gradient_accumulation_steps * processes))
-        micro = min(fits, one_step)
-        micro_rule = (f"auto: {fits_rule}"
-                      + (f", capped at {micro} so that an epoch ({len(rows)} rows) has an optimizer step"
-                         if micro < fits else ""))
+        # Never so large that the data runs out of optimizer steps (the tiny model on an H200 fits ~10^5
+        # rows): each epoch at least one, and a run that epochs decide at least warmup_steps + 1 in all,
+        # so its learning rate leaves the warm-up and reaches its peak.
+        needed = 1 if config.max_steps > 0 else max(1, math.ceil((config.warmup_steps + 1) / config.epochs))
+        micro = min(fits, max(1, len(rows) // (config.gradient_accumulation_steps * processes * needed)))
+        reason = (f"an epoch ({len(rows)} rows) has an optimizer step" if needed == 1 else
+                  f"the {config.epochs} epoch(s) of {len(rows)} rows give at least warmup_steps + 1 = "
+                  f"{config.warmup_steps + 1} optimizer steps")
+        micro_rule = f"auto: {fits_rule}" + (f", capped at {micro} so that {reason}" if micro < fits else "")
     else:
         micro, micro_rule = int(config.micro_batch_size), "set in params"
     first_epoch = batches.epoch_micro_batches(rows, lengths, config.padding, micro_batch_size=micro,
