@@ -703,3 +703,22 @@ def test_an_auto_micro_batch_leaves_the_run_its_warm_up(tmp_path, tiny_model_pat
     # A run max_steps decides needs one step an epoch (the loader goes round again).
     fixed = training.plan_run(dataclasses.replace(config, max_steps=3), prepared)
     assert fixed.micro_batch_size == 60 and "an epoch (60 rows) has an optimizer step" in fixed.micro_batch_rule
+
+
+def test_accuracy_checks_of_a_packed_run_generate_with_an_attention_that_decodes(tmp_path, tiny_model_path, tokenizer):
+    # A packed run on CPU trains with document_sdpa: no padding mask, and a one-token decode step causal from
+    # its first key. Greedy answers generated through it were nonsense (" 11111"), and the rejection-sampling
+    # round read 0% before and after. The checks must give what the model gives with sdpa, and leave training
+    # on its packed path.
+    from workbook import models
+    from workbook.training import packed_attention
+    packed_attention.register()
+    packed = models.load_model("tiny", "fp32", "cpu", attn_implementation="document_sdpa").model
+    plain = models.load_model("tiny", "fp32", "cpu", attn_implementation="sdpa").model
+    prompts = [tokenizer("What is 7 + 5?")["input_ids"], tokenizer("What is 23 + 45?")["input_ids"],
+               tokenizer("What is 1 + 2?")["input_ids"]]  # different lengths: left padding
+    expected = models.greedy_completions(plain, tokenizer, prompts, 6)
+    with packed_attention.generation_attention(packed):
+        assert models.greedy_completions(packed, tokenizer, prompts, 6) == expected
+    assert packed.config._attn_implementation == "document_sdpa"
+    assert models.greedy_completions(packed, tokenizer, prompts, 6) != expected  # what the checks used to read

@@ -8,6 +8,7 @@ import math
 import torch
 
 from workbook import arithmetic, models, tiny_model
+from workbook.training import packed_attention
 from workbook.training.batches import epoch_micro_batches, loss_sum, plan_rows
 from workbook.training.examples import IGNORE_INDEX, prompt_ids
 
@@ -67,7 +68,7 @@ def accuracy(accelerator, model, tokenizer, prepared, config) -> dict | None:
         model.eval()
         prompts = [prompt_ids(tokenizer, r[config.input_field], use_chat_template=config.use_chat_template)
                    for r in records]
-        with accelerator.autocast():
+        with accelerator.autocast(), packed_attention.generation_attention(model):
             texts = models.greedy_completions(model, tokenizer, prompts, tiny_model.MAX_NEW_TOKENS,
                                               batch_size=GENERATION_BATCH)
         model.train(was_training)

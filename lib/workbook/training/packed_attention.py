@@ -14,6 +14,8 @@ head. The paths chosen here need none (``planner.architectures.packed_attention`
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from workbook.planner.architectures import DOCUMENT_SDPA, FLEX_ATTENTION
@@ -76,6 +78,23 @@ def autocast_attention(attention):
         return attention(module, query, key, value, *args, **kwargs)
 
     return cast
+
+
+@contextlib.contextmanager
+def generation_attention(model):
+    """``model`` with an attention that generation can use, then back to its training path. The packed
+    paths cannot decode: ``document_sdpa`` takes no padding mask (left-padded prompts would attend to
+    their padding) and runs a one-token step causal from its first key, and flex attention compiles a
+    block mask per shape; generation (greedy accuracy checks) runs sdpa meanwhile."""
+    current = model.config._attn_implementation
+    if current not in (DOCUMENT_SDPA, FLEX_ATTENTION):
+        yield model
+        return
+    model.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(current)
 
 
 def _no_mask(*args, **kwargs):
