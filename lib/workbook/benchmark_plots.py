@@ -11,7 +11,7 @@ from workbook.bench.training_sweep import training_label
 from workbook.units import GiB, format_bytes
 
 STRATEGY_COLORS = {"seed-before": "#8c8c8c", "seed-after": "#c44e52", "static-sorted": "#4c72b0",
-                   "static-compiled": "#55a868", "continuous": "#8172b3"}
+                   "static-compiled": "#55a868", "continuous": "#8172b3", "hf-pipeline": "#937860"}
 
 
 def _timed_points(report: dict) -> list[dict]:
@@ -54,22 +54,28 @@ def memory_vs_batch_measured(report: dict, capacity_bytes: int | None):
     """Measured peak memory per point vs batch size beside the planner's prediction and the capacity."""
     figure, axis = plt.subplots(figsize=(8, 4.5))
     points = _timed_points(report)
-    predicted = sorted({(p["batch_size"], p["predicted_peak_bytes"]) for p in points if p["predicted_peak_bytes"]})
-    if predicted:
-        axis.plot([b for b, _ in predicted], [v / GiB for _, v in predicted], "k--", marker="x", label="planner")
+    sizes = [p[key] for p in points for key in ("predicted_peak_bytes", "peak_memory_bytes") if p.get(key)]
+    unit, unit_name = (GiB, "GiB") if max(sizes, default=0) >= GiB else (2**20, "MiB")
+    # One planner line per cache: the dense one of static batches, the paged one of continuous batching.
+    for backend, style in (("static", "k--"), ("continuous", "k:")):
+        predicted = sorted({(p["batch_size"], p["predicted_peak_bytes"]) for p in points
+                            if p["predicted_peak_bytes"] and (p.get("backend") == "continuous") == (backend == "continuous")})
+        if predicted:
+            axis.plot([b for b, _ in predicted], [v / unit for _, v in predicted], style, marker="x",
+                      label=f"predicted (planner): {'paged cache (continuous)' if backend == 'continuous' else 'dense cache'}")
     measured = [p for p in points if p["peak_memory_bytes"]]
     for strategy in dict.fromkeys(p["strategy"] for p in measured):
         mine = sorted((p for p in measured if p["strategy"] == strategy), key=lambda p: p["batch_size"])
-        axis.plot([p["batch_size"] for p in mine], [p["peak_memory_bytes"] / GiB for p in mine], marker="o",
+        axis.plot([p["batch_size"] for p in mine], [p["peak_memory_bytes"] / unit for p in mine], marker="o",
                   label=f"measured: {strategy}", color=STRATEGY_COLORS.get(strategy))
     if not measured:
         axis.text(0.01, 0.98, "peak memory not measured (CPU: no resettable high-water mark)",
                   transform=axis.transAxes, va="top", fontsize=8)
     if capacity_bytes:
-        axis.axhline(capacity_bytes / GiB, color="#c44e52", label=f"capacity {format_bytes(capacity_bytes)}")
+        axis.axhline(capacity_bytes / unit, color="#c44e52", label=f"capacity {format_bytes(capacity_bytes)}")
     axis.set_xscale("log", base=2)
     axis.set_xlabel("batch size (sequences)")
-    axis.set_ylabel("peak memory, GiB")
+    axis.set_ylabel(f"peak memory, {unit_name}")
     axis.set_title(f"Generation memory vs batch: {report['generation']['model_name']} ({report['profile']})", fontsize=10)
     axis.legend(fontsize=8)
     figure.tight_layout()
@@ -118,8 +124,8 @@ def mfu_bars(report: dict, capacity_bytes: int | None = None):
 
 def speedup_over_baseline(report: dict):
     """Median output tokens/s of each point over the seeds' static-batch-32 baseline."""
-    figure, axis = plt.subplots(figsize=(8, 4.2))
     points = [p for p in _timed_points(report) if p.get("speedup_over_seed_after") is not None]
+    figure, axis = plt.subplots(figsize=(max(8, 0.8 * len(points)), 4.2))  # wide enough for every label
     labels = [f"{p['strategy']}\nb{p['batch_size']}" for p in points]
     bars = axis.bar(labels, [p["speedup_over_seed_after"] for p in points],
                     color=[STRATEGY_COLORS.get(p["strategy"], "#4c72b0") for p in points])

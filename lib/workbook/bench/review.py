@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,7 +74,12 @@ class Run:
         return "no GPU" if hardware else "?"
 
     def date(self) -> str:
-        return str((self.manifest or {}).get("started_at") or self.path.name[:15])
+        """When the run started: its manifest's, else its folder's timestamp (outputs/<YYYYmmdd-HHMMSS>-...)."""
+        started = (self.manifest or {}).get("started_at")
+        if started:
+            return str(started)
+        stamp = self.path.name[:15]
+        return stamp if re.fullmatch(r"\d{8}-\d{6}", stamp) else "n/a (no manifest, no timestamp)"
 
     def commit(self) -> str:
         git = (self.manifest or {}).get("git") or {}
@@ -213,9 +219,11 @@ def mfu_rows(runs: list[Run]) -> list[dict]:
                                         f"{p.get('padding')}",
                              "tokens/s": f"{p['tokens_per_second'] or 0:,.0f}",
                              "MFU": f"{p['mfu']:.1%}" if p.get("mfu") is not None else p.get("mfu_note", "n/a")})
-        throughput = (run.metrics.get("training") or {}).get("throughput")
+        training = run.metrics.get("training") or {}
+        throughput = training.get("throughput")
         if throughput:
-            rows.append({"run": run.label, "source": "notebook 03", "micro-batch": None, "setting": "",
+            rows.append({"run": run.label, "source": "notebook 03",
+                         "micro-batch": (training.get("plan") or {}).get("micro_batch_size"), "setting": "",
                          "tokens/s": f"{throughput.get('tokens_per_second') or 0:,.0f}",
                          "MFU": f"{throughput['mfu']:.1%}" if throughput.get("mfu") is not None
                          else throughput.get("mfu_note", "n/a")})

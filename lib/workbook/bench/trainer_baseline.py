@@ -253,4 +253,5 @@ def argument_values(config: TrainConfig, run, work_dir: str, device: torch.devic
         warmup_steps=config.warmup_steps, seed=config.seed,
         bf16=on_gpu and config.dtype == "bf16", fp16=on_gpu and config.dtype == "fp16",
         tf32=config.tf32 if on_gpu else None, torch_compile=config.torch_compile,
-        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True)
+        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
+        dataloader_pin_memory=on_gpu)  # as the workbook's loop (pin_memory has no use without a GPU)

@@ -15,6 +15,8 @@ metrics (entropy and token accuracy, read back every step).
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 
 from workbook.bench.trainer_baseline import StepClock, argument_values, measured_training, point_setup
@@ -52,7 +54,10 @@ def sft_run(config: TrainConfig, work_dir: str) -> dict:
         "input_ids": [example.input_ids for example in prepared.train],
         "completion_mask": [[int(label != IGNORE_INDEX) for label in example.labels] for example in prepared.train]})
     # TRL turns checkpointing on by default; load_training_model has already set it as the point asks.
-    arguments = SFTConfig(**argument_values(config, run, work_dir, device), gradient_checkpointing=False,
+    # transformers 5.23 renamed the argument (the old name warns); 5.17, the GPU image's, has only the old.
+    checkpointing = ("activation_checkpointing" if "activation_checkpointing" in
+                     {field.name for field in dataclasses.fields(SFTConfig)} else "gradient_checkpointing")
+    arguments = SFTConfig(**argument_values(config, run, work_dir, device), **{checkpointing: False},
                           packing=True, packing_strategy="bfd", max_length=prepared.max_seq_length,
                           completion_only_loss=True)
     clock = StepClock(device)

@@ -38,8 +38,9 @@ _SIZE_DIVISOR = {"float32": 1, "float16": 2, "int8": 4, "int4": 8}
 WHAT_IT_COUNTS = {
     "generate": "its Total Size: the base model's weights (an untied lm_head left out), no KV cache, "
                 "activations, logits or CUDA context",
-    "train": "its Training using Adam: the largest of weights, gradients and Adam states (a max, not their sum), "
-             "no activations, logits, CUDA context or allocator slack; a full fine-tune, whatever the LoRA rank",
+    "train": "its Training using Adam: the largest of its terms at batch 1 (float32: its 'step', 4x the weights = "
+             "weights + gradients + Adam states; float16/bf16: the fp32 Adam states alone, master weights and gradients "
+             "not added), no activations, logits, CUDA context or allocator slack; a full fine-tune, whatever the LoRA rank",
 }
 
 

@@ -56,6 +56,12 @@ class Plan:
     data_parallel_size: int = 1  # copies of the model, each with its own batch (generate)
     # What crosses the network over several nodes (planner.network); empty when not asked.
     network: dict = field(default_factory=dict)
+    in_ram: bool = False  # planned against this machine's RAM (a profile with no GPU), not one GPU
+
+    @property
+    def per_device(self) -> str:
+        """How the plan's figures are meant: per GPU, or of the RAM on the cpu profile."""
+        return "of this machine's RAM" if self.in_ram else "per GPU"
 
     @property
     def budget_bytes(self) -> int:
@@ -69,7 +75,7 @@ class Plan:
         need, have = self.total_bytes / GiB, self.budget_bytes / GiB
         if self.max_batch_size > 0:
             return (
-                f"batch {self.batch_size} needs {need:.1f} GiB per GPU but {have:.1f} GiB is "
+                f"batch {self.batch_size} needs {need:.1f} GiB {self.per_device} but {have:.1f} GiB is "
                 f"available; the largest batch that fits is {self.max_batch_size}."
             )
         changes = _changes_that_save_memory(self)

@@ -22,7 +22,7 @@ from workbook.planner.generation import plan_generate
 from workbook.planner.layout import LayoutError, check_tensor_parallel_size, choose_tensor_parallel_size
 from workbook.planner.network import network_traffic, traffic_line
 from workbook.planner.paged import continuous_attention, plan_generate_paged
-from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, Plan
+from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, MAX_BATCH_SEARCH_LIMIT, Plan
 from workbook.planner.shape import model_shape
 from workbook.planner.training import plan_train
 from workbook.units import GiB, format_bytes
@@ -182,6 +182,7 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
     result = at_largest_batch(make) if wanted == AUTO else make(int(wanted))
     result.network = network_traffic(result, num_nodes, budget.gpu_count)
+    result.in_ram = budget.gpu_count == 0
     return result
 
 
@@ -210,7 +211,9 @@ def max_batch_table(profiles: dict, models: list[str], mode: str, **overrides) -
                 continue
             # Each GPU holds the whole model here; layout_table shows the tensor-parallel alternative.
             whole = {"tensor_parallel_size": 1} if mode == "generate" else {}
-            row[name] = plan(params, mode=mode, model=model, batch_size=1, **{**whole, **overrides}).max_batch_size
+            largest = plan(params, mode=mode, model=model, batch_size=1, **{**whole, **overrides}).max_batch_size
+            # The search stops at its limit (the tiny model on an H200): more fit, and the table says so.
+            row[name] = largest if largest < MAX_BATCH_SEARCH_LIMIT else f">= {largest:,} (the search's limit)"
         rows.append(row)
     return rows
 
@@ -262,8 +265,8 @@ def plan_title(plan: Plan, profile_name: str) -> str:
     layout = (f"; tensor parallel {plan.tensor_parallel_size} x data parallel {plan.data_parallel_size}"
               if plan.mode == "generate" else "")
     return (f"{plan.model} ({plan.params:,} parameters), {plan.mode}, {plan.dtype}, batch {plan.batch_size}, "
-            f"{lengths}; profile {profile_name}: {format_bytes(plan.capacity_bytes)} per GPU x {plan.gpu_count}"
-            f"{layout}")
+            f"{lengths}; profile {profile_name}: {format_bytes(plan.capacity_bytes)} "
+            f"{plan.per_device if plan.in_ram else f'per GPU x {plan.gpu_count}'}{layout}")
 
 
 def plan_rows(plan: Plan) -> list[dict]:
@@ -278,7 +281,7 @@ def plan_rows(plan: Plan) -> list[dict]:
 def plan_verdict(plan: Plan) -> list[str]:
     """FITS or DOES NOT FIT against the budget, the largest batch, the KV cache per token, the notes,
     and what to change when it does not fit."""
-    lines = [f"{'FITS' if plan.fits else 'DOES NOT FIT'}: budget {format_bytes(plan.budget_bytes)} per GPU "
+    lines = [f"{'FITS' if plan.fits else 'DOES NOT FIT'}: budget {format_bytes(plan.budget_bytes)} {plan.per_device} "
              f"({plan.safety_margin:.0%} of {format_bytes(plan.capacity_bytes)} kept free); "
              f"largest batch that fits: {plan.max_batch_size}"]
     if plan.kv_cache_bytes_per_token:
