@@ -137,8 +137,20 @@ def test_the_training_sweep_runs_each_memory_setting_named_as_one_more_point(tmp
     assert rows[0]["memory setting"] == "" and rows[7]["compile"]
     measured = training_sweep.training_point(params, added[3], tmp_path, log=lambda line: None)
     assert measured["tokens_per_second"] > 0 and measured["model"].endswith("attention sdpa_block_mask")
+    assert len(measured["timed_step_tokens_per_second"]) == measured["timed_steps"] == 1  # 3 steps, 2 warm-up
     with pytest.raises(ValueError, match="bench_train_settings: unknown chunked"):
         bench.training_points({**params, "bench_train_settings": "chunked"}, torch.device("cpu"))
+
+
+def test_a_point_whose_runs_spread_far_apart_is_marked_noisy_where_it_is_shown():
+    # A CPU shared with another job gave runs of 31.8 and 708 tokens/s: a median of them is no measurement.
+    assert bench.noise_note([100.0, 90.0, 110.0]) == "" and bench.noise_note([100.0]) == ""
+    assert bench.noise_note([31.8, 700.0, 708.2]).startswith("noisy: its runs spread 22.3x")
+    rows = bench.training_rows({"training": {"points": [{
+        "micro_batch_size": 8, "grad_checkpointing": False, "torch_compile": False, "padding": "packing",
+        "tokens_per_second": 160.0, "timed_step_tokens_per_second": [99.0, 8000.0], "mfu": None, "mfu_note": "n/a",
+        "peak_memory_bytes": None, "cost": {"usd_per_million_tokens": None}}]}})
+    assert rows[0]["tokens/s"].startswith("160 (noisy: its runs spread 80.8x")
 
 
 class FakeMemory:

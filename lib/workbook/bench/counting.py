@@ -161,8 +161,20 @@ def parse_strategies(text: str) -> list[str]:
     return chosen
 
 
+NOISY_SPREAD = 1.5  # runs of one point whose fastest is this many times its slowest: the machine was busy
+
+
 def spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def noise_note(values: list[float]) -> str:
+    """'' or a warning that ``values`` (one point's repeated runs or steps) spread too far to trust their
+    median: another process had the machine, or a step stalled."""
+    values = [value for value in values if value]
+    if len(values) < 2 or max(values) < NOISY_SPREAD * min(values):
+        return ""
+    return f"noisy: its runs spread {max(values) / min(values):.1f}x (a busy machine?); rerun before comparing"
 
 
 def run_dtype(params, device: torch.device) -> str:

@@ -20,7 +20,7 @@ from workbook import gpu, notebook, params as params_module, runner, runtime
 from workbook.bench import published
 from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
-from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, peak_tflops, run_dtype
+from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, noise_note, peak_tflops, run_dtype
 from workbook.bench.generation_sweep import generation_sweep
 from workbook.bench.training_sweep import training_label, training_setting, training_sweep
 from workbook.generation import GenerationError
@@ -49,7 +49,7 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
                          "parameters cell or add them to the params file")
     device = runtime.default_device()
     params = without_absent_peaks(params, device, log)
-    began = time.perf_counter()
+    began, load_before = time.perf_counter(), os.getloadavg()
     generation = generation_sweep(params, log, on_point=lambda point: on_point("generation", point), budget=budget)
     runtime.reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
     training = (training_sweep(params, Path(work_dir), log, on_point=lambda point: on_point("training", point),
@@ -68,6 +68,8 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
         "hardware": gpu.detect(),
         "device": str(device),
         "threads": torch.get_num_threads(),
+        # Other processes share the host's cores: how busy it was says how far to trust the timings.
+        "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "generation": generation,
         "training": training,
         "matmul": matmul,
@@ -95,6 +97,17 @@ def without_absent_peaks(params, device: torch.device, log: Callable[[str], None
 # Tables for the notebook and the CLI.
 
 
+def _noise(values: list[float]) -> str:
+    """A point's noise warning (``counting.noise_note``), set after its figure; '' when its runs agree."""
+    note = noise_note(values)
+    return f" ({note})" if note else ""
+
+
+def _runs(generation: dict, strategy: str, batch_size: int) -> list[float]:
+    return next((p["output_tokens_per_second"]["runs"] for p in generation["points"]
+                 if p["strategy"] == strategy and p["batch_size"] == batch_size and "output_tokens_per_second" in p), [])
+
+
 def _format(value, pattern: str = "{:,.1f}", missing: str = NA) -> str:
     return missing if value is None else pattern.format(value)
 
@@ -112,7 +125,8 @@ def generation_rows(report: dict) -> list[dict]:
         tps = p["output_tokens_per_second"]
         rows.append({
             "strategy": p["strategy"], "batch": batch,
-            "output tok/s (median, min-max)": f"{tps['median']:,.1f} ({tps['min']:,.1f}-{tps['max']:,.1f})",
+            "output tok/s (median, min-max)": f"{tps['median']:,.1f} ({tps['min']:,.1f}-{tps['max']:,.1f})"
+                                              + _noise(tps["runs"]),
             "examples/min": f"{p['examples_per_minute']:,.1f}",
             "first result s": _format(p["time_to_first_result_seconds"], "{:.3f}"),
             "padding waste": _format(p["padding_waste"], "{:.1%}"),
@@ -136,7 +150,9 @@ def hardware_text(report: dict) -> str:
     gpus = report["hardware"]["gpus"]
     if gpus:
         return f"{len(gpus)} x {gpus[0]['name']}"
-    return f"{report['hardware']['cpu']['model']} (CPU, {report['threads']} torch threads)"
+    load = report.get("load_average_1min_before_after")
+    busy = f", 1-minute load average {load[0]} before and {load[1]} after the sweeps" if load else ""
+    return f"{report['hardware']['cpu']['model']} (CPU, {report['threads']} torch threads{busy})"
 
 
 def pipeline_comparison_lines(report: dict) -> list[str]:
@@ -163,9 +179,12 @@ def pipeline_comparison_lines(report: dict) -> list[str]:
         else:
             equality = (f"{p['identical_to_one_at_a_time']} of {compared} outputs identical to one-at-a-time "
                         "greedy output")
+        noisy = "".join(f"; {name} {note}" for name, note in (
+            (ratio["strategy"], noise_note(_runs(generation, ratio["strategy"], p["batch_size"]))),
+            ("hf-pipeline", noise_note(p["output_tokens_per_second"]["runs"]))) if note)
         lines.append(f"- batch {p['batch_size']}: workbook best / hf-pipeline = **{ratio['ratio']:.2f}x** "
                      f"({ratio['strategy']} {ratio['workbook_tokens_per_second']:,.1f} vs hf-pipeline "
-                     f"{p['output_tokens_per_second']['median']:,.1f} output tok/s); "
+                     f"{p['output_tokens_per_second']['median']:,.1f} output tok/s){noisy}; "
                      f"{prompts['prompts_with_the_sweeps_ids']} of {generation['examples']} prompts ran the sweep's "
                      f"token ids ({prompts['prompt_tokens_run']:,} prompt tokens, the sweep's "
                      f"{prompts['sweep_prompt_tokens']:,}); {equality}; {p['full_length_outputs']} of {p['examples']} "
@@ -189,7 +208,8 @@ def training_rows(report: dict) -> list[dict]:
             rows.append({**row, "tokens/s": f"out of memory; the planner said it {p['planner_said']}",
                          "planner": format_bytes(p["predicted_peak_bytes"]) if p["predicted_peak_bytes"] else NA})
             continue
-        rows.append({**row, "tokens/s": _format(p["tokens_per_second"], "{:,.0f}"),
+        rows.append({**row, "tokens/s": _format(p["tokens_per_second"], "{:,.0f}")
+                     + _noise(p.get("timed_step_tokens_per_second", [])),
                      "MFU": _format(p["mfu"], "{:.1%}", missing=p["mfu_note"]),
                      "peak memory": format_bytes(p["peak_memory_bytes"]) if p["peak_memory_bytes"] else NOT_MEASURED,
                      "planner": format_bytes(p["predicted_peak_bytes"]) if p.get("predicted_peak_bytes") else NA,

@@ -151,6 +151,8 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         steps=measured["steps"]["reached"], timed_steps=max(0, measured["steps"]["reached"] - TIMING_WARMUP_STEPS),
         max_seq_length=measured["data"]["max_seq_length"] if "max_seq_length" in measured["data"] else None,
         tokens_per_second=tokens_per_second, achieved_tflops=throughput["achieved_tflops"],
+        # Each timed step's tokens/s: a point has one run, so its steps show whether the machine was quiet.
+        timed_step_tokens_per_second=[step["tokens_per_second"] for step in measured["history"][TIMING_WARMUP_STEPS:]],
         mfu=throughput["mfu"], mfu_note=throughput["mfu_note"],
         peak_memory_bytes=memory_figures["measured"].get("peak_bytes"),
         peak_memory_note=memory_figures["measured"].get("note"),
