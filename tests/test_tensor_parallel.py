@@ -224,6 +224,10 @@ def test_auto_keeps_a_model_whose_sharding_the_planner_does_not_model_on_one_gpu
                           tensor_parallel_size="auto")
     assert chosen.tensor_parallel_size == 1 and chosen.data_parallel_size == 8
     assert "T=2: not planned (" in chosen.notes[-1] and "moe_tp_experts" in chosen.notes[-1]
+    # 87 GiB of weights do not fit one H100; a larger T might: the verdict says the planner could not plan it,
+    # not that no T fits.
+    assert chosen.max_batch_size == 0 and "no T fits" not in chosen.notes[-1]
+    assert "the planner cannot plan T >= 2 for this model, where it may fit" in chosen.notes[-1]
 
 
 @pytest.mark.multiprocess

@@ -109,12 +109,12 @@ class PeakMemory:
         return self.reserved_bytes + self.non_pytorch_bytes
 
 
-NOT_MEASURED_ON_CPU = "not measured: no GPU (CPU memory has no resettable high-water mark)"
+NOT_MEASURED_ON_CPU = "not measured: no GPU (torch keeps no peak of CPU tensor memory; resident memory also holds Python and its libraries)"
 
 
 def peak_memory(device: torch.device) -> PeakMemory | None:
-    """The peak since the last ``reset_peak_memory``; None on CPU (no resettable high-water mark:
-    not measured, never guessed)."""
+    """The peak since the last ``reset_peak_memory``; None on CPU (torch keeps no peak of CPU tensor
+    memory: not measured, never guessed)."""
     if device.type != "cuda":
         return None
     torch.cuda.synchronize(device)

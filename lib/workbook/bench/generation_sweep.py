@@ -208,7 +208,7 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
         examples_per_minute=60 * median_run["generated"] / median_run["seconds"],
         time_to_first_result_seconds=median_run["time_to_first_result_seconds"],
         padding_waste=median_run["padding_waste"],
-        peak_memory_bytes=peak_bytes, peak_memory_note=NOT_MEASURED + " (CPU: no resettable high-water mark)"
+        peak_memory_bytes=peak_bytes, peak_memory_note=NOT_MEASURED + " (CPU: torch keeps no peak of tensor memory)"
         if peak_bytes is None else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
         predicted_peak_bytes=predicted,
         rows_per_batch=rows, pass_cost=dataclasses.asdict(whole),

@@ -100,12 +100,13 @@ def choose_tensor_parallel_size(make: Callable[[int], Plan], key_value_heads: in
     useful batch per GPU, data parallel over the rest, and why. ``make(T)`` plans batch 1 at T.
     When no T reaches the useful batch, the one with the largest batch; T = 1 on one GPU or none."""
     candidates = [t for t in divisors(max(gpu_count, 1)) if key_value_heads % t == 0]
-    tried, best, chosen = [], None, None
+    tried, best, chosen, unplanned = [], None, None, None
     for tensor_parallel_size in candidates:
         try:
             plan = make(tensor_parallel_size)
         except LayoutError as error:  # e.g. experts sharded in a style the planner does not model: no larger T
             tried.append(f"T={tensor_parallel_size}: not planned ({error})")
+            unplanned = tensor_parallel_size
             break
         tried.append(f"T={tensor_parallel_size}: largest batch {plan.max_batch_size}")
         if best is None or plan.max_batch_size > best[1]:
@@ -116,8 +117,14 @@ def choose_tensor_parallel_size(make: Callable[[int], Plan], key_value_heads: in
             break
     if chosen is None:
         chosen = best[0]
-        why = (f"no T reaches a batch of {USEFUL_BATCH_SIZE} per GPU; T={chosen} has the largest"
-               if best[1] > 0 else f"no T fits even batch 1; T={chosen} comes closest")
+        # A T the planner cannot plan is not a T that does not fit: the verdict says which it was.
+        beyond = f" the planner cannot plan T >= {unplanned} for this model, where it may fit" if unplanned else ""
+        if best[1] > 0:
+            why = f"no T planned reaches a batch of {USEFUL_BATCH_SIZE} per GPU; T={chosen} has the largest" + (
+                f";{beyond}" if beyond else "")
+        else:
+            why = (f"T={chosen} does not fit even batch 1, and{beyond}" if beyond
+                   else f"no T fits even batch 1; T={chosen} comes closest")
     data_parallel_size = max(gpu_count, 1) // chosen
     return chosen, (f"layout T={chosen} x D={data_parallel_size} (tensor_parallel_size auto): {why} "
                     f"({'; '.join(tried)}; T divides the {key_value_heads} key/value heads and "

@@ -10,8 +10,8 @@
   (no weight gradients for the frozen base). Recomputation by gradient checkpointing is not model
   work and is not counted. On CPU, or without a peak for the dtype, MFU is "n/a", never invented.
 - peak memory: torch.cuda's reserved peak plus the memory outside PyTorch's allocator (CUDA context,
-  NCCL, workspaces), beside the planner's prediction for the same settings. On CPU there is no
-  resettable high-water mark: not measured.
+  NCCL, workspaces), beside the planner's prediction for the same settings. On CPU torch keeps no
+  peak of tensor memory (and the process's resident memory also holds Python and its libraries): not measured.
 """
 
 from __future__ import annotations
