@@ -273,6 +273,17 @@ def test_output_path_naming_the_prompts_or_another_file_is_refused_by_name(tmp_p
                                                          r"to a new file"):
         generation.run_job(job_params(prompts, other), other, **QUIET)
     assert other.read_text().count("\n") == 2  # untouched
+    # The prompts named as a file the job writes beside its output (the verifier's accepted records replaced
+    # them, and the job exited 0), before or after that file exists.
+    accepted = write_prompts(tmp_path / "out.accepted.jsonl", arithmetic.sample_records()[:3])
+    before = accepted.read_text()
+    with pytest.raises(generation.GenerationError, match=r"as out.accepted.jsonl, a file this job writes"):
+        generation.run_job(job_params(accepted, tmp_path / "out.jsonl"), accepted, **QUIET)
+    assert accepted.read_text() == before
+    summary = tmp_path / "run.summary.json"
+    summary.write_text(before)
+    with pytest.raises(generation.GenerationError, match=r"as run.summary.json"):
+        generation.run_job(job_params(summary, tmp_path / "run.json"), summary, **QUIET)
 
 
 def test_a_full_disk_stops_the_run_with_what_is_safe_and_a_rerun_finishes_it(tmp_path, tiny, small_disk):

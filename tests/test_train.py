@@ -78,6 +78,16 @@ def test_records_without_a_usable_pair_are_listed_not_silently_dropped(tokenizer
     assert report.skipped == ["f.jsonl:2: field 'output' is missing", "f.jsonl:3: field 'input' is missing"]
 
 
+@pytest.mark.parametrize("bad", [{"input": "What is 2 + 2?"}, {"input": "What is 2 + 2?", "output": 4},
+                                 {"input": None, "output": "4"}], ids=["missing", "a number", "null"])
+def test_on_bad_line_fail_stops_at_a_record_without_its_fields_and_names_it(tmp_path, bad):
+    # It used to leave the record out and train on, exit 0: 'fail' is the default, and the user's data is wrong.
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"input": "What is 1 + 1?", "output": "2"}, bad] * 3)
+    with pytest.raises(jsonl.DataError, match=r"pairs.jsonl:2: field '(input|output)' is .*on_bad_line: skip"):
+        training.prepare_data(make_config(tmp_path, path))
+    assert len(training.prepare_data(make_config(tmp_path, path, on_bad_line="skip")).train) == 3
+
+
 # flex_attention is what packed rows run on CUDA. Its forward runs on CPU too, so the BlockMask transformers
 # builds from the restarts is checked here, through torch's eager flex attention: compiling the mask and the
 # kernel for CPU takes 40 s on a cold cache and checks a CPU kernel the GPU never runs.

@@ -101,8 +101,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("top_p", float, "nucleus sampling probability mass, used when do_sample is true", minimum=0, maximum=1),
     Key("seed", int, "random seed for sampling (each process adds its index)", minimum=0),
     Key("max_examples", int, "generate for the first N examples of the file only; 0: all", minimum=0),
-    Key("on_bad_line", str, "malformed line, missing or empty prompt, duplicate id: 'fail' stops with file:line, "
-        "'skip' lists it in the failures file", choices=("fail", "skip")),
+    Key("on_bad_line", str, "malformed line, missing or empty prompt, duplicate id (training: a missing or non-text "
+        "input/output): 'fail' stops with file:line, 'skip' lists it (the failures file, or the training console)",
+        choices=("fail", "skip")),
     Key("on_long_prompt", str, "prompt that leaves no room in the model's context: 'fail' or 'skip'",
         choices=("fail", "skip")),
     Key("use_chat_template", bool, "wrap each prompt as one user turn with the tokenizer's chat template"),

@@ -61,6 +61,11 @@ class OutputFiles:
     def failure_parts(self) -> list[Path]:
         return sorted(self.output.parent.glob(f"{self.output.stem}.failures.part-*{self.output.suffix or '.jsonl'}"))
 
+    def every_file(self) -> list[Path]:
+        """Every file a job on this output may write or replace (the parts: those there now)."""
+        return [self.output, self.failures, self.accepted, self.verify_errors, self.summary, self.lock,
+                *self.output_parts(), *self.failure_parts()]
+
 
 def resolve_input_path(text: str) -> Path:
     """A relative prompts path is read from the working directory, else from the repository root."""

@@ -69,9 +69,13 @@ def read_inputs(params, files: OutputFiles, *, record_skipped: bool) -> Inputs:
     prompts_path = resolve_input_path(params["prompts_path"])
     examples, bad_lines = records.load_examples(prompts_path, prompt_field=params["prompt_field"],
                                                 on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
-    if any(path.exists() and path.samefile(prompts_path) for path in (files.output, files.failures)):
-        raise GenerationError(f"output_path {files.output} would overwrite the prompts file {prompts_path}; set "
-                              "output_path to another file (the outputs are written and resumed there).")
+    # The job writes more than the output (failures, accepted, summary, lock, parts): none may be the prompts.
+    clash = next((path for path in files.every_file() if path.resolve() == prompts_path.resolve()
+                  or (path.exists() and path.samefile(prompts_path))), None)
+    if clash is not None:
+        raise GenerationError(f"output_path {files.output} would overwrite the prompts file {prompts_path} (as "
+                              f"{clash.name}, a file this job writes); set output_path to another file (the outputs are "
+                              "written and resumed there).")
     if not examples:
         raise GenerationError(_no_prompts_text(prompts_path, bad_lines, files, record_skipped))
     settings = output_settings(params)

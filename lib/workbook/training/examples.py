@@ -94,11 +94,14 @@ def tokenize_pairs(
     input_field: str = "input",
     output_field: str = "output",
     sources: list[str] | None = None,
+    strict: bool = False,
 ) -> tuple[list[TokenizedExample], TokenizeReport]:
     """Token ids and response-only labels for each record's (input, output) pair.
 
     Records whose input or output is missing, not a string, or empty are skipped and listed in the
-    report (never silently). ``sources`` names each record in messages (default "record <n>").
+    report (never silently); ``strict`` (on_bad_line: fail) stops at the first whose field is missing
+    or not a string, a record the data's author got wrong (an empty one can be a teacher's real answer).
+    ``sources`` names each record in messages (default "record <n>").
     """
     sources = sources or [f"record {index + 1}" for index in range(len(records))]
     report = TokenizeReport(examples=0, chat_template=use_chat_template)
@@ -109,6 +112,10 @@ def tokenize_pairs(
         for name, value in ((input_field, prompt), (output_field, response)):
             if not isinstance(value, str) or not value.strip():
                 problem = f"field '{name}' is {'missing' if value is None else repr(value)[:40]}"
+                if strict and not isinstance(value, str):
+                    raise DataError(f"{source}: {problem}; every record needs '{input_field}' and '{output_field}' "
+                                    "strings. Fix that record, set input_field / output_field to your data's field "
+                                    "names, or set on_bad_line: skip to train without it (listed on the console)")
                 break
         if problem:
             report.skipped.append(f"{source}: {problem}")

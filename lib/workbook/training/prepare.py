@@ -97,7 +97,7 @@ def prepare_data(config: TrainConfig, tokenizer=None, log=print) -> PreparedData
     train_index, validation_index = sft_examples.split_validation(len(records), config.validation_fraction, config.seed)
     examples, report = sft_examples.tokenize_pairs(
         records, tokenizer, use_chat_template=config.use_chat_template, input_field=config.input_field,
-        output_field=config.output_field, sources=sources)
+        output_field=config.output_field, sources=sources, strict=config.on_bad_line == jsonl.FAIL)
     by_source = {example.source: example for example in examples}
     lengths = [example.length for example in examples]
     model_limit = getattr(tokenizer, "model_max_length", None)
