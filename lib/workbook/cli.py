@@ -46,6 +46,16 @@ def _cmd_run(args) -> int:
     return 0 if result.ok else 1
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _int_or_auto(text: str) -> int | str:
     if text == "auto" or (text.isdigit() and int(text) >= 1):
         return text if text == "auto" else int(text)
@@ -75,15 +85,15 @@ def _cmd_plan(args) -> int:
     if args.batch_size is not None and args.batch_size < 1:  # 0 is no batch; 'auto' is the profile's word
         raise params_module.ParamsError(f"--batch-size: {args.batch_size} is not a batch; give 1 or more, "
                                         "or leave it out to use the profile's (its 'auto': the largest that fits)")
+    options = []
     try:
         result = planner_profile.plan(profile, mode=args.mode, batch_size=args.batch_size, **overrides)
+        if result.mode == "train" and not result.fits:  # its alternatives (LoRA among them) can be refused too
+            from workbook.planner import fit
+            options = fit.ways_to_fit(profile, batch_size=args.batch_size, **overrides)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    options = []
-    if result.mode == "train" and not result.fits:
-        from workbook.planner import fit
-        options = fit.ways_to_fit(profile, batch_size=args.batch_size, **overrides)
     from workbook.planner import accelerate_estimate
     beside = accelerate_estimate.beside_plan(result, args.model or profile["model"])
     if args.json:
@@ -270,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_set_argument(job)
         job.set_defaults(handler=handler)
         if name == "bench":
-            job.add_argument("--time-budget-seconds", type=float,
+            job.add_argument("--time-budget-seconds", type=_positive_seconds,
                              help="stop after this many seconds: the point running is stopped, the rest marked not "
                                   "run, and the report written with what was measured (a lent GPU's call)")
         if name == "forecast":

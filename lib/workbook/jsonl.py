@@ -54,8 +54,12 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | BadLine]]:
     path = Path(path)
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
+            if number == 1 and raw.startswith((b"\xff\xfe", b"\xfe\xff")):
+                raise DataError(f"{path}: UTF-16 text (its first bytes say so); JSONL is UTF-8: save the file as "
+                                "UTF-8 (e.g. iconv -f UTF-16 -t UTF-8)")
             try:
-                line = raw.decode("utf-8")
+                # A byte-order mark (as Windows editors save UTF-8) opens the file, not the first record.
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as error:
                 yield number, BadLine(str(path), number, f"not UTF-8 text (byte {error.start + 1})", number)
                 continue
@@ -136,6 +140,8 @@ def check_policy(key: str, policy: str) -> None:
 
 def existing_file(path: str | Path) -> Path:
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"{path}: a folder, not a file. Check prompts_path: it names one JSONL file.")
     if not path.is_file():
         raise DataError(f"{path}: no such file. Check prompts_path (relative paths are read from the repository "
                         "root or the current directory).")

@@ -11,11 +11,14 @@ from its config with random weights on the device: nothing is downloaded) mean t
 
 from __future__ import annotations
 
+import importlib.util
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from workbook.jsonl import DataError
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {value: key for key, value in TORCH_DTYPES.items()}
@@ -60,17 +63,44 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
         return build_random(model, dtype, device, attn_implementation=attn_implementation)
     torch_dtype = _torch_dtype(dtype)
     path = tiny_model.resolve_model_path(model)
-    attn_implementation = runnable_attention(AutoConfig.from_pretrained(path), attn_implementation)
+    with _loading(model, path, "config.json and the weights (*.safetensors)"):
+        attn_implementation = runnable_attention(AutoConfig.from_pretrained(path), attn_implementation)
+    check_attention_installed(attn_implementation)
     description = f"{model}: weights from {path}, {DTYPE_NAMES[torch_dtype]}"
     if sharding:  # transformers places each shard on this rank's device
-        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
-                                                      **sharding)
+        with _loading(model, path, "config.json and the weights (*.safetensors)"):
+            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                          attn_implementation=attn_implementation, **sharding)
         return LoadedModel(loaded.eval(), f"{description}, tensor parallel over {loaded.tp_size} processes", path)
     # Straight onto a GPU: through host memory, an 8B model's 16 GB would be read into RAM first, then copied.
     placed = {"device_map": str(torch.device(device))} if torch.device(device).type == "cuda" else {}
-    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
-                                                  **placed)
+    with _loading(model, path, "config.json and the weights (*.safetensors)"):
+        loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
+                                                      **placed)
     return LoadedModel((loaded if placed else loaded.to(device)).eval(), description, path)
+
+
+class ModelError(DataError):
+    """A local model directory that cannot be loaded (a broken config.json, no weights, no tokenizer), or an
+    attention implementation whose package is missing: said in one line, before any work."""
+
+
+@contextmanager
+def _loading(model: str, path, needs: str):
+    """transformers' errors for a broken model directory (OSError, ValueError: a traceback) as a ModelError."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ModelError(f"model {model}: cannot load it from {path} ({first[:300]}); a model directory needs "
+                         f"{needs} (nothing is downloaded)") from None
+
+
+def check_attention_installed(attn_implementation: str | None) -> None:
+    """flash_attention_2 needs the flash-attn package: refused in one line, not transformers' ImportError."""
+    if attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ModelError("attn_implementation flash_attention_2 needs the flash-attn package, which is not installed "
+                         "(pip install flash-attn, on a CUDA machine); or set attn_implementation: sdpa")
 
 
 def build_random(model: str, dtype: str | torch.dtype, device: str | torch.device, *,
@@ -109,7 +139,9 @@ def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     from workbook import tiny_model
-    return AutoTokenizer.from_pretrained(tiny_model.resolve_model_path(model))
+    path = tiny_model.resolve_model_path(model)
+    with _loading(model, path, "its tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)"):
+        return AutoTokenizer.from_pretrained(path)
 
 
 def enable_gradient_checkpointing(model) -> None:

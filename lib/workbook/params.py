@@ -279,7 +279,11 @@ def _check_consistency(params: dict, where: str) -> None:
 
 def _read_yaml_mapping(path: Path) -> tuple[dict, dict[str, int]]:
     """Read a YAML mapping safely; also return each top-level key's line number (1-based)."""
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as error:
+        line = path.read_bytes()[:error.start].count(b"\n") + 1
+        raise ParamsError(f"{path}:{line}: not UTF-8 text (byte {error.start + 1}); save the file as UTF-8") from None
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
         data = yaml.safe_load(text)

@@ -22,8 +22,9 @@ from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
 from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, noise_note, peak_tflops, run_dtype
 from workbook.bench.generation_sweep import generation_sweep
-from workbook.bench.training_sweep import training_label, training_setting, training_sweep
+from workbook.bench.training_sweep import memory_setting_names, training_label, training_setting, training_sweep
 from workbook.generation import GenerationError
+from workbook.jsonl import DataError
 from workbook.planner import DoesNotFitError
 from workbook.planner.profile import Budget
 from workbook.units import GiB, format_bytes
@@ -47,6 +48,7 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
     if missing:
         raise BenchError(f"the benchmark needs parameter(s) {', '.join(missing)}; declare them in notebook 04's "
                          "parameters cell or add them to the params file")
+    check_names(params)
     device = runtime.default_device()
     params = without_absent_peaks(params, device, log)
     began, load_before = time.perf_counter(), os.getloadavg()
@@ -77,6 +79,20 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
         "goals": goals_table(generation, training),
         "seconds": time.perf_counter() - began,
     }
+
+
+def check_names(params) -> None:
+    """The sweeps' models and memory settings exist: a BenchError naming the key now, not a traceback
+    after minutes of measuring."""
+    from workbook import presets, tiny_model
+    memory_setting_names(params)
+    for key in ("bench_generate_model", "bench_train_model"):
+        name = params[key]
+        if name != tiny_model.TINY_MODEL_NAME and not Path(name).expanduser().is_dir():
+            try:
+                presets.load_config(name)
+            except ValueError as error:
+                raise BenchError(f"{key}: {error}") from None
 
 
 # A GPU profile's figures that would judge a run on another device (0: none to measure against).
@@ -313,9 +329,12 @@ def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float |
                                    budget=budget)
         finally:
             budget.cancel()
-    except (params_module.ParamsError, BenchError, GenerationError, DoesNotFitError) as error:
+    except (params_module.ParamsError, BenchError, GenerationError, DoesNotFitError, DataError) as error:
         say(f"error: {error}")
         return runner.finish_job(run, 2, error)
+    except Exception as error:  # a bug's traceback: the manifest says 'failed', not 'running' for ever
+        runner.finish_job(run, 3, error)
+        raise
     report["command"] = ("workbook bench --params " + params_arg + (" --set " + " ".join(overrides) if overrides else "")
                          + (f" --time-budget-seconds {time_budget_seconds:g}" if time_budget_seconds else ""))
     report["time_budget"] = {"seconds": time_budget_seconds, "ran_out": budget.expired}

@@ -18,7 +18,7 @@ from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
 from workbook import models, params as params_module, runtime, training
 from workbook.bench.budget import NO_BUDGET, TimeBudget
-from workbook.bench.counting import cost_figures, parse_int_list, run_dtype
+from workbook.bench.counting import BenchError, cost_figures, parse_int_list, run_dtype
 from workbook.bench.sampler import NvmlSampler
 from workbook.params import AUTO
 from workbook.planner import DoesNotFitError
@@ -67,16 +67,23 @@ def training_label(point: dict) -> str:
     return " ".join(words + ([f"+{setting}"] if setting else []))
 
 
+def memory_setting_names(params) -> list[str]:
+    """The names in ``bench_train_settings``; a BenchError naming any unknown one (checked before the
+    generation sweep, not after its minutes)."""
+    settings = [name.strip() for name in params.get("bench_train_settings", "").split(",") if name.strip()]
+    unknown = [name for name in settings if name not in MEMORY_SETTINGS]
+    if unknown:
+        raise BenchError(f"bench_train_settings: unknown {', '.join(unknown)}; expected some of "
+                         f"{', '.join(MEMORY_SETTINGS)}")
+    return settings
+
+
 def training_points(params, device: torch.device) -> list[dict]:
     """One factor at a time around each micro-batch: the plain point, then checkpointing, length
     grouping instead of packing, and each of ``bench_train_settings`` (a full grid would cost 8 runs
     per micro-batch); the compile points of every micro-batch come last, as each compiles for a minute
     or more on a GPU: a sweep stopped by a time budget keeps the others."""
-    settings = [name.strip() for name in params.get("bench_train_settings", "").split(",") if name.strip()]
-    unknown = [name for name in settings if name not in MEMORY_SETTINGS]
-    if unknown:
-        raise ValueError(f"bench_train_settings: unknown {', '.join(unknown)}; expected some of "
-                         f"{', '.join(MEMORY_SETTINGS)}")
+    settings = memory_setting_names(params)
     points = []
     for micro in parse_int_list(params["bench_train_micro_batches"], "bench_train_micro_batches", auto=AUTO):
         base = {"micro_batch_size": micro, **PLAIN}

@@ -84,6 +84,9 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     except (params_module.ParamsError, jsonl.DataError, GenerationError, DoesNotFitError) as error:
         say(f"error: {error}")
         return runner.finish_job(run, 2, error)
+    except Exception as error:  # a bug's traceback: the manifest says 'failed', not 'running' for ever
+        runner.finish_job(run, 3, error)
+        raise
     if summary is None:
         return 0
     for line in summary_lines(summary):

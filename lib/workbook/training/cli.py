@@ -50,6 +50,9 @@ def _train_in_chosen_folder(params, params_arg: str, overrides: list[str]) -> in
     job = runner.start_job(folder.path, "train", params, params_arg, overrides)  # notebook 05 lists the run
     try:
         code = _run_and_report(params, folder.path)
+    except Exception as error:  # a bug's traceback: the manifest says 'failed', not 'running' for ever
+        runner.finish_job(job, 3, error)
+        raise
     finally:
         folder.release()
     runner.finish_job(job, code)

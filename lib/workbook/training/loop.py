@@ -248,6 +248,8 @@ def load_training_model(config: TrainConfig, device: torch.device, seq_len: int)
         try:
             targets = models.lora_targets(model, config.lora_targets)
             model = models.with_lora(model, config.lora_rank, config.lora_targets)
+        except ValueError as error:  # lora_targets naming no layer of this model
+            raise TrainError(str(error)) from None
         except ImportError:
             raise TrainError("lora_rank > 0 needs peft (pinned in requirements.txt: pip install peft==0.21.2); "
                              "or set lora_rank: 0 for a full fine-tune") from None

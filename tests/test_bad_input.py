@@ -1,0 +1,101 @@
+"""Bad input from an audit of the commands: each mistake gets one line naming the file, line or key
+(exit 2), never a traceback, and a failed job's manifest says so."""
+
+import json
+import shutil
+
+import pytest
+
+from workbook import cli, jsonl, models, params, runner
+from workbook.paths import PARAMS_DIR
+
+
+def run_cli(capsys, *argv) -> tuple[int, str]:
+    code = cli.main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_jsonl_with_a_byte_order_mark_reads_and_utf16_or_a_folder_is_named(tmp_path):
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"input": "What is 1 + 1?"}\n{"input": "What is 2 + 2?"}\n')
+    assert [record["input"] for _, record in jsonl.iter_jsonl(bom)] == ["What is 1 + 1?", "What is 2 + 2?"]
+    wide = tmp_path / "wide.jsonl"
+    wide.write_bytes('{"input": "x"}\n'.encode("utf-16"))
+    with pytest.raises(jsonl.DataError, match=r"wide.jsonl: UTF-16 text .* save the file as UTF-8"):
+        list(jsonl.iter_jsonl(wide))
+    with pytest.raises(jsonl.DataError, match=r": a folder, not a file"):
+        jsonl.existing_file(tmp_path)
+
+
+def test_a_params_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
+    latin = tmp_path / "cpu.yaml"
+    latin.write_bytes((PARAMS_DIR / "cpu.yaml").read_bytes().replace(b"Profile 'cpu'", b"Profil\xe9 'cpu'", 1))
+    with pytest.raises(params.ParamsError, match=r"cpu.yaml:1: not UTF-8 text \(byte \d+\); save the file as UTF-8"):
+        params.load(latin)
+
+
+def test_a_broken_model_directory_is_one_line_not_a_traceback(tmp_path, tiny_model_path, capsys):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(models.ModelError, match=r"model .*broken: cannot load it from .* needs config.json"):
+        models.load_model(str(broken), "fp32", "cpu")
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    shutil.copy(tiny_model_path / "config.json", config_only / "config.json")
+    with pytest.raises(models.ModelError, match=r"needs config.json and the weights"):
+        models.load_model(str(config_only), "fp32", "cpu")
+    with pytest.raises(models.ModelError, match=r"needs its tokenizer files"):
+        models.load_tokenizer(str(config_only))
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"input": "What is 1 + 1?"}\n')
+    code, err = run_cli(capsys, "generate", "--params", "cpu", "--set", f"model={config_only}",
+                        f"prompts_path={prompts}", f"output_path={tmp_path / 'out.jsonl'}", "samples_per_prompt=1",
+                        "do_sample=false", "verifier=")
+    assert code == 2 and err.strip().splitlines()[-1].startswith("error: model ") and "Traceback" not in err
+
+
+def test_flash_attention_without_its_package_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(models.ModelError, match=r"flash_attention_2 needs the flash-attn package.*attn_implementation: sdpa"):
+        models.check_attention_installed("flash_attention_2")
+    models.check_attention_installed("sdpa")
+
+
+def test_lora_targets_matching_no_layer_stop_plan_and_train_with_one_line(tmp_path, tiny_model_path, capsys):
+    code, err = run_cli(capsys, "plan", "--profile", "h100", "--model", "llama-3.1-8b", "--mode", "train",
+                        "--lora-targets", "foo_proj")
+    assert code == 2 and "lora_targets ['foo_proj'] match no Linear layer" in err and "Traceback" not in err
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"input": f"What is {i} + 1?", "output": str(i + 1)}) + "\n" for i in range(8)))
+    code, err = run_cli(capsys, "train", "--params", "cpu", "--set", f"train_data_path={data}", "max_steps=1",
+                        "lora_rank=4", "lora_targets=foo_proj", "eval_prompts_path=",
+                        f"train_output_dir={tmp_path / 'run'}")
+    assert code == 2 and "match no Linear layer" in err.strip().splitlines()[-1]
+
+
+def test_bench_names_its_unknown_model_or_setting_before_measuring_and_its_budget_must_be_positive(capsys):
+    code, err = run_cli(capsys, "bench", "--params", "cpu", "--set", "bench_generate_model=nope")
+    assert code == 2 and "error: bench_generate_model: unknown model 'nope'" in err
+    code, err = run_cli(capsys, "bench", "--params", "cpu", "--set", "bench_train_settings=nope")
+    assert code == 2 and "error: bench_train_settings: unknown nope" in err and "generation" not in err.lower()
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["bench", "--params", "cpu", "--time-budget-seconds", "-5"])
+    assert refused.value.code == 2 and "expected a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_a_job_that_fails_with_a_traceback_records_failed_not_running(tmp_path, monkeypatch):
+    from workbook.generation import cli as generation_cli
+
+    made = tmp_path / "20260101-000000-cpu"
+
+    def broken(*args, **kwargs):
+        (made / "generations.jsonl").write_text("")  # it wrote something: the folder stays, with its record
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(generation_cli.notebook, "new_run_dir", lambda profile: made.mkdir() or made)
+    monkeypatch.setattr(generation_cli, "launch", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        generation_cli.cli_main("cpu", [])
+    manifest = json.loads((made / runner.MANIFEST_FILE).read_text())
+    assert manifest["status"] == "failed" and manifest["error"] == "a bug"
