@@ -99,3 +99,32 @@ def test_a_job_that_fails_with_a_traceback_records_failed_not_running(tmp_path, 
         generation_cli.cli_main("cpu", [])
     manifest = json.loads((made / runner.MANIFEST_FILE).read_text())
     assert manifest["status"] == "failed" and manifest["error"] == "a bug"
+
+
+def test_a_diverging_run_stops_with_its_step_and_saves_no_final_model(tmp_path, tiny_model_path, capsys):
+    # learning_rate 1e9 once trained to a NaN loss, saved the NaN model as final/ and exited 0.
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"input": f"What is {i} + 1?", "output": str(i + 1)}) + "\n" for i in range(40)))
+    output = tmp_path / "run"
+    code, err = run_cli(capsys, "train", "--params", "cpu", "--set", f"train_data_path={data}", "max_steps=4",
+                        "learning_rate=1e9", "warmup_steps=0", "micro_batch_size=4", "eval_prompts_path=",
+                        f"train_output_dir={output}")
+    assert code == 2 and "training diverged" in err.strip().splitlines()[-1]
+    assert not (output / "final").exists()
+
+
+def test_too_little_data_for_the_processes_is_said_before_they_start(tmp_path, tiny_model_path, capsys):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(json.dumps({"input": "What is 1 + 1?", "output": "2"}) + "\n")
+    code, err = run_cli(capsys, "train", "--params", "cpu", "--set", f"train_data_path={data}", "max_steps=2",
+                        "train_processes=4", "validation_fraction=0", "eval_prompts_path=",
+                        f"train_output_dir={tmp_path / 'run'}")
+    assert code == 2 and "needs 4" in err.strip().splitlines()[-1] and "Traceback" not in err
+
+
+def test_a_max_seq_length_that_cuts_every_response_says_to_raise_it(tmp_path, tiny_model_path, capsys):
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"input": f"What is {i} + 1?", "output": str(i + 1)}) + "\n" for i in range(8)))
+    code, err = run_cli(capsys, "train", "--params", "cpu", "--set", f"train_data_path={data}", "max_steps=2",
+                        "max_seq_length=4", "eval_prompts_path=", f"train_output_dir={tmp_path / 'run'}")
+    assert code == 2 and "lost every response token to max_seq_length 4" in err and "raise max_seq_length" in err

@@ -46,6 +46,9 @@ def test_every_sample_is_its_own_record_and_a_batch_counts_sequences(tmp_path, t
     more = generation.run_job(job_params(prompts, output, samples_per_prompt=3, batch_size=6, **SAMPLING), output,
                               **quiet)
     assert more["generated"] == 8 and keys(output) == [(r["id"], s) for r in records for s in range(3)]
+    # Fewer than the output holds is refused by name: the audit and the verifier would count every sample.
+    with pytest.raises(generation.GenerationError, match=r"holds sample\(s\) 2..2 .*samples_per_prompt: 3 to resume"):
+        generation.run_job(job_params(prompts, output, samples_per_prompt=2, batch_size=6, **SAMPLING), output, **quiet)
 
 
 def test_kill_9_then_resume_writes_every_id_and_sample_exactly_once(tmp_path):

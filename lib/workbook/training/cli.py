@@ -68,9 +68,10 @@ def _run_and_report(params, run_dir: Path) -> int:
         print(f"data: {prepared.source}; {len(prepared.train)} train / {len(prepared.validation)} validation examples; "
               f"max_seq_length {prepared.max_seq_length} ({prepared.max_seq_length_rule}); "
               f"{prepared.truncation['truncated']} truncated", flush=True)
+        run = plan_run(config, prepared)  # too little data for the processes' steps: said here, not by every child
         checkpoint = checkpoints.latest_checkpoint(config.output_dir)
         if checkpoint is not None:  # refuse a checkpoint of other data or settings before the model loads
-            checkpoints.resumable_state(checkpoint, checkpoints.fingerprint(config, prepared, plan_run(config, prepared)))
+            checkpoints.resumable_state(checkpoint, checkpoints.fingerprint(config, prepared, run))
         result = launch(config, prepared)
     except (TrainError, jsonl.DataError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -149,6 +149,11 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                           "tokens": int(tokens), "loss_tokens": int(global_targets), "seconds": seconds,
                           "tokens_per_second": tokens / seconds if seconds > 0 else None,
                           "flops": per_token_flops * tokens + per_square_flops * squares}
+                if not math.isfinite(record["loss"]):  # the same reduced loss on every process: all stop together
+                    raise TrainError(
+                        f"the loss is {record['loss']} at step {step} (learning rate {learning_rate:g}, grad norm "
+                        f"{record['grad_norm']}): training diverged and no final model is saved (checkpoints saved "
+                        f"before it are kept in {output_dir}); lower learning_rate, or check the data and dtype")
                 history.append(record)
                 if config.report_to != "none":
                     accelerator.log(tracking.step_metrics(record, report.dense_peak_tflops(config), world, device), step=step)

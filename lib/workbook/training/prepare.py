@@ -106,8 +106,11 @@ def prepare_data(config: TrainConfig, tokenizer=None, log=print) -> PreparedData
     validation, validation_truncation = sft_examples.truncate(
         [by_source[sources[i]] for i in validation_index if sources[i] in by_source], max_len)
     if not train:
+        cut = truncation.dropped + validation_truncation.dropped
+        why = (f"; {cut} lost every response token to max_seq_length {max_len} ({rule}): raise max_seq_length"
+               if cut else ": add data or lower validation_fraction")
         raise TrainError(f"no training example left (of {len(records)} records, {len(validation_index)} held out for "
-                         "validation, the rest skipped or dropped): add data or lower validation_fraction")
+                         f"validation, the rest skipped or dropped){why}")
     truncation_summary = {
         "max_seq_length": max_len,
         "truncated": truncation.truncated + validation_truncation.truncated,
