@@ -128,3 +128,12 @@ def test_a_max_seq_length_that_cuts_every_response_says_to_raise_it(tmp_path, ti
     code, err = run_cli(capsys, "train", "--params", "cpu", "--set", f"train_data_path={data}", "max_steps=2",
                         "max_seq_length=4", "eval_prompts_path=", f"train_output_dir={tmp_path / 'run'}")
     assert code == 2 and "lost every response token to max_seq_length 4" in err and "raise max_seq_length" in err
+
+
+def test_a_gpu_profile_on_a_machine_without_one_is_warned_about():
+    import torch
+    from workbook import runtime
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    assert "profile h100 describes 1 GPU(s) and torch sees none" in runtime.missing_gpu_warning("h100", 1)
+    assert runtime.missing_gpu_warning("cpu", 0) is None

@@ -75,6 +75,16 @@ def process_age_seconds() -> float | None:
     return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
 
 
+def missing_gpu_warning(profile: str, gpu_count: int) -> str | None:
+    """A warning when a GPU profile runs where torch sees no GPU (a laptop given --params h100): the job
+    runs on the CPU with 'auto' batches planned for the GPU's memory. ``is_available`` does not
+    initialise CUDA, so a later fork (notebook_launcher) stays possible."""
+    if gpu_count > 0 and not torch.cuda.is_available():
+        return (f"warning: profile {profile} describes {gpu_count} GPU(s) and torch sees none here: this job runs on "
+                "the CPU, with 'auto' batch sizes planned for that GPU's memory (use --params cpu on this machine)")
+    return None
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -36,6 +36,9 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
     nothing before this call in this module does).
     """
     job.require_keys(params)
+    warning = runtime.missing_gpu_warning(params["profile"], params["gpu_count"])
+    if warning and runtime.launched_processes() == 1:
+        log(warning)
     if output_path is None:
         if runtime.launched_processes() > 1 and not params["output_path"]:
             raise GenerationError("under a launcher (accelerate launch, torchrun) every process must write to the "

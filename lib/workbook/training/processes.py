@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -23,6 +24,9 @@ def launch(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
     never asks torch.cuda anything). Inside a launch (``accelerate launch``, ``torchrun``) this
     process is one of the launched ones and runs `train` directly.
     """
+    warning = runtime.missing_gpu_warning(config.profile, config.budget.gpu_count)
+    if warning and not runtime.inside_launcher():
+        print(warning, file=sys.stderr, flush=True)
     if config.processes == 1 or runtime.inside_launcher():
         return train(config, prepared)
     from accelerate import notebook_launcher
