@@ -137,3 +137,13 @@ def test_a_gpu_profile_on_a_machine_without_one_is_warned_about():
         pytest.skip("a GPU is here")
     assert "profile h100 describes 1 GPU(s) and torch sees none" in runtime.missing_gpu_warning("h100", 1)
     assert runtime.missing_gpu_warning("cpu", 0) is None
+
+
+def test_calibrate_names_an_unknown_profile_or_case_on_a_cpu_too(tmp_path, capsys):
+    from workbook.planner import calibration
+    with pytest.raises(SystemExit) as refused:
+        calibration.main(["--profile", "h10", "--out", str(tmp_path)])
+    assert refused.value.code == 2 and "h10.yaml: no such parameter file" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match=r"--only: no case of this profile's grid starts with 'nope'"):
+        calibration.main(["--profile", "h100", "--only", "nope", "--out", str(tmp_path)])
+    assert not list(tmp_path.iterdir())  # refused before it wrote anything

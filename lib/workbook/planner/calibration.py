@@ -379,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-from", help="an overhead probe's cuda_overhead.json: plan every case's CUDA "
                         "context with its constant (default: each case's own measured context)")
     args = parser.parse_args(argv)
+    try:  # an unknown profile or --only case is named before any work, on a CPU too
+        cases = [] if args.profile == "cpu" else calibration_grid(args.profile)
+    except params.ParamsError as error:
+        parser.error(str(error))
+    cases = chosen_cases(cases, args.only.split(",")) if args.only else cases
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     command = command_line(args.out, args.profile)
@@ -403,9 +408,6 @@ def main(argv: list[str] | None = None) -> int:
               f"on that GPU to write outputs/reference/<profile>/{RESULT_FILE}.")
         return 0 if cpu_checks["all_exact"] else 1
 
-    cases = calibration_grid(args.profile)
-    if args.only:
-        cases = chosen_cases(cases, args.only.split(","))
     result = run_calibration(out_dir, args.profile, cases, overhead_bytes=_probed_overhead(args.overhead_from))
     from workbook import plots  # the figure is for people; the JSON above is the record
     plots.memory_accuracy(result).savefig(out_dir / "memory_accuracy.png", dpi=120, bbox_inches="tight")
