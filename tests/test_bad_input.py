@@ -147,3 +147,9 @@ def test_calibrate_names_an_unknown_profile_or_case_on_a_cpu_too(tmp_path, capsy
     with pytest.raises(SystemExit, match=r"--only: no case of this profile's grid starts with 'nope'"):
         calibration.main(["--profile", "h100", "--only", "nope", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # refused before it wrote anything
+
+
+def test_a_config_without_the_models_sizes_is_refused_not_planned_as_a_default_llama(tmp_path, capsys):
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    code, err = run_cli(capsys, "plan", "--profile", "h100", "--model", str(tmp_path))
+    assert code == 2 and "no 'hidden_size', 'num_hidden_layers', 'vocab_size'" in err

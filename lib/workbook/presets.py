@@ -77,6 +77,7 @@ def _config_from_directory(directory: Path) -> PretrainedConfig:
         raise ValueError(f"{path}: expected a JSON object with a 'model_type' (e.g. \"llama\"), as Hugging Face "
                          "writes it; restore the model's config.json")
     _check_size_fields(path, values)
+    _check_sizes_given(path, values)
     try:
         return AutoConfig.from_pretrained(directory, local_files_only=True)
     except Exception as error:  # transformers' own checks (types, head counts) raise several kinds
@@ -92,6 +93,19 @@ SIZE_FIELDS = (
     "num_experts", "num_experts_per_tok", "moe_intermediate_size", "kv_lora_rank", "q_lora_rank",
     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim",
 )
+
+
+# The sizes a plan cannot do without (with the other names some architectures give them): absent, transformers
+# would fill in its defaults for the model_type, another model's size (a 6.7B Llama for {"model_type": "llama"}).
+REQUIRED_SIZES = {"hidden_size": ("n_embd", "d_model"), "num_hidden_layers": ("n_layer", "num_layers"), "vocab_size": ()}
+
+
+def _check_sizes_given(path: Path, values: dict) -> None:
+    sizes = values["text_config"] if isinstance(values.get("text_config"), dict) else values
+    missing = [key for key, others in REQUIRED_SIZES.items() if not any(name in sizes for name in (key, *others))]
+    if missing:
+        raise ValueError(f"{path}: no {', '.join(repr(key) for key in missing)}; transformers would plan its default "
+                         f"{values['model_type']} in their place, another model's size; restore the model's config.json")
 
 
 def _check_size_fields(path: Path, values: dict) -> None:
