@@ -153,3 +153,9 @@ def test_a_config_without_the_models_sizes_is_refused_not_planned_as_a_default_l
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     code, err = run_cli(capsys, "plan", "--profile", "h100", "--model", str(tmp_path))
     assert code == 2 and "no 'hidden_size', 'num_hidden_layers', 'vocab_size'" in err
+
+
+def test_a_text_key_takes_the_text_yaml_would_have_read_as_something_else():
+    assert params.parse_overrides(["system_prompt=no", "output_path=2026-01-01", "prompts_path=123"]) == {
+        "system_prompt": "no", "output_path": "2026-01-01", "prompts_path": "123"}
+    assert params.parse_overrides(["do_sample=no", "batch_size=4"]) == {"do_sample": False, "batch_size": 4}

@@ -335,6 +335,9 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             value = text
         if isinstance(value, (dict, list)):
             value = text  # `model={x}` is a path-like string, not YAML structure
+        key_schema = SCHEMA.get(key.strip())
+        if key_schema is not None and key_schema.kind is str and not isinstance(value, str):
+            value = text.strip()  # a text key takes the text: system_prompt=no, output_path=2026-01-01, prompts_path=123
         overrides[key.strip()] = validate_value(key.strip(), value, f"--set {pair}")
     return overrides
 

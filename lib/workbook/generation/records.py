@@ -34,6 +34,10 @@ class Example:
     record: dict
 
 
+# How a JSON value that is not text is named in a bad line's reason.
+JSON_TYPES = {type(None): "null", bool: "true/false", int: "number", float: "number", list: "array", dict: "object"}
+
+
 def load_examples(path: str | Path, *, prompt_field: str = AUTO_PROMPT_FIELD, on_bad_line: str = FAIL,
                   max_examples: int = 0) -> tuple[list[Example], list[BadLine]]:
     """The examples of a prompts file, in file order, and the lines skipped under ``on_bad_line='skip'``.
@@ -77,7 +81,8 @@ def _example_problem(path: Path, number: int, value: dict, prompt_field: str,
         wanted = " or ".join(PROMPT_FIELDS) if prompt_field == AUTO_PROMPT_FIELD else prompt_field
         return BadLine(str(path), number, f"no prompt field ({wanted}); the line has {sorted(value)}", example_id)
     if not isinstance(prompt, str):
-        return BadLine(str(path), number, f"'{field}' is a {type(prompt).__name__}, not text", example_id)
+        return BadLine(str(path), number, f"'{field}' is {json.dumps(prompt)[:40]} (JSON "
+                       f"{JSON_TYPES.get(type(prompt), type(prompt).__name__)}), not text", example_id)
     if not prompt.strip():
         return BadLine(str(path), number, f"'{field}' is empty", example_id)
     return None
