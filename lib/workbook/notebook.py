@@ -105,13 +105,12 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
 
 def show_table(rows: list[dict], columns: list[str] | None = None, title: str | None = None) -> None:
     """Display a table in the notebook (Markdown), with an optional bold title."""
-    from IPython.display import Markdown, display
-    text = markdown_table(rows, columns)
-    display(Markdown((f"**{title}**\n\n" if title else "") + text))
+    show_markdown((f"**{title}**\n\n" if title else "") + markdown_table(rows, columns))
 
 
 def show_markdown(text: str) -> None:
-    """Display Markdown text in the notebook; nothing for ''."""
+    """Display Markdown text in the notebook; nothing for ''. Its plain-text form is the same text, so
+    `workbook run`'s log (papermill logs cell output) shows the table, not '<Markdown object>'."""
     if text:
-        from IPython.display import Markdown, display
-        display(Markdown(text))
+        from IPython.display import display
+        display({"text/markdown": text, "text/plain": text}, raw=True)

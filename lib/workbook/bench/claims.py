@@ -10,6 +10,7 @@ import torch
 from workbook.bench.counting import BASELINE, HF_PIPELINE, NA
 from workbook.bench.training_sweep import training_setting
 from workbook.planner import kv_cache_bytes
+from workbook.units import format_bytes
 
 
 # Seed 000's own job and what it promised per GPU (../shared/seeds/000_*.txt, "Hardware-Specific Settings"
@@ -100,8 +101,8 @@ def claims_table(generation: dict | None, training: dict | None, matmul: dict | 
     rows.append({"seed": "000", "claim": "batch 32 on an H200 ('only 28% utilization' of its 141 GB), 16 on an H100 "
                  "(8B, 2048 new tokens)", "measured": seed_000_batch_claim(generation, on_gpu and big_model)})
     rows.append({"seed": "000", "claim": "KV cache ~500MB per example (8B, 2048 new tokens)",
-                 "measured": (f"counted from the Llama-3.1-8B config: {kv_8b / 1e6:.0f} MB per example at 512 prompt + "
-                              "2048 new tokens (bf16): arithmetic, not hardware")})
+                 "measured": (f"counted from the Llama-3.1-8B config: {kv_8b / 1e6:.0f} MB ({format_bytes(kv_8b)}) per "
+                              "example at 512 prompt + 2048 new tokens (bf16): arithmetic, not hardware")})
     rows.append({"seed": "001", "claim": "~20GB per GPU with TP=4 (30B teacher on 4 of 8 H100s)",
                  "measured": tensor_parallel_claim()})
     rows.append({"seed": "004", "claim": "memory figures per batch size",
@@ -153,9 +154,9 @@ def tensor_parallel_claim(model: str = "Qwen2.5-32B", tensor_parallel_size: int 
     plan = profile.plan(h100x8, mode="generate", model=model, batch_size=1, tensor_parallel_size=tensor_parallel_size,
                         prompt_len=512, max_new_tokens=2048, dtype="bf16")
     return (f"planned, not measured (no multi-GPU machine): {model} ({plan.params / 1e9:.1f}B) at T={tensor_parallel_size}"
-            f" holds {plan.weights_bytes / 1e9:.1f} GB of weights per GPU; batch 1 peaks at "
-            f"{plan.total_bytes / 1e9:.1f} GB per GPU, and the largest batch per GPU ({plan.max_batch_size}) fills "
-            f"the {plan.budget_bytes / 1e9:.0f} GB budget with KV cache ({plan.kv_cache_bytes_per_token:,} B/token "
+            f" holds {plan.weights_bytes / 1e9:.1f} GB ({format_bytes(plan.weights_bytes)}) of weights per GPU; batch 1 "
+            f"peaks at {plan.total_bytes / 1e9:.1f} GB per GPU, and the largest batch per GPU ({plan.max_batch_size}) "
+            f"fills the {format_bytes(plan.budget_bytes)} budget with KV cache ({plan.kv_cache_bytes_per_token:,} B/token "
             "per GPU; 512 prompt + 2048 new tokens, bf16)")
 
 

@@ -104,8 +104,11 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
         "data": prepared.summary(),
         "plan": run.to_dict(),
         "settings": {
-            "dtype": config.dtype, "mixed_precision": accelerate_mixed_precision(config),
-            "precision": config.precision,
+            "dtype": config.dtype,
+            # 'mixed' is autocast over fp32 weights: accelerate's mixed_precision says whether it applied (fp32: no).
+            "precision": {"requested": config.precision, "applied": "fp32 (no autocast: dtype fp32)"
+                          if config.dtype == "fp32" else config.precision},
+            "mixed_precision": accelerate_mixed_precision(config),
             "offload_activations": {"requested": config.offload_activations,
                                     "applied": config.offload_activations and on_gpu},
             "tf32": {"requested": config.tf32, "applied": tf32_applied},
@@ -115,7 +118,8 @@ def result(config, prepared, run, accelerator, history, eval_history, start_step
             "loss": loss_description(config.loss_chunk_tokens, "cuda" if on_gpu else "cpu"),
             "dataloader_workers": config.dataloader_workers,
             "pin_memory": {"requested": config.pin_memory, "applied": config.pin_memory and on_gpu},
-            "prefetch_factor": config.prefetch_factor if config.dataloader_workers else None,
+            "prefetch_factor": {"requested": config.prefetch_factor,
+                                "applied": config.prefetch_factor if config.dataloader_workers else "none (no workers)"},
             "micro_batch_size": run.micro_batch_size, "gradient_accumulation_steps": run.gradient_accumulation_steps,
             "processes": processes, "distributed_type": accelerator.distributed_type.value,
             "optimizer": optimizer_description, "weight_decay": config.weight_decay,
