@@ -146,6 +146,8 @@ def test_a_point_whose_runs_spread_far_apart_is_marked_noisy_where_it_is_shown()
     # A CPU shared with another job gave runs of 31.8 and 708 tokens/s: a median of them is no measurement.
     assert bench.noise_note([100.0, 90.0, 110.0]) == "" and bench.noise_note([100.0]) == ""
     assert bench.noise_note([31.8, 700.0, 708.2]).startswith("noisy: its runs spread 22.3x")
+    assert bench.noise_note([12226, 12943, 8899, 13681, 13408, 12393]) == ""  # one slow step of six: not noise
+    assert bench.noise_note([12226, 6000, 8899, 13681, 13408, 12393]).startswith("noisy: its runs spread 1.5x")
     rows = bench.training_rows({"training": {"points": [{
         "micro_batch_size": 8, "grad_checkpointing": False, "torch_compile": False, "padding": "packing",
         "tokens_per_second": 160.0, "timed_step_tokens_per_second": [99.0, 8000.0], "mfu": None, "mfu_note": "n/a",

@@ -114,8 +114,9 @@ def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title:
     figure = None
     if axis is None:
         figure, axis = plt.subplots(figsize=(7, 4))
-    for label, (batches, totals) in curves.items():
-        axis.plot(batches, [t / GiB for t in totals], marker=".", label=label)
+    # Each line its own dash and marker: where weights are small beside the KV cache, lines lie on one another.
+    for (label, (batches, totals)), style, marker in zip(curves.items(), ("-", "--", "-.", ":") * 4, ".ox^sv" * 3):
+        axis.plot(batches, [t / GiB for t in totals], linestyle=style, marker=marker, markersize=4, label=label)
     axis.axhline(capacity_bytes / GiB, color="black", linewidth=2,
                  label=f"{memory_name(on_gpu)} {format_bytes(capacity_bytes)}")
     axis.axhline(budget_bytes / GiB, color="black", linestyle="--", label="budget (safety margin kept free)")

@@ -248,7 +248,10 @@ def memory_curves(params, plans: dict[str, Plan]) -> dict[str, dict[str, tuple[l
         return batches, [plan(params, mode=mode, batch_size=batch, **changes).total_bytes for batch in batches]
 
     return {
-        "generate": {dtype: curve("generate", dtype=dtype) for dtype in ("fp32", "bf16", "int8", "int4")},
+        # int8/int4 are weight formats (bitsandbytes): compute and the KV cache stay bf16.
+        "generate": {label: curve("generate", dtype=dtype) for dtype, label in (
+            ("fp32", "fp32 weights and KV cache"), ("bf16", "bf16 weights and KV cache"),
+            ("int8", "int8 weights, bf16 KV cache"), ("int4", "int4 weights, bf16 KV cache"))},
         "train": {"full fine-tune": curve("train", grad_checkpointing=False, lora_rank=0),
                   "+ gradient checkpointing": curve("train", grad_checkpointing=True, lora_rank=0),
                   f"LoRA r{LORA_CURVE_RANK} + checkpointing": curve("train", grad_checkpointing=True,
