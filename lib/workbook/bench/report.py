@@ -282,6 +282,9 @@ def nvml_rows(report: dict) -> list[dict]:
                      "memory used": _format(_reading(nvml, "memory_used_bytes", "max", GiB), "{:.1f} GiB"),
                      "power W": _format(_reading(nvml, "power_watts", "mean"), "{:.0f}"),
                      "SM clock MHz": _format(_reading(nvml, "sm_clock_mhz", "mean"), "{:.0f}")})
+    reasons = {row["kernel running (% of time)"] for row in rows if len(row) == 2}
+    if rows and len(reasons) == 1 and all(len(row) == 2 for row in rows):  # no reading anywhere: one row says why
+        return [{"point": f"all {len(rows)} points", "kernel running (% of time)": reasons.pop()}]
     return rows
 
 
