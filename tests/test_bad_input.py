@@ -159,8 +159,3 @@ def test_a_text_key_takes_the_text_yaml_would_have_read_as_something_else():
     assert params.parse_overrides(["system_prompt=no", "output_path=2026-01-01", "prompts_path=123"]) == {
         "system_prompt": "no", "output_path": "2026-01-01", "prompts_path": "123"}
     assert params.parse_overrides(["do_sample=no", "batch_size=4"]) == {"do_sample": False, "batch_size": 4}
-
-
-def test_a_key_set_twice_is_refused_not_resolved_by_order():
-    with pytest.raises(params.ParamsError, match=r"--set max_examples is given twice \(2 and '4'\); keep one"):
-        params.parse_overrides(["max_examples=2", "seed=1", "max_examples=4"])

@@ -335,8 +335,6 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             value = text
         if isinstance(value, (dict, list)):
             value = text  # `model={x}` is a path-like string, not YAML structure
-        if key.strip() in overrides:  # `--set a=1 ... a=2`: which one was meant is not ours to guess
-            raise ParamsError(f"--set {key.strip()} is given twice ({overrides[key.strip()]!r} and {text!r}); keep one")
         key_schema = SCHEMA.get(key.strip())
         if key_schema is not None and key_schema.kind is str and not isinstance(value, str):
             value = text.strip()  # a text key takes the text: system_prompt=no, output_path=2026-01-01, prompts_path=123
