@@ -323,7 +323,8 @@ def load(path: str | Path) -> Params:
 
 
 def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """Turn ['batch_size=8', 'dtype=bf16'] into validated values; YAML rules type each value."""
+    """Turn ['batch_size=8', 'dtype=bf16'] into validated values; YAML rules type each value (a text key
+    takes its text). A key given twice takes its last value: scripts layer their settings that way."""
     overrides: dict[str, Any] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
