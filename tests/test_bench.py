@@ -321,7 +321,8 @@ def test_goals_are_judged_at_the_planners_batch_and_say_by_how_much_they_miss():
     at_planner["fraction_of_roofline"] = {"datasheet": 0.45, "measured_ceilings": None}
     at_planner["roofline"] = {"seconds": {"prefill": 0.25, "decode": 0.75, "total": 1.0}}
     generation = {"points": [fake_point("seed-after", 32, 750.0, speedup_over_seed_after=1.0),
-                             fake_point("static-sorted", 8, 20000.0, speedup_over_seed_after=26.7), at_planner]}
+                             fake_point("static-sorted", 8, 20000.0, speedup_over_seed_after=26.7), at_planner],
+                  "device": "cuda:0"}
     rows = {row["goal"]: row for row in bench.goals_table(generation, {"points": [{"mfu": 0.5}, {"mfu": 0.3}]})}
     bandwidth, speedup, mfu = (rows[goal] for goal in bench.GOALS[:3])
     assert bandwidth["measured"].startswith("45.0% of the roofline at the datasheet's peaks; prefill is 25% of that "
@@ -335,6 +336,9 @@ def test_goals_are_judged_at_the_planners_batch_and_say_by_how_much_they_miss():
     assert measured["measured"].startswith("62.0% of the roofline at this GPU's measured copy bandwidth and matmul; "
                                            "54.0% at the datasheet's")
     assert measured["met"] == "yes"
+    # The speedup goal is a GPU's: on a CPU it is shown, not judged.
+    on_cpu = {row["goal"]: row for row in bench.goals_table({**generation, "device": "cpu"}, None)}[bench.GOALS[1]]
+    assert on_cpu["measured"].startswith("12.0x") and on_cpu["met"] == "n/a: a GPU goal, measured here on a CPU"
     none = {row["goal"]: row for row in bench.goals_table({"points": [fake_point("seed-after", 32, 1.0)]}, None)}
     assert none[bench.GOALS[0]]["measured"].startswith("not measured: bench_batch_sizes has no 'auto'")
     assert none[bench.GOALS[2]]["met"] == "n/a"
