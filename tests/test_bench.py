@@ -589,3 +589,18 @@ def test_the_mfu_figure_draws_a_point_without_an_mfu_beside_those_with_one():
     figure = benchmark_plots.mfu_bars({"profile": "h100", "training": {"model": "Llama-3.2-1B", "points": points}})
     heights = [bar.get_height() for bar in figure.axes[0].patches]
     assert heights == pytest.approx([41.0, 0.0])
+
+
+def test_a_training_point_that_diverges_is_recorded_and_the_sweep_goes_on(tmp_path):
+    import importlib
+    from workbook import params as params_module, training
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")
+    params = {**params_module.load_all()["cpu"], "bench_train_micro_batches": "2", "bench_train_steps": 3}
+    point = {"micro_batch_size": 2, **training_sweep.PLAIN}
+
+    def diverges(config, output_dir):
+        raise training.TrainingDiverged("the loss is nan at step 2 (learning rate 1e+09): training diverged")
+    said = []
+    measured = training_sweep._measure(params, point, tmp_path, diverges, said.append)
+    assert measured == {"skipped": "stopped: training diverged (the loss is nan at step 2 (learning rate 1e+09))"}
+    assert said and "diverged" in said[0]

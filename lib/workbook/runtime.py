@@ -77,9 +77,10 @@ def process_age_seconds() -> float | None:
 
 def missing_gpu_warning(profile: str, gpu_count: int) -> str | None:
     """A warning when a GPU profile runs where torch sees no GPU (a laptop given --params h100): the job
-    runs on the CPU with 'auto' batches planned for the GPU's memory. ``is_available`` does not
-    initialise CUDA, so a later fork (notebook_launcher) stays possible."""
-    if gpu_count > 0 and not torch.cuda.is_available():
+    runs on the CPU with 'auto' batches planned for the GPU's memory. Counted through NVML
+    (``device_count``): ``is_available`` starts the CUDA driver, and the processes notebook_launcher
+    forks after it could not use CUDA."""
+    if gpu_count > 0 and torch.cuda.device_count() == 0:
         return (f"warning: profile {profile} describes {gpu_count} GPU(s) and torch sees none here: this job runs on "
                 "the CPU, with 'auto' batch sizes planned for that GPU's memory (use --params cpu on this machine)")
     return None

@@ -76,7 +76,8 @@ def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
         add("10", f"seed {row['seed']}: {row['claim']}", row["measured"], "n/a (a claim)", source)
     for source, record in files["continuous_batching.json"]:
         for result in record["results"]:
-            best = max(filter(None, result["roofline_fraction"].values()), default=None)
+            fractions = result.get("roofline_fraction") or result.get("bandwidth_roofline_fraction") or {}  # before 11-24
+            best = max(filter(None, fractions.values()), default=None)
             ratio = result["continuous_vs_static"]
             add("19", f"continuous >= {CONTINUOUS_GOAL}x static-sorted at the same memory ({result['workload']} outputs)",
                 f"{'not measured (the time budget ran out first)' if ratio is None else f'{ratio}x'}; batches "

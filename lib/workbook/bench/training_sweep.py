@@ -150,7 +150,7 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
     if point.get("skipped"):
         return result
     measured = _measure(params, point, work_dir, lambda config, output_dir: training.train(config), log)
-    if "out_of_memory" in measured:
+    if "out_of_memory" in measured or "skipped" in measured:
         return {**result, **measured}
     throughput, memory_figures = measured["throughput"], measured["memory"]
     tokens_per_second = throughput["tokens_per_second"]
@@ -188,6 +188,9 @@ def _measure(params, point: dict, work_dir: Path, train: Callable[[training.Trai
     try:
         with NvmlSampler() as sampler:
             measured = train(config, output_dir)
+    except training.TrainingDiverged as error:  # a setting that diverges is a finding, not the sweep's end
+        log(f"train micro-batch {point['micro_batch_size']}: {error}")
+        return {"skipped": f"stopped: training diverged ({str(error).split(':')[0]})"}
     except Exception as error:
         if not should_reduce_batch_size(error):
             raise

@@ -389,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line(args.out, args.profile)
 
     cpu_checks = exact_checks.cpu_exact_checks()
-    has_gpu = torch.cuda.is_available()
+    has_gpu = torch.cuda.is_available() and bool(cases)  # the cpu profile has no grid, GPU or not
     cpu_checks["command"] = command
     if args.profile == "cpu":  # the exact checks are all a CPU can give; the grid needs a GPU profile
         command = "workbook calibrate --profile h200   (or the profile of the GPU at hand)"

@@ -19,7 +19,7 @@ same command left unfinished: rerunning it after a kill resumes) and ``cli`` (``
 """
 
 from workbook.training.cli import main
-from workbook.training.config import PARAMS_USED, TrainConfig, TrainError, config_from_params
+from workbook.training.config import PARAMS_USED, TrainConfig, TrainError, TrainingDiverged, config_from_params
 from workbook.training.loop import train
 from workbook.training.prepare import PreparedData, prepare_data
 from workbook.training.processes import launch
@@ -27,6 +27,6 @@ from workbook.training.report import summary_lines
 from workbook.training.run_plan import RunPlan, largest_micro_batch, memory_plan, plan_run
 
 __all__ = [
-    "PARAMS_USED", "PreparedData", "RunPlan", "TrainConfig", "TrainError", "config_from_params", "launch", "main",
+    "PARAMS_USED", "PreparedData", "RunPlan", "TrainConfig", "TrainError", "TrainingDiverged", "config_from_params", "launch", "main",
     "largest_micro_batch", "memory_plan", "plan_run", "prepare_data", "summary_lines", "train",
 ]

@@ -41,6 +41,10 @@ class TrainError(ValueError):
     """Training cannot run as configured; the message says what to change."""
 
 
+class TrainingDiverged(TrainError):
+    """The loss stopped being finite: the run stops at that step (a benchmark records the point so)."""
+
+
 @dataclass
 class TrainConfig:
     """Everything one training run needs, plain values only (it is passed to every process)."""

@@ -27,7 +27,7 @@ from workbook import models, runtime
 from workbook.planner.architectures import model_attention
 from workbook.training import batches, checkpoints, evaluation, packed_attention, report, tracking
 from workbook.training.config import (
-    ADAM_BETAS, MAX_GRAD_NORM, RESULT_FILE, TrainConfig, TrainError, accelerate_mixed_precision,
+    ADAM_BETAS, MAX_GRAD_NORM, RESULT_FILE, TrainConfig, TrainError, TrainingDiverged, accelerate_mixed_precision,
 )
 from workbook.training.offload import OffloadActivations, release_pinned_host_memory
 from workbook.training.prepare import PreparedData, prepare_data
@@ -150,7 +150,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                           "tokens_per_second": tokens / seconds if seconds > 0 else None,
                           "flops": per_token_flops * tokens + per_square_flops * squares}
                 if not math.isfinite(record["loss"]):  # the same reduced loss on every process: all stop together
-                    raise TrainError(
+                    raise TrainingDiverged(
                         f"the loss is {record['loss']} at step {step} (learning rate {learning_rate:g}, grad norm "
                         f"{record['grad_norm']}): training diverged and no final model is saved (checkpoints saved "
                         f"before it are kept in {output_dir}); lower learning_rate, or check the data and dtype")

@@ -108,5 +108,6 @@ def training_attention_for(config, seq_len: int) -> str:
     from workbook.planner.architectures import training_attention
     from workbook.planner.shape import model_shape
     shape = model_shape(models.model_source(config.model))
+    # device_count reads NVML: is_available would start the CUDA driver before notebook_launcher forks.
     return training_attention(shape, config.attn_implementation, config.padding, seq_len,
-                              on_gpu=torch.cuda.is_available())
+                              on_gpu=torch.cuda.device_count() > 0)
