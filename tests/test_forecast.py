@@ -583,3 +583,25 @@ def test_a_training_forecast_over_two_nodes_names_the_gradient_all_reduce(tmp_pa
     assert result.job["total_steps"] < run_plan.plan_run(config, prepared, processes=1).total_steps
     assert "all-reduce" in result.network["explanation"] and result.network["network_bytes_per_node_per_step"] > 0
     assert any(note.startswith("not in the time: the network") for note in result.notes)
+
+
+def test_a_forecast_without_output_path_leaves_a_run_folder_that_generate_finishes(tmp_path, tiny_model_path,
+                                                                                   monkeypatch, capsys):
+    # The pilot's folder had outputs but no manifest: notebook 05 could not say what it was, and the job
+    # that resumed it recorded nothing there.
+    from workbook import notebook, runner
+    folder = tmp_path / "20260101-000000-cpu"
+    monkeypatch.setattr(notebook, "new_run_dir", lambda profile: folder.mkdir() or folder)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 40)
+    settings = [f"prompts_path={prompts}", "batch_size=4", "max_new_tokens=4", "samples_per_prompt=1",
+                "do_sample=false", "verifier=", "log_every_batches=0"]
+    assert cli.main(["forecast", "--params", "cpu", "--mode", "generate", "--pilot-share", "0.2", "--set", *settings]) == 0
+    manifest = json.loads((folder / runner.MANIFEST_FILE).read_text())
+    assert (manifest["job"], manifest["status"]) == ("generate", "incomplete")
+    assert "the forecast's pilot only; the job resumes after it: workbook generate" in manifest["error"]
+    capsys.readouterr()
+    assert cli.main(["generate", "--params", "cpu", "--set", *settings,
+                     f"output_path={folder / 'generations.jsonl'}"]) == 0
+    manifest = json.loads((folder / runner.MANIFEST_FILE).read_text())
+    assert manifest["status"] == "ok" and len(manifest["resumed_at"]) == 1
+    assert len((folder / "generations.jsonl").read_text().splitlines()) == 40

@@ -75,17 +75,26 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
 
 def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock):
     """The forecast, and the file it is recorded in for the run to read back."""
-    from workbook import notebook
+    from workbook import notebook, runner
     from workbook.generation.files import OUTPUT_FILE_NAME
     if mode == "generate":
+        job = None
         if not params["output_path"]:
-            params = params_module.Params({**params, "output_path": str(notebook.new_run_dir(params["profile"])
-                                                                        / OUTPUT_FILE_NAME)})
-        result = forecast_generation(params, share=share, seconds=seconds, log=say, clock=clock)
-        record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
+            folder = notebook.new_run_dir(params["profile"])
+            params = params_module.Params({**params, "output_path": str(folder / OUTPUT_FILE_NAME)})
+            # The pilot's folder is the job's: notebook 05 lists it, and `workbook generate` resumes its record.
+            job = runner.start_job(folder, "generate", params, params_arg, overrides)
         settings = " ".join(item for item in overrides if not item.startswith("output_path="))
-        say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: workbook generate "
-            f"--params {params_arg} --set {settings + ' ' if settings else ''}output_path={params['output_path']}")
+        resume = (f"workbook generate --params {params_arg} --set {settings + ' ' if settings else ''}"
+                  f"output_path={params['output_path']}")
+        try:
+            result = forecast_generation(params, share=share, seconds=seconds, log=say, clock=clock)
+        except Exception as error:
+            runner.finish_job(job, 2, error)
+            raise
+        runner.finish_job(job, 1, f"the forecast's pilot only; the job resumes after it: {resume}")
+        record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
+        say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: {resume}")
     else:
         result = forecast_training(params, share=share, seconds=seconds, log=say, clock=clock)
         record = (Path(params["train_output_dir"]) / "forecast.json" if params["train_output_dir"]
