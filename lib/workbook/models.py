@@ -63,20 +63,19 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
         return build_random(model, dtype, device, attn_implementation=attn_implementation)
     torch_dtype = _torch_dtype(dtype)
     path = tiny_model.resolve_model_path(model)
-    with _loading(model, path, "config.json and the weights (*.safetensors)"):
+    needs = "config.json and the weights (*.safetensors)"
+    with _loading(model, path, needs):
         attn_implementation = runnable_attention(AutoConfig.from_pretrained(path), attn_implementation)
     check_attention_installed(attn_implementation)
     description = f"{model}: weights from {path}, {DTYPE_NAMES[torch_dtype]}"
-    if sharding:  # transformers places each shard on this rank's device
-        with _loading(model, path, "config.json and the weights (*.safetensors)"):
-            loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
-                                                          attn_implementation=attn_implementation, **sharding)
-        return LoadedModel(loaded.eval(), f"{description}, tensor parallel over {loaded.tp_size} processes", path)
-    # Straight onto a GPU: through host memory, an 8B model's 16 GB would be read into RAM first, then copied.
-    placed = {"device_map": str(torch.device(device))} if torch.device(device).type == "cuda" else {}
-    with _loading(model, path, "config.json and the weights (*.safetensors)"):
+    # A shard: transformers places it on this rank's device. Else straight onto a GPU: through host memory,
+    # an 8B model's 16 GB would be read into RAM first, then copied.
+    placed = sharding or ({"device_map": str(torch.device(device))} if torch.device(device).type == "cuda" else {})
+    with _loading(model, path, needs):
         loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, attn_implementation=attn_implementation,
                                                       **placed)
+    if sharding:
+        return LoadedModel(loaded.eval(), f"{description}, tensor parallel over {loaded.tp_size} processes", path)
     return LoadedModel((loaded if placed else loaded.to(device)).eval(), description, path)
 
 

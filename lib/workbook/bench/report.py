@@ -267,11 +267,14 @@ def _reading(nvml: dict, key: str, statistic: str, unit: float = 1.0) -> float |
 
 
 def nvml_rows(report: dict) -> list[dict]:
-    rows = []
     training = report["training"] or {}
-    for p in report["generation"]["points"] + training.get("points", []) + training.get("baselines", []):
-        if "nvml" not in p:
-            continue
+    sampled = [p for p in report["generation"]["points"] + training.get("points", []) + training.get("baselines", [])
+               if "nvml" in p]
+    reasons = {p["nvml"].get("reason") for p in sampled}
+    if sampled and len(reasons) == 1 and not any(p["nvml"]["available"] for p in sampled):
+        return [{"point": f"all {len(sampled)} points", "kernel running (% of time)": reasons.pop()}]  # one why
+    rows = []
+    for p in sampled:
         nvml = p["nvml"]
         label = f"{p['strategy']} b{p['batch_size']}" if "strategy" in p else f"train {training_label(p)}"
         if not nvml["available"]:
@@ -282,9 +285,6 @@ def nvml_rows(report: dict) -> list[dict]:
                      "memory used": _format(_reading(nvml, "memory_used_bytes", "max", GiB), "{:.1f} GiB"),
                      "power W": _format(_reading(nvml, "power_watts", "mean"), "{:.0f}"),
                      "SM clock MHz": _format(_reading(nvml, "sm_clock_mhz", "mean"), "{:.0f}")})
-    reasons = {row["kernel running (% of time)"] for row in rows if len(row) == 2}
-    if rows and len(reasons) == 1 and all(len(row) == 2 for row in rows):  # no reading anywhere: one row says why
-        return [{"point": f"all {len(rows)} points", "kernel running (% of time)": reasons.pop()}]
     return rows
 
 

@@ -151,9 +151,11 @@ def written_outputs(files: OutputFiles) -> dict[tuple[Any, int], Written]:
 
 
 def check_resume(files: OutputFiles, written: dict[tuple[Any, int], Written], examples, prompts_path: Path, *,
-                 settings_fingerprint: str, teacher_model: str, generation_params: dict) -> None:
-    """Resume matches more than ids: outputs made with other settings, or from a prompt that has
-    changed since under the same id, stop the job by name instead of staying in the output."""
+                 settings_fingerprint: str, teacher_model: str, generation_params: dict,
+                 samples_per_prompt: int) -> None:
+    """Resume matches more than ids: outputs made with other settings, more samples per prompt than
+    asked (the audit and the verifier would count them all), or from a prompt that has changed since
+    under the same id, stop the job by name instead of staying in the output."""
     def same_settings(entry: Written) -> bool:
         if entry.settings:
             return entry.settings == settings_fingerprint
@@ -172,6 +174,12 @@ def check_resume(files: OutputFiles, written: dict[tuple[Any, int], Written], ex
             f"dtype, use_chat_template or decoding), e.g. id {other_settings[0]!r}: {how}. Resuming would mix them "
             f"in one file: set output_path to a new file for these settings, or move {files.output.name} (and its "
             "part files) away to start again.")
+    beyond = sorted({sample for _, sample in written if sample >= samples_per_prompt})
+    if beyond:
+        raise GenerationError(f"{files.output} holds sample(s) {beyond[0]}..{beyond[-1]} of some prompts, made with "
+                              f"samples_per_prompt {beyond[-1] + 1} or more; this run asks {samples_per_prompt}. "
+                              f"Set samples_per_prompt: {beyond[-1] + 1} to resume it (more adds samples), or set "
+                              "output_path to a new file.")
     digests = {example_id: entry.prompt_digest for (example_id, _), entry in written.items()}
     changed = [e.example_id for e in examples
                if e.example_id in digests and digests[e.example_id] != prompt_digest(e.prompt)]

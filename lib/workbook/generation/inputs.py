@@ -81,13 +81,8 @@ def read_inputs(params, files: OutputFiles, *, record_skipped: bool) -> Inputs:
     settings = output_settings(params)
     written = written_outputs(files)
     check_resume(files, written, examples, prompts_path, settings_fingerprint=records.settings_fingerprint(settings),
-                 teacher_model=settings["teacher_model"], generation_params=settings["generation_params"])
-    beyond = sorted({sample for _, sample in written if sample >= params["samples_per_prompt"]})
-    if beyond:  # more samples per prompt than asked: the audit and the verifier would count them all
-        raise GenerationError(f"{files.output} holds sample(s) {beyond[0]}..{beyond[-1]} of some prompts, made with "
-                              f"samples_per_prompt {beyond[-1] + 1} or more; this run asks {params['samples_per_prompt']}. "
-                              f"Set samples_per_prompt: {beyond[-1] + 1} to resume it (more adds samples), or set "
-                              "output_path to a new file.")
+                 teacher_model=settings["teacher_model"], generation_params=settings["generation_params"],
+                 samples_per_prompt=params["samples_per_prompt"])
     return Inputs(prompts_path, examples, bad_lines, set(written))
 
 

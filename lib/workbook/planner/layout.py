@@ -117,14 +117,10 @@ def choose_tensor_parallel_size(make: Callable[[int], Plan], key_value_heads: in
             break
     if chosen is None:
         chosen = best[0]
-        # A T the planner cannot plan is not a T that does not fit: the verdict says which it was.
-        beyond = f" the planner cannot plan T >= {unplanned} for this model, where it may fit" if unplanned else ""
-        if best[1] > 0:
-            why = f"no T planned reaches a batch of {USEFUL_BATCH_SIZE} per GPU; T={chosen} has the largest" + (
-                f";{beyond}" if beyond else "")
-        else:
-            why = (f"T={chosen} does not fit even batch 1, and{beyond}" if beyond
-                   else f"no T fits even batch 1; T={chosen} comes closest")
+        why = (f"no T planned reaches a batch of {USEFUL_BATCH_SIZE} per GPU; T={chosen} has the largest" if best[1] > 0
+               else f"no T planned fits even batch 1; T={chosen} comes closest")
+        if unplanned:  # a T the planner cannot plan is not a T that does not fit
+            why += f"; the planner cannot plan T >= {unplanned} for this model, where it may fit"
     data_parallel_size = max(gpu_count, 1) // chosen
     return chosen, (f"layout T={chosen} x D={data_parallel_size} (tensor_parallel_size auto): {why} "
                     f"({'; '.join(tried)}; T divides the {key_value_heads} key/value heads and "
