@@ -159,3 +159,14 @@ def test_a_text_key_takes_the_text_yaml_would_have_read_as_something_else():
     assert params.parse_overrides(["system_prompt=no", "output_path=2026-01-01", "prompts_path=123"]) == {
         "system_prompt": "no", "output_path": "2026-01-01", "prompts_path": "123"}
     assert params.parse_overrides(["do_sample=no", "batch_size=4"]) == {"do_sample": False, "batch_size": 4}
+
+
+def test_a_mistyped_profile_or_model_name_suggests_the_one_meant(capsys):
+    code, err = run_cli(capsys, "plan", "--profile", "H200")
+    assert code == 2 and "Did you mean 'h200'?" in err
+    code, err = run_cli(capsys, "plan", "--profile", "a100")
+    assert code == 2 and "Did you mean 'a100-40gb' or 'a100-80gb'?" in err
+    code, err = run_cli(capsys, "plan", "--profile", "cpu", "--model", "llama-3.1-8")
+    assert code == 2 and "Did you mean 'Llama-3.1-8B'?" in err
+    code, err = run_cli(capsys, "plan", "--profile", "cpu", "--model", "no-such-model")
+    assert code == 2 and "Did you mean" not in err and "Presets (any case)" in err

@@ -9,7 +9,6 @@ about a parameter that no notebook declares).
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ from typing import Any
 import yaml
 
 from workbook.paths import PARAMS_DIR
+from workbook.suggest import did_you_mean
 
 DTYPES = ("fp32", "bf16", "fp16")
 PLAN_MODES = ("generate", "train")
@@ -232,9 +232,8 @@ def validate_value(key: str, value: Any, where: str) -> Any:
     `where` names the source for the error message: a file and line, `--set`, or a notebook.
     """
     if key not in SCHEMA:
-        close = difflib.get_close_matches(key, SCHEMA, n=1)
-        hint = f" Did you mean '{close[0]}'?" if close else ""
-        raise ParamsError(f"{where}: unknown parameter '{key}'.{hint} Known parameters: {', '.join(SCHEMA)}.")
+        raise ParamsError(f"{where}: unknown parameter '{key}'.{did_you_mean(key, SCHEMA)} "
+                          f"Known parameters: {', '.join(SCHEMA)}.")
     spec = SCHEMA[key]
     if spec.auto and value == AUTO:
         return value
@@ -306,7 +305,8 @@ def load(path: str | Path) -> Params:
     path = Path(path)
     if not path.is_file():
         available = ", ".join(profile_names()) or "none"
-        raise ParamsError(f"{path}: no such parameter file. Profiles in {PARAMS_DIR}: {available}.")
+        raise ParamsError(f"{path}: no such parameter file.{did_you_mean(path.stem, profile_names())} "
+                          f"Profiles in {PARAMS_DIR}: {available}.")
     data, lines = _read_yaml_mapping(path)
     params = Params()
     for key, value in data.items():

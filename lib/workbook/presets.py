@@ -24,6 +24,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from workbook.preset_configs import PRESETS
+from workbook.suggest import did_you_mean
 
 TINY_PRESET = "tiny"  # the workbook's own model (workbook.tiny_model), built locally
 
@@ -56,7 +57,7 @@ def load_config(model: str | Path) -> PretrainedConfig:
             )
         return _config_from_directory(directory)
     raise ValueError(
-        f"unknown model {name!r}: not a preset and not a local directory. "
+        f"unknown model {name!r}: not a preset and not a local directory.{did_you_mean(name, preset_names())} "
         f"Presets (any case): {', '.join(preset_names())}; or pass a local Hugging Face model "
         "directory that holds config.json (nothing is downloaded)."
     )
