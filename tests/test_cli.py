@@ -201,9 +201,15 @@ def test_plan_refuses_a_bad_config_json_in_one_line_naming_file_and_key(tmp_path
 
 
 @pytest.mark.parametrize("mode", ["generate", "train"])
-def test_plan_refuses_batch_size_0_instead_of_planning_auto(capsys, mode):
-    assert cli.main(["plan", "--profile", "h100", "--mode", mode, "--model", "llama-3.2-1b", "--batch-size", "0"]) == 2
-    assert capsys.readouterr().err.startswith("error: --batch-size: 0 is not a batch")
+def test_plan_refuses_batch_size_0_and_plans_auto_as_the_largest_that_fits(capsys, mode):
+    command = ["plan", "--profile", "h100", "--mode", mode, "--model", "llama-3.2-1b", "--json", "--batch-size"]
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(command + ["0"])
+    assert stopped.value.code == 2 and "--batch-size: expected an integer >= 1 or 'auto', got '0'" in capsys.readouterr().err
+    assert cli.main(command + ["auto"]) == 0
+    auto = json.loads(capsys.readouterr().out)
+    assert auto["batch_size"] == auto["max_batch_size"] > 1
+    assert cli.main(command + [str(auto["max_batch_size"] + 1)]) == 1  # one more does not fit
 
 
 def test_plan_refusing_new_tokens_0_names_the_flag_the_user_typed(capsys):

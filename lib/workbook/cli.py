@@ -82,9 +82,6 @@ def _cmd_plan(args) -> int:
         # int8/int4 are weight formats the planner knows but no profile runs in.
         if key in params_module.SCHEMA and not (key == "dtype" and value in ("int8", "int4")):
             params_module.validate_value(key, value, flags.get(key, f"--{key.replace('_', '-')}"))
-    if args.batch_size is not None and args.batch_size < 1:  # 0 is no batch; 'auto' is the profile's word
-        raise params_module.ParamsError(f"--batch-size: {args.batch_size} is not a batch; give 1 or more, "
-                                        "or leave it out to use the profile's (its 'auto': the largest that fits)")
     options = []
     try:
         result = planner_profile.plan(profile, mode=args.mode, batch_size=args.batch_size, **overrides)
@@ -229,8 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
                                              "default: the profile's model")
     plan_parser.add_argument("--profile", default="auto", help="params profile (h200, params/h100.yaml) or 'auto'")
     plan_parser.add_argument("--mode", choices=params_module.PLAN_MODES, help="default: the profile's plan_mode")
-    plan_parser.add_argument("--batch-size", type=int, help="plan this batch (default: the profile's; "
-                                                            "'auto' there means the largest that fits)")
+    plan_parser.add_argument("--batch-size", type=_int_or_auto, help="plan this batch, or 'auto': the largest that "
+                                                                     "fits (default: the profile's)")
     plan_parser.add_argument("--prompt-len", type=int, help="prompt tokens (generate)")
     plan_parser.add_argument("--new-tokens", type=int, help="new tokens per sequence (generate)")
     plan_parser.add_argument("--seq-len", type=int, help="sequence length (train)")
