@@ -237,3 +237,12 @@ def test_plan_takes_the_memory_switches_and_lists_what_would_make_a_training_set
     assert plan["ways_to_fit"] == []
     assert cli.main(["plan", "--profile", "cpu", "--mode", "train", "--precision", "bf16"]) == 2
     assert capsys.readouterr().err.startswith("error: precision bf16 trains bf16 weights and needs dtype bf16")
+
+
+def test_plan_auto_that_fits_nothing_lists_the_changes_at_batch_1(capsys):
+    code = cli.main(["plan", "--profile", "h100", "--mode", "train", "--model", "llama-3.1-8b", "--batch-size", "auto",
+                     "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 3 and result["max_batch_size"] == 0
+    lora = next(option for option in result["ways_to_fit"] if option["change"] == "lora_rank 16")
+    assert lora["fits"] and lora["max_batch_size"] >= 1

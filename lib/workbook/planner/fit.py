@@ -28,7 +28,8 @@ def ways_to_fit(params, *, batch_size: int | None = None, **overrides) -> list[d
     fits, its predicted peak and the largest micro-batch it allows. Changes already in effect are
     left out."""
     settings = {**params, **overrides}
-    batch = int(batch_size or (settings["micro_batch_size"] if settings["micro_batch_size"] != "auto" else 1))
+    wanted = batch_size or settings["micro_batch_size"]
+    batch = 1 if wanted == "auto" else int(wanted)  # 'auto' that fits nothing: what would fit batch 1
     current = plan(params, mode="train", batch_size=batch, **overrides)
     flops_share = _output_projection_share(settings["model"])
     candidates = []
