@@ -604,3 +604,54 @@ def test_a_training_point_that_diverges_is_recorded_and_the_sweep_goes_on(tmp_pa
     measured = training_sweep._measure(params, point, tmp_path, diverges, said.append)
     assert measured == {"skipped": "stopped: training diverged (the loss is nan at step 2 (learning rate 1e+09))"}
     assert said and "diverged" in said[0]
+
+
+def test_a_point_that_raises_is_recorded_as_failed_and_every_other_point_is_measured(
+        tiny_model_path, tmp_path, monkeypatch):
+    # On a lent GPU a path that never ran before (flex attention, a compile) may fail: that point says so,
+    # the others are measured, the report is written, and the run exits 1 ('incomplete'), not 0.
+    import importlib
+    from workbook import notebook
+    from workbook.bench import report
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")
+    monkeypatch.setattr(notebook, "new_run_dir", lambda name: (tmp_path / name).mkdir() or tmp_path / name)
+    original = training_sweep.training_point
+
+    def checkpointing_breaks(params, point, work_dir, log):
+        if point["grad_checkpointing"]:
+            raise RuntimeError("no kernel for this on this GPU")
+        return original(params, point, work_dir, log)
+    monkeypatch.setattr(training_sweep, "training_point", checkpointing_breaks)
+    assert report.cli_main("cpu", ["bench_strategies=seed-after", "bench_examples=4", "bench_max_new_tokens=2",
+                                   "bench_repeats=1", "bench_train_micro_batches=2", "bench_train_steps=3",
+                                   "bench_train_baselines=none"]) == 1
+    run_dir = tmp_path / "bench-cpu"
+    written = json.loads((run_dir / "benchmark.json").read_text())
+    plain, checkpointed, *_ = written["training"]["points"]
+    assert plain["tokens_per_second"] > 0 and "error" not in plain
+    assert checkpointed["error"] == "RuntimeError: no kernel for this on this GPU"
+    assert checkpointed["skipped"].startswith("failed: RuntimeError: no kernel")
+    assert "failed: RuntimeError" in (run_dir / "benchmark.md").read_text()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "incomplete" and "no kernel for this" in manifest["error"]
+
+
+def test_a_warm_up_that_fails_for_a_reason_other_than_memory_is_not_split_and_retried(monkeypatch):
+    # A compiled path that fails at every size would otherwise be retried at ~2x the batch sizes, each a new
+    # compile, before the point gives up (out of memory is still split, as the engine does).
+    from workbook import generation
+    generation_sweep = importlib.import_module("workbook.bench.generation_sweep")
+    calls = []
+
+    class Broken:
+        prompts_per_call = 8
+
+        def generate(self, prompts):
+            calls.append(len(prompts))
+            raise RuntimeError("no kernel")
+
+    setup = type("Setup", (), {"model": None, "settings": None, "prompts": list(range(20))})()
+    monkeypatch.setattr(generation, "make_backend", lambda *args: Broken())
+    with pytest.raises(RuntimeError, match="no kernel"):
+        generation_sweep._engine_pass(setup, {"backend": "static", "batch_size": 8, "sort": False})
+    assert calls == [8]

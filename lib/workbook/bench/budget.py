@@ -6,6 +6,9 @@ from __future__ import annotations
 import _thread
 import threading
 import time
+import traceback
+
+FAILED = "failed: "  # how a point that raised is marked: its ``skipped`` starts with it, ``error`` holds it
 
 
 class TimeBudget:
@@ -44,7 +47,9 @@ class TimeBudget:
 
     def measure(self, point: dict, measure) -> dict:
         """``measure()`` (one benchmark point), or ``point`` marked as not run when the budget has run
-        out, or as stopped when it ran out during the point: the sweep goes on to its report."""
+        out, as stopped when it ran out during the point, or as failed (``error``, the traceback to
+        stderr) when it raised: the sweep goes on to its report, and the report says which failed. On a
+        lent GPU one broken path (a kernel that never ran there) must not cost every other point."""
         with self.lock:
             if self.expired:
                 return {**point, "skipped": "not run: the time budget had run out"}
@@ -55,6 +60,13 @@ class TimeBudget:
             if not self.expired:  # Ctrl-C: the user's, not the budget's
                 raise
             return {**point, "skipped": "stopped: the time budget ran out during this point"}
+        except Exception as error:
+            traceback.print_exc()
+            text = f"{type(error).__name__}: {error}"[:500]
+            del error  # its frames hold the point's model and tensors
+            from accelerate.utils.memory import clear_device_cache  # torch's: only benchmarks get here
+            clear_device_cache(garbage_collection=True)
+            return {**point, "skipped": FAILED + text + " (the traceback is in the log)", "error": text}
         finally:
             with self.lock:
                 self.measuring = False

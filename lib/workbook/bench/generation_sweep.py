@@ -25,6 +25,7 @@ import time
 from typing import Callable
 
 import torch
+from accelerate.utils.memory import should_reduce_batch_size
 
 from workbook import ceilings, generation, models, runtime
 from workbook.bench import hf_pipeline
@@ -151,7 +152,19 @@ def _engine_pass(setup: GenerationSetup, point: dict) -> tuple[Callable[[], dict
     """The workbook's backend for one point, warmed up on one batch: (one timed pass, no extra facts)."""
     backend = generation.make_backend(point["backend"], setup.model, setup.settings, point["batch_size"])
     ordered = generation.sort_longest_first(setup.prompts) if point["sort"] else setup.prompts
-    generation.generate_with_split(backend, ordered[:backend.prompts_per_call], log=lambda line: None)  # warm-up
+    warm_up = ordered[:backend.prompts_per_call]
+    split = False
+    try:
+        backend.generate(warm_up)
+    except Exception as error:
+        # A broken path (a kernel, a compile) fails at every size: the engine's split would retry it ~2x the
+        # batch times, each a new shape (a new compile), before giving up. Only out-of-memory is split,
+        # once the failed batch's frames are gone.
+        if not should_reduce_batch_size(getattr(error, "error", error)):  # a PartialFailure carries its cause
+            raise
+        split = True
+    if split:
+        generation.generate_with_split(backend, warm_up, log=lambda line: None)
     return (lambda: _run_strategy(setup, backend, point["sort"])), {}
 
 

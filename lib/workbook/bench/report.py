@@ -360,4 +360,17 @@ def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float |
     (run_dir / "benchmark.md").write_text(f"`{report['command']}`\n\n{text}\n")
     print(text)
     print(f"wrote {run_dir / 'benchmark.json'}, {run_dir / 'benchmark.md'} and the PNGs")
-    return runner.finish_job(run, 0)
+    failed = failed_points(report)
+    if failed:  # the report is whole but for these: the run is 'incomplete' and exits 1
+        say(f"{len(failed)} point(s) failed (their rows say with what; the tracebacks are above): {'; '.join(failed)}")
+    return runner.finish_job(run, 1 if failed else 0, "; ".join(failed) or None)
+
+
+def failed_points(report: dict) -> list[str]:
+    """'<sweep> <point>: <error>' of every point that raised (``TimeBudget.measure`` marked it)."""
+    points = [("generation", p) for p in report["generation"]["points"]]
+    training = report.get("training") or {}
+    points += [("training", p) for p in training.get("points", []) + training.get("baselines", [])]
+    return [f"{sweep} {point.get('strategy') or point.get('loop') or 'train'} batch "
+            f"{point.get('batch_size') or point.get('micro_batch_size')}: {point['error']}"
+            for sweep, point in points if point.get("error")]

@@ -141,7 +141,9 @@ def point_config(params, point: dict, output_dir: Path) -> training.TrainConfig:
         grad_checkpointing=point["grad_checkpointing"], torch_compile=point["torch_compile"],
         lora_rank=params["lora_rank"], profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
-        budget=Budget.from_params(params), **{key: point[key] for key in SETTING_KEYS if key in point},
+        budget=Budget.from_params(params),
+        # The profile's attention (e.g. eager, if flex attention fails on a GPU), unless the point sets its own.
+        **{"attn_implementation": params["attn_implementation"], **{key: point[key] for key in SETTING_KEYS if key in point}},
         synthetic_examples=max(64, point["micro_batch_size"] * steps + 8))
 
 
