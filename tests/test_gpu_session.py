@@ -6,6 +6,7 @@ not in the GPU's minutes. The measured ceilings run on this CPU."""
 import json
 import os
 import re
+import sys
 import time
 
 import pytest
@@ -168,3 +169,20 @@ def test_a_ceiling_sample_times_runs_back_to_back_and_reports_one_runs_seconds()
     calls = []
     seconds = ceilings._best_seconds(lambda: calls.append(time.sleep(0.002)), torch.device("cpu"), repeats=2, runs=3)
     assert len(calls) == 1 + 2 * 3 and 0.002 <= seconds < 0.02
+
+
+def test_a_step_stopped_by_the_budget_takes_its_detached_children_with_it(tmp_path):
+    # The forecast check starts each job in a session of its own; a step killed at the budget must not
+    # leave such a job running (on the device it would hold the GPU through the later steps).
+    import psutil
+    child_pid = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time; "
+              "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True); "
+              f"open({str(child_pid)!r}, 'w').write(str(child.pid)); time.sleep(60)")
+    log_path = tmp_path / "log.txt"
+    with log_path.open("w+") as log:
+        began = time.monotonic()
+        status, _ = gpu_session._run([sys.executable, "-c", script], dict(os.environ), log, log_path, timeout=3)
+    assert status.startswith("stopped: the budget ran out") and time.monotonic() - began < 30
+    pid = int(child_pid.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE

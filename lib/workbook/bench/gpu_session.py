@@ -47,6 +47,7 @@ weights on the GPU (nothing is downloaded; speed and memory do not depend on the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -199,16 +200,35 @@ def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float
 
 def _run(argv: list[str], env: dict, log, log_path: Path, timeout: float) -> tuple[str, str]:
     start = log.tell()
+    process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
     try:
-        done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT, timeout=timeout)
-        status = "ok" if done.returncode == 0 else f"failed (exit {done.returncode})"
-    except subprocess.TimeoutExpired:
+        code = process.wait(timeout=timeout)
+        status = "ok" if code == 0 else f"failed (exit {code})"
+    except BaseException as stop:  # the budget, or Ctrl-C
+        _kill_tree(process.pid)
+        process.wait()
+        if not isinstance(stop, subprocess.TimeoutExpired):
+            raise
         status = f"stopped: the budget ran out after {timeout:.0f} s"
     log.flush()
     with log_path.open() as text:
         text.seek(start)
         lines = [line.strip() for line in text.read().replace("\r", "\n").splitlines() if line.strip()]
     return status, (lines[-1][:200] if lines else "")
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill ``pid`` and every process below it, also those in a session of their own (the forecast check
+    starts its jobs so): one left behind would hold the GPU through the session's later steps."""
+    import psutil  # a dependency of the benchmarks; imported here, where it is needed
+    try:
+        parent = psutil.Process(pid)
+        family = [*parent.children(recursive=True), parent]  # listed before any dies and is reparented away
+    except psutil.NoSuchProcess:
+        return
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
 
 
 def _run_folders(outputs: Path) -> set[Path]:
