@@ -183,3 +183,20 @@ def test_cli_gpu_json():
     info = json.loads(result.stdout)
     assert {"gpus", "cpu", "versions", "profile", "driver_version"} <= set(info)
     assert info["profile"]["name"] in params.profile_names()
+
+
+def test_tf32_is_set_and_read_through_the_api_transformers_uses_without_mixing_the_two():
+    # transformers' Trainer sets TF32 through torch's fp32_precision; after that the legacy allow_tf32 flag
+    # raises when read. The workbook's switch and its reading must work after either (settable on CPU too).
+    import torch
+    from workbook import runtime
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # as the Trainer does with tf32=True
+        assert runtime.tf32_enabled()
+        runtime.set_tf32(False)
+        assert not runtime.tf32_enabled() and torch.backends.cudnn.conv.fp32_precision == "ieee"
+        runtime.set_tf32(True)
+        assert runtime.tf32_enabled()
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before

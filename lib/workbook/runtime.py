@@ -96,6 +96,26 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def set_tf32(enabled: bool) -> None:
+    """TF32 for float32 matmuls and cuDNN convolutions. Through torch's ``fp32_precision`` where it has it
+    (2.9+): once anything (transformers' Trainer) has used that API, reading or setting the legacy
+    ``allow_tf32`` flags raises ("mix of the legacy and new APIs")."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        precision = "tf32" if enabled else "ieee"
+        torch.backends.cuda.matmul.fp32_precision = precision
+        torch.backends.cudnn.conv.fp32_precision = precision
+    else:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+
+
+def tf32_enabled() -> bool:
+    """Whether float32 matmuls run in TF32 (``set_tf32``'s API: never the legacy flag after the new one)."""
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        precision = torch.backends.cuda.matmul.fp32_precision
+        return (torch.backends.fp32_precision if precision == "none" else precision) == "tf32"
+    return torch.backends.cuda.matmul.allow_tf32
+
+
 def reset_peak_memory(device: torch.device) -> None:
     """Free what earlier work left cached, then start a new high-water mark (no-op on CPU)."""
     if device.type == "cuda":

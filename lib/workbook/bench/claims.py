@@ -7,6 +7,7 @@ import time
 
 import torch
 
+from workbook import runtime
 from workbook.bench.counting import BASELINE, HF_PIPELINE, NA
 from workbook.bench.training_sweep import training_setting
 from workbook.planner import kv_cache_bytes
@@ -27,12 +28,12 @@ def tf32_matmul_speedup(device: torch.device, size: int = 8192, repeats: int = 1
     if device.type != "cuda":
         return None
     a, b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
-    previous = torch.backends.cuda.matmul.allow_tf32
+    previous = runtime.tf32_enabled()
     figures = {}
     try:
         for label, dtype, tf32 in (("fp32", torch.float32, False), ("tf32", torch.float32, True),
                                    ("bf16", torch.bfloat16, False)):
-            torch.backends.cuda.matmul.allow_tf32 = tf32
+            runtime.set_tf32(tf32)
             x, y = a.to(dtype), b.to(dtype)
             torch.matmul(x, y)
             torch.cuda.synchronize(device)
@@ -42,7 +43,7 @@ def tf32_matmul_speedup(device: torch.device, size: int = 8192, repeats: int = 1
             torch.cuda.synchronize(device)
             figures[label] = 2 * size ** 3 * repeats / (time.perf_counter() - began) / 1e12
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = previous
+        runtime.set_tf32(previous)
     return {"tflops": figures, "tf32_over_fp32": figures["tf32"] / figures["fp32"],
             "bf16_over_tf32": figures["bf16"] / figures["tf32"]}
 

@@ -227,8 +227,7 @@ def _set_tf32(enabled: bool, device: torch.device) -> bool:
     float32 matmuls: under bf16 autocast the matmuls already run in bf16 (seed 003's "8x" is not it)."""
     if device.type != "cuda":
         return False
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
+    runtime.set_tf32(enabled)
     return enabled
 
 
