@@ -291,6 +291,9 @@ def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
                                             lambda: baseline_point(params, measured, work_dir, log, tool)))
             on_point(baselines[-1])
     for point in [p for p in planned if p["torch_compile"]]:
+        # Compiled as a fresh job compiles it: after an earlier point's other micro-batch, dynamo would make
+        # the batch dimension dynamic and measure other (slower) kernels than a job gets.
+        torch._dynamo.reset()
         points.append(budget.measure(point, lambda: training_point(params, point, work_dir, log)))
         on_point(points[-1])
     return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
