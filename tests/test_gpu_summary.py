@@ -55,6 +55,13 @@ def test_a_goal_two_benchmarks_measured_has_a_row_from_each(tmp_path):
     assert [(row["measured"][:5], row["met"][:2], row["source"]) for row in rows] == [
         ("41.0%", "no", "20261201-000000-bench-h100/benchmark.json"),
         ("52.0%", "ye", "20261201-000100-bench-h100/benchmark.json")]
+    # A point that failed on the GPU is listed, with its error, as something to fix.
+    failed = {"strategy": "static-compiled", "batch_size": 32, "skipped": "failed: RuntimeError: no kernel",
+              "error": "RuntimeError: no kernel"}
+    (tmp_path / "20261201-000100-bench-h100" / "benchmark.json").write_text(json.dumps(
+        {"goals": [], "claims": [], "generation": {"points": [failed]}}))
+    row = next(row for row in gpu_summary.rows(gpu_summary.found(tmp_path)) if row["goal"] == "every benchmark point runs")
+    assert row["measured"] == "1 failed: generation static-compiled batch 32: RuntimeError: no kernel" and row["met"] == "no"
 
 
 def test_a_folder_without_results_is_an_error(tmp_path, capsys):

@@ -19,6 +19,7 @@ from pathlib import Path
 from workbook import notebook
 from workbook.bench import published
 from workbook.bench.claims import GOALS
+from workbook.bench.report import failed_points
 from workbook.units import GiB
 
 SUMMARY_FILE = "SUMMARY.md"
@@ -59,6 +60,9 @@ def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
             f"term: {record.get('cuda_context_term', 'each case its own')}", "yes" if summary["meets_goal"] else "no",
             source)
     goals, claims = {goal: [] for goal in GOALS}, {}
+    for source, record in files["benchmark.json"]:
+        if failed := failed_points(record):  # a path that broke on this GPU: what to fix before the next session
+            add("10", "every benchmark point runs", f"{len(failed)} failed: {'; '.join(failed)}"[:1000], "no", source)
     for source, record in files["benchmark.json"]:
         for row in record["goals"]:
             goals.setdefault(row["goal"], []).append((row, source))

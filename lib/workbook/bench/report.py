@@ -368,7 +368,7 @@ def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float |
 
 def failed_points(report: dict) -> list[str]:
     """'<sweep> <point>: <error>' of every point that raised (``TimeBudget.measure`` marked it)."""
-    points = [("generation", p) for p in report["generation"]["points"]]
+    points = [("generation", p) for p in (report.get("generation") or {}).get("points", [])]
     training = report.get("training") or {}
     points += [("training", p) for p in training.get("points", []) + training.get("baselines", [])]
     return [f"{sweep} {point.get('strategy') or point.get('loop') or 'train'} batch "
