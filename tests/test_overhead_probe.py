@@ -13,10 +13,12 @@ from workbook.units import GiB
 
 
 def test_the_constant_is_the_largest_reading_after_each_stage_of_a_job():
-    readings = iter([1 * GiB, 3 * GiB, 2 * GiB, 2 * GiB])  # a stage's module loads, and the context never shrinks back
+    readings = iter([1 * GiB, 3 * GiB, 2 * GiB, 2 * GiB, 3 * GiB])  # a stage's modules load; the context never shrinks
     measured = overhead_probe.measure("tiny", torch.device("cpu"), read=lambda device: next(readings))
     assert list(measured["readings_bytes"]) == list(overhead_probe.STAGES)
     assert measured["overhead_bytes"] == 3 * GiB
+    # Packed rows ran through the trainer's packed attention (document sdpa on CPU; flex attention on a GPU).
+    assert measured["packed_attention"] == "document_sdpa" and "packed_attention_failed" not in measured
     assert measured["model"].startswith("tiny (2 layers at full width")
 
 

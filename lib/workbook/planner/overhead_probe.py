@@ -8,7 +8,8 @@ Memory outside PyTorch's allocator (total - free - reserved, ``runtime.peak_memo
 process loads what a job loads: the context itself, cuBLAS/cuBLASLt handles and workspaces, the
 attention kernels' modules (CUDA loads modules lazily), the fused optimizer's. The probe runs, in a
 fresh process, what the workbook's jobs run (a two-layer model of the profile's training architecture
-at its real width, bf16: generation, then a training step with fused AdamW) and reads that memory
+at its real width, bf16: generation, a training step with fused AdamW, then packed rows through the
+trainer's packed attention, flex attention's compiled Triton kernels on a GPU) and reads that memory
 after each stage; the largest reading is the constant. ``workbook calibrate --overhead-from`` plans the
 grid with it, so the grid tests the constant too. ``--apply`` rewrites the profile's line, comment
 and all, with where the value came from.
@@ -33,7 +34,7 @@ from workbook.units import GiB
 RESULT_FILE = "cuda_overhead.json"
 PROBE_LAYERS = 2  # the architecture's width, two layers: the kernels a job loads, in seconds
 STAGES = ("context", "bf16 matmul (cuBLAS)", "generation (left-padded sdpa, sampling)",
-          "training step (backward, fused AdamW)")
+          "training step (backward, fused AdamW)", "packed training step (the trainer's packed attention)")
 
 
 def non_pytorch_bytes(device: torch.device) -> int:
@@ -69,8 +70,30 @@ def measure(model_name: str, device: torch.device, read: Callable[[torch.device]
     model(input_ids=prompt, labels=prompt, use_cache=False).loss.backward()
     optimizer.step()
     readings[STAGES[3]] = read(device)
-    return {"model": f"{model_name} ({PROBE_LAYERS} layers at full width, random {str(dtype).split('.')[-1]} weights)",
-            "readings_bytes": readings, "overhead_bytes": max(readings.values())}
+    result = {"model": f"{model_name} ({PROBE_LAYERS} layers at full width, random {str(dtype).split('.')[-1]} weights)"}
+    try:
+        result["packed_attention"] = packed_training_step(model, config, device)
+    except Exception as error:  # a path never run on this GPU: the other stages' constant still stands
+        result["packed_attention_failed"] = f"{type(error).__name__}: {error}"[:500]
+    readings[STAGES[4]] = read(device)
+    return {**result, "readings_bytes": readings, "overhead_bytes": max(readings.values())}
+
+
+def packed_training_step(model, config, device: torch.device) -> str:
+    """A backward over two packed rows through the attention the trainer runs them with (flex attention
+    on a GPU: Triton kernels compiled and loaded as modules, outside PyTorch's allocator); its name."""
+    from workbook.planner.architectures import model_attention, training_attention
+    from workbook.planner.shape import model_shape
+    from workbook.training import packed_attention
+
+    packed_attention.register()
+    attention = training_attention(model_shape(config), "sdpa", "packing", 128, on_gpu=device.type == "cuda")
+    model.set_attn_implementation(model_attention(attention))
+    tokens = torch.randint(0, config.vocab_size, (2, 128), device=device)
+    positions = torch.cat([torch.arange(48), torch.arange(80)]).repeat(2, 1).to(device)  # two examples a row
+    model(input_ids=tokens, position_ids=positions, labels=tokens, use_cache=False).loss.backward()
+    runtime.synchronize(device)
+    return attention
 
 
 def apply(result_path: str | Path, params_dir: Path = PARAMS_DIR) -> Path:
