@@ -170,3 +170,36 @@ def test_a_mistyped_profile_or_model_name_suggests_the_one_meant(capsys):
     assert code == 2 and "Did you mean 'Llama-3.1-8B'?" in err
     code, err = run_cli(capsys, "plan", "--profile", "cpu", "--model", "no-such-model")
     assert code == 2 and "Did you mean" not in err and "Presets (any case)" in err
+
+
+def test_a_training_run_that_does_not_fit_lists_what_would_with_predicted_peaks(tmp_path, capsys):
+    # The cpu profile plans against this machine's RAM: a full 8B fine-tune cannot fit, and the run stops
+    # before loading the model (past the RAM the kernel kills the process without a word), listing each
+    # single change with its predicted peak, leaving out what needs a GPU (8-bit Adam, offloading, FSDP).
+    code, err = run_cli(capsys, "train", "--params", "cpu", "--set", "model=Llama-3.1-8B", "max_seq_length=2048",
+                        f"train_output_dir={tmp_path / 'out'}")
+    assert code == 2 and "micro_batch_size 16 at 2048 tokens: does not fit, not even at batch 1 (batch 16 needs" in err
+    assert "of this machine's RAM" in err
+    assert "changes that would make it fit" in err and "lora_rank 16" in err and "grad_checkpointing true" in err
+    assert "adamw-8bit" not in err and "fsdp" not in err.lower() and "offload" not in err
+    assert not any((tmp_path / "out").rglob("*"))  # nothing loaded, nothing written
+
+
+def test_a_micro_batch_set_over_the_ram_is_refused_with_the_largest_that_fits(tmp_path, capsys):
+    code, err = run_cli(capsys, "train", "--params", "cpu", "--set", "model=Llama-3.2-1B", "max_seq_length=512",
+                        "micro_batch_size=64", f"train_output_dir={tmp_path / 'out'}")
+    largest = int(err.split("the largest batch that fits is ")[1].split(".")[0])
+    assert code == 2 and "micro_batch_size 64 at 512 tokens: batch 64 needs" in err and 1 <= largest < 64
+    assert f"Set micro_batch_size to {largest} or auto." in err and "changes that would make it fit" not in err
+
+
+def test_a_generation_model_over_the_ram_is_refused_before_its_weights_load(tmp_path, capsys):
+    # On the cpu profile the weights would fill the RAM and the kernel would kill the job without a word.
+    from workbook import presets
+    big = tmp_path / "big"
+    big.mkdir()
+    presets.load_config("Llama-3.1-70B").to_json_file(big / "config.json")  # no weights: refused before loading
+    code, err = run_cli(capsys, "generate", "--params", "cpu", "--set", f"model={big}",
+                        f"output_path={tmp_path / 'out.jsonl'}")
+    assert code == 2 and "batch_size 32: does not fit, not even at batch 1" in err and "of this machine's RAM" in err
+    assert "tensor parallelism" not in err and not (tmp_path / "out.jsonl").exists()

@@ -196,6 +196,7 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
     assert len(streamed) == len(data["generation"]["points"]) + len(data["training"]["points"]) + len(
         data["training"]["baselines"])
     assert all("skipped on CPU" in p["skipped"] for (s, _), p in points.items() if s == "static-compiled")
+    assert not bench.failed_points(data)  # every point ran or says why not: none raised
     timed = [p for p in points.values() if "seconds" in p]
     for p in timed:
         assert p["examples"] == cpu.bench_examples and p["failed"] == 0

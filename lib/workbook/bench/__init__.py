@@ -44,7 +44,7 @@ from workbook.bench.generation_sweep import (
     same_greedy_tokens, sweep_points,
 )
 from workbook.bench.report import (
-    PARAMS_USED, POINTS_FILE, baseline_note, cli_main, generation_rows, gpu_capacity_bytes, hardware_text, nvml_rows,
+    PARAMS_USED, POINTS_FILE, baseline_note, cli_main, failed_points, generation_rows, gpu_capacity_bytes, hardware_text, nvml_rows,
     partial_record, pipeline_comparison_lines, run_benchmark, training_rows,
 )
 from workbook.bench.sampler import NvmlSampler
@@ -55,7 +55,7 @@ __all__ = [
     "GenerationSetup", "NvmlSampler", "PassCost", "StepCost", "baseline_note", "claims_table", "cli_main", "cost_figures",
     "decode_step_cost", "generation_point", "generation_rows", "generation_setup",
     "generation_sweep", "goals_table", "gpu_capacity_bytes", "hardware_text", "mixed_prompts", "noise_note", "nvml_rows",
-    "parse_int_list", "parse_strategies", "partial_record", "pass_cost", "pass_figures", "peak_tflops", "pipeline_comparison_lines", "planner_batch",
+    "failed_points", "parse_int_list", "parse_strategies", "partial_record", "pass_cost", "pass_figures", "peak_tflops", "pipeline_comparison_lines", "planner_batch",
     "run_benchmark", "run_dtype", "same_greedy_tokens", "sweep_points",
     "training_point", "training_points", "training_rows", "training_sweep",
 ]

@@ -35,7 +35,7 @@ PARAMS_USED = ("profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "pe
                "cuda_overhead_gib", "bench_generate_model", "bench_train_model", "bench_batch_sizes",
                "bench_strategies", "bench_examples", "bench_max_new_tokens", "bench_repeats",
                "bench_train_micro_batches", "bench_train_steps", "bench_train_settings", "bench_train_baselines",
-               "lora_rank")
+               "lora_rank", "attn_implementation")
 
 
 def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,

@@ -198,6 +198,7 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     """Load the model, tokenize, skip what is written, and pick this process's share."""
     prompts_path, examples, bad_lines = inputs.prompts_path, inputs.examples, inputs.bad_lines
     if model is None:
+        profile.refuse_over_ram(params, "generate")  # before the weights fill the RAM
         if rank.device.type == "cpu" and rank.count > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.count))
         layout = tensor_parallel.Layout(rank.tensor_parallel_size, rank.count // rank.tensor_parallel_size)

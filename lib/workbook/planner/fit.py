@@ -32,11 +32,11 @@ def ways_to_fit(params, *, batch_size: int | None = None, **overrides) -> list[d
     batch = 1 if wanted == "auto" else int(wanted)  # 'auto' that fits nothing: what would fit batch 1
     current = plan(params, mode="train", batch_size=batch, **overrides)
     flops_share = _output_projection_share(settings["model"])
-    candidates = []
+    candidates, on_gpu = [], settings["gpu_count"] > 0  # 8-bit Adam, offloading and FSDP need GPUs
     if settings["dtype"] == "bf16" and settings.get("precision", "mixed") == "mixed" and not settings["lora_rank"]:
         candidates.append(("precision bf16", {"precision": "bf16"},
                            "none in FLOPs; pure bf16 AdamW can round small updates away"))
-    if settings.get("optimizer", "adamw") == "adamw":
+    if settings.get("optimizer", "adamw") == "adamw" and on_gpu:
         candidates.append(("optimizer adamw-8bit", {"optimizer": "adamw-8bit"},
                            "optimizer step only; needs bitsandbytes (CUDA)"))
     if not settings.get("loss_chunk_tokens", 0):
@@ -50,13 +50,13 @@ def ways_to_fit(params, *, batch_size: int | None = None, **overrides) -> list[d
     if not settings["grad_checkpointing"]:
         candidates.append(("grad_checkpointing true", {"grad_checkpointing": True},
                            "+~33% FLOPs (each layer's forward runs again in backward)"))
-    if not settings.get("offload_activations", False):
+    if not settings.get("offload_activations", False) and on_gpu:
         candidates.append(("offload_activations true", {"offload_activations": True},
                            "every step waits on PCIe copies of the activations (not overlapped here)"))
     if not settings["lora_rank"]:
         candidates.append((f"lora_rank {LORA_RANK}", {"lora_rank": LORA_RANK},
                            "fewer FLOPs, but trains adapters instead of every weight"))
-    if settings.get("sharding", "none") == "none":
+    if settings.get("sharding", "none") == "none" and on_gpu:
         for gpus in FSDP_GPUS:
             if gpus > max(settings["gpu_count"], 1):
                 candidates.append((f"FSDP over {gpus} GPUs", {"sharding": "fsdp", "gpu_count": gpus},

@@ -79,9 +79,12 @@ class Plan:
                 f"available; the largest batch that fits is {self.max_batch_size}."
             )
         changes = _changes_that_save_memory(self)
+        needs = f"batch {self.batch_size} needs {need:.1f} GiB {self.per_device}"
         return (
-            f"does not fit even at batch 1: batch {self.batch_size} needs {need:.1f} GiB per GPU "
-            f"and {have:.1f} GiB is available "
+            f"does not fit even at batch 1: {needs} and " if self.batch_size == 1 else
+            f"does not fit, not even at batch 1 ({needs}): "
+        ) + (
+            f"{have:.1f} GiB is available "
             f"({self.capacity_bytes / GiB:.1f} GiB minus a {self.safety_margin:.0%} margin). "
             f"Try: {'; '.join(changes)}."
         )
@@ -89,7 +92,7 @@ class Plan:
     def require_fit(self) -> Plan:
         """This plan, or DoesNotFitError with the advice when it does not fit."""
         if not self.fits:
-            raise DoesNotFitError(self.advice())
+            raise DoesNotFitError(self.advice(), self)
         return self
 
     def to_dict(self) -> dict:
@@ -101,7 +104,11 @@ class Plan:
 
 
 class DoesNotFitError(RuntimeError):
-    """The plan exceeds the GPU's memory; the message says what to change."""
+    """The plan exceeds the GPU's memory; the message says what to change, ``plan`` is the plan."""
+
+    def __init__(self, message: str, plan: Plan | None = None):
+        super().__init__(message)
+        self.plan = plan
 
 
 def budget_bytes(capacity_bytes: int, safety_margin: float) -> int:
@@ -185,6 +192,8 @@ def _changes_that_save_memory(plan: Plan) -> list[str]:
             changes.append("a smaller weight dtype (bf16, int8 or int4)" if plan.dtype == "fp32"
                            else "quantized weights (dtype int8 or int4)")
         changes.append("shorter prompt_len or new_tokens (the KV cache grows with both)")
+        if plan.in_ram:
+            return changes
         changes.append("tensor parallelism over more GPUs (tensor_parallel_size, or 'auto' on a multi-GPU "
                        "profile): each GPU then holds 1/T of the weights and KV cache")
         return changes
@@ -194,6 +203,9 @@ def _changes_that_save_memory(plan: Plan) -> list[str]:
         changes.append("a quantized frozen base (dtype int4: QLoRA)")
     if not settings["grad_checkpointing"]:
         changes.append("grad_checkpointing=True")
+    if plan.in_ram:  # 8-bit Adam (bitsandbytes) and FSDP need GPUs
+        changes.append("a shorter seq_len")
+        return changes
     if settings["optimizer"] == "adamw":
         changes.append("optimizer 'adamw-8bit'")
     if settings["sharding"] == "none":

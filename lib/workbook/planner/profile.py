@@ -22,7 +22,7 @@ from workbook.planner.generation import plan_generate
 from workbook.planner.layout import LayoutError, check_tensor_parallel_size, choose_tensor_parallel_size
 from workbook.planner.network import network_traffic, traffic_line
 from workbook.planner.paged import continuous_attention, plan_generate_paged
-from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, MAX_BATCH_SEARCH_LIMIT, Plan
+from workbook.planner.plans import DEFAULT_SAFETY_MARGIN, MAX_BATCH_SEARCH_LIMIT, DoesNotFitError, Plan
 from workbook.planner.shape import model_shape
 from workbook.planner.training import plan_train
 from workbook.units import GiB, format_bytes
@@ -67,6 +67,11 @@ class Budget:
     def overhead_bytes(self) -> int:
         return int(self.cuda_overhead_gib * GiB)
 
+    def place(self, plan: Plan) -> Plan:
+        """``plan`` marked as planned against this machine's RAM on the cpu profile (its wording, its advice)."""
+        plan.in_ram = self.gpu_count == 0
+        return plan
+
 
 def capacity_bytes(params) -> int:
     """Memory of one GPU of the profile; on the cpu profile, this machine's RAM."""
@@ -87,16 +92,16 @@ def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, ne
     if backend == "continuous":
         if tensor_parallel_size > 1:
             raise LayoutError(CONTINUOUS_NOT_SHARDED.format(size=tensor_parallel_size))
-        return plan_generate_paged(model, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
-                                   attn_implementation=continuous_attention(attn_implementation),
-                                   dtype=dtype, gpu_memory_bytes=budget.capacity_bytes,
-                                   overhead_bytes=budget.overhead_bytes, safety_margin=budget.safety_margin,
-                                   data_parallel_size=gpus)
-    return plan_generate(model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype, batch_size=batch_size,
-                         gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
-                         safety_margin=budget.safety_margin, tensor_parallel_size=tensor_parallel_size,
-                         attn_implementation=attn_implementation,
-                         data_parallel_size=max(gpus // tensor_parallel_size, 1))
+        return budget.place(plan_generate_paged(
+            model, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+            attn_implementation=continuous_attention(attn_implementation), dtype=dtype,
+            gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
+            safety_margin=budget.safety_margin, data_parallel_size=gpus))
+    return budget.place(plan_generate(
+        model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype, batch_size=batch_size,
+        gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
+        safety_margin=budget.safety_margin, tensor_parallel_size=tensor_parallel_size,
+        attn_implementation=attn_implementation, data_parallel_size=max(gpus // tensor_parallel_size, 1)))
 
 
 def tensor_parallel_size(settings, config, budget: Budget, make: Callable[[int, int], Plan]) -> tuple[int, str]:
@@ -122,14 +127,14 @@ def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dt
     if precision == "bf16" and dtype != "bf16":
         raise ValueError(f"precision bf16 trains bf16 weights and needs dtype bf16 (not {dtype}): "
                          "add --dtype bf16, or use precision mixed")
-    return plan_train(model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-                      mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing,
-                      lora_rank=lora_rank, lora_target_modules=lora_targets, attn_implementation=attn_implementation,
-                      optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
-                      offload_activations=offload_activations,
-                      gpu_count=max(budget.gpu_count, 1) * num_nodes,
-                      gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
-                      safety_margin=budget.safety_margin)
+    return budget.place(plan_train(
+        model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+        mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing,
+        lora_rank=lora_rank, lora_target_modules=lora_targets, attn_implementation=attn_implementation,
+        optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
+        offload_activations=offload_activations, gpu_count=max(budget.gpu_count, 1) * num_nodes,
+        gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
+        safety_margin=budget.safety_margin))
 
 
 def at_largest_batch(make: Callable[[int], Plan]) -> Plan:
@@ -182,8 +187,20 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
     result = at_largest_batch(make) if wanted == AUTO else make(int(wanted))
     result.network = network_traffic(result, num_nodes, budget.gpu_count)
-    result.in_ram = budget.gpu_count == 0
     return result
+
+
+def refuse_over_ram(params, mode: str) -> None:
+    """On the cpu profile, DoesNotFitError before any model loads when the plan puts the job's batch over
+    this machine's RAM: past it the kernel kills the process without a word. A GPU profile is not
+    refused here: there an out-of-memory error is raised, and the generation engine splits the batch."""
+    if params["gpu_count"] > 0:
+        return
+    planned = plan(params, mode=mode)
+    if not planned.fits:
+        key = "batch_size" if mode == "generate" else "micro_batch_size"
+        largest = f" Set {key} to {planned.max_batch_size} or auto." if planned.max_batch_size else ""
+        raise DoesNotFitError(f"{key} {planned.batch_size}: {planned.advice()}{largest}", planned)
 
 
 def resolve_batch_size(params, mode: str, **overrides) -> int:

@@ -14,7 +14,7 @@ import psutil
 
 from workbook import models, presets
 from workbook.params import AUTO
-from workbook.planner import Plan
+from workbook.planner import DoesNotFitError, Plan
 from workbook.planner.profile import train_plan
 from workbook.training import batches, packed_attention
 from workbook.training.config import TrainConfig, TrainError
@@ -97,7 +97,8 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
                   f"{config.warmup_steps + 1} optimizer steps")
         micro_rule = f"auto: {fits_rule}" + (f", capped at {micro} so that {reason}" if micro < fits else "")
     else:
-        micro, micro_rule = int(config.micro_batch_size), "set in params"
+        micro = int(config.micro_batch_size)
+        micro_rule = "set in params" + _fixed_micro_batch_check(config, micro, prepared.max_seq_length)
     first_epoch = batches.epoch_micro_batches(rows, lengths, config.padding, micro_batch_size=micro,
                                                seed=config.seed, epoch=0)
     per_step = config.gradient_accumulation_steps * processes
@@ -128,6 +129,20 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
     )
 
 
+def _fixed_micro_batch_check(config: TrainConfig, micro: int, seq_len: int) -> str:
+    """'' when the plan holds a micro-batch set in params. Over this machine's RAM (the cpu profile):
+    DoesNotFitError, since the kernel kills such a process without a word. Over a GPU's budget: a note
+    in the run's micro-batch rule, not a refusal (FSDP, which the launcher decides, holds less per GPU;
+    a step that does not fit raises out of memory)."""
+    plan = memory_plan(config, micro, seq_len)
+    if plan.fits:
+        return ""
+    if plan.in_ram:
+        largest = f" Set micro_batch_size to {plan.max_batch_size} or auto." if plan.max_batch_size else ""
+        raise DoesNotFitError(f"micro_batch_size {micro} at {seq_len} tokens: {plan.advice()}{largest}", plan)
+    return f" (over the memory plan: {plan.advice()})"
+
+
 def largest_micro_batch(config: TrainConfig, seq_len: int) -> tuple[int, str]:
     """The planner's largest micro-batch at ``seq_len`` (DoesNotFitError when not even 1 fits), and the
     rule that chose it. Offloaded activations must also fit the host: pinned memory at most
@@ -149,14 +164,18 @@ def largest_micro_batch(config: TrainConfig, seq_len: int) -> tuple[int, str]:
 
 def memory_plan(config: TrainConfig, micro_batch_size: int, seq_len: int, sharding: str = "none") -> Plan:
     """The planner's peak for this run's settings on the config's budget: the same question for the
-    'auto' micro-batch and for the prediction the report puts beside the measured peak."""
-    return train_plan(models.model_source(config.model), config.budget, micro_batch_size=micro_batch_size,
-                      seq_len=seq_len, dtype=config.dtype, grad_checkpointing=config.grad_checkpointing,
-                      lora_rank=config.lora_rank, optimizer=config.optimizer, sharding=sharding,
-                      lora_targets=config.lora_targets,
-                      attn_implementation=packed_attention.training_attention_for(config, seq_len),
-                      loss_chunk_tokens=config.loss_chunk_tokens, precision=config.precision,
-                      offload_activations=config.offload_activations)
+    'auto' micro-batch and for the prediction the report puts beside the measured peak. Settings the
+    planner refuses (LoRA targets that match no layer, precision bf16 without dtype bf16) are a TrainError."""
+    try:
+        return train_plan(models.model_source(config.model), config.budget, micro_batch_size=micro_batch_size,
+                          seq_len=seq_len, dtype=config.dtype, grad_checkpointing=config.grad_checkpointing,
+                          lora_rank=config.lora_rank, optimizer=config.optimizer, sharding=sharding,
+                          lora_targets=config.lora_targets,
+                          attn_implementation=packed_attention.training_attention_for(config, seq_len),
+                          loss_chunk_tokens=config.loss_chunk_tokens, precision=config.precision,
+                          offload_activations=config.offload_activations)
+    except ValueError as error:
+        raise TrainError(str(error)) from None
 
 
 def model_flops_coefficients(model_config, lora: bool) -> tuple[int, int]:
