@@ -89,3 +89,12 @@ def test_a_command_that_fails_before_writing_anything_leaves_no_folder(tmp_path)
     assert runner.finish_job(run, 2, "bad prompts file") == 2
     assert not (tmp_path / "run").exists()
     assert runner.finish_job(None, 0) == 0  # no run folder (output_path given): nothing to record
+
+
+def test_notebooks_run_their_kernel_over_unix_sockets_where_the_path_fits(monkeypatch, tmp_path):
+    # TCP on localhost is plain text any local user can reach, and ipykernel warns so in every run's log.
+    import tempfile
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", tempfile.mkdtemp(prefix="rt-"))  # /tmp/rt-xxxxxxxx: short
+    assert runner._ipc_kernel_manager()(kernel_name="python3").transport == "ipc"
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / ("x" * 80)))  # a socket path past 108 bytes
+    assert runner._ipc_kernel_manager()(kernel_name="python3").transport == "tcp"

@@ -216,8 +216,26 @@ def execute(path: Path, run_dir: Path, parameters: dict) -> Path:
     import papermill
     output = run_dir / path.name
     papermill.execute_notebook(str(path), str(output), parameters=parameters, kernel_name="python3",
-                               cwd=str(REPO_ROOT), log_output=True, progress_bar=False)
+                               cwd=str(REPO_ROOT), log_output=True, progress_bar=False,
+                               kernel_manager_class=_ipc_kernel_manager())
     return output
+
+
+def _ipc_kernel_manager() -> type:
+    """The kernel manager papermill starts the kernel with, talking over Unix sockets in Jupyter's runtime
+    folder rather than TCP on localhost (which ipykernel warns about in every run's log: plain text that
+    any local user can connect to)."""
+    from jupyter_client import AsyncKernelManager
+    from jupyter_core.paths import jupyter_runtime_dir
+    from traitlets import default
+
+    class IpcKernelManager(AsyncKernelManager):
+        @default("transport")
+        def _transport_default(self) -> str:
+            # A socket's path must fit in 108 bytes: <runtime>/kernel-<uuid>-ipc-<n>; a deep home keeps TCP.
+            return "ipc" if len(jupyter_runtime_dir()) + 50 < 108 else "tcp"
+
+    return IpcKernelManager
 
 
 def describe_failure(error: Exception, output: Path) -> dict:
