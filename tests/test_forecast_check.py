@@ -54,7 +54,7 @@ def test_a_gpu_profile_runs_one_fixed_length_generation_case_and_the_training_ru
     (generate, train) = forecast_check.cases(args, tmp_path, on_gpu=True)
     assert generate[:2] == ("1500 mixed-length prompts, fixed length (max_new_tokens 256)", "generate")
     assert "max_new_tokens=256" in generate[2] and f"prompts_path={tmp_path / 'mixed.jsonl'}" in generate[2]
-    assert train[1] == "train" and "max_steps=150" in train[2]
+    assert train[1] == "train" and "max_steps=300" in train[2]
     assert forecast_check.command_line(args).endswith(
         "--repeats 1 --profile h100 --generate-model Llama-3.1-8B --train-model Llama-3.2-1B --time-budget-seconds 500")
 

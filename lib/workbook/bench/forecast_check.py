@@ -350,8 +350,8 @@ def command_line(args) -> str:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workbook.bench.forecast_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/reference/cpu")
-    parser.add_argument("--mixed-prompts", type=int, default=1000)
-    parser.add_argument("--train-steps", type=int, default=150)
+    parser.add_argument("--mixed-prompts", type=int, default=3000, help="the generated mixed-length set (issue 18: a few thousand)")
+    parser.add_argument("--train-steps", type=int, default=300, help="the training run (issue 18: a few hundred steps)")
     parser.add_argument("--train-micro-batch", type=int, default=4, help="small, so a few hundred steps stay minutes")
     parser.add_argument("--only-first", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="trials per case, back to back: the machine's own "
