@@ -180,7 +180,8 @@ def test_a_training_run_that_does_not_fit_lists_what_would_with_predicted_peaks(
                         f"train_output_dir={tmp_path / 'out'}")
     assert code == 2 and "micro_batch_size 16 at 2048 tokens: does not fit, not even at batch 1 (batch 16 needs" in err
     assert "of this machine's RAM" in err
-    assert "changes that would make it fit" in err and "lora_rank 16" in err and "grad_checkpointing true" in err
+    assert "single changes, cheapest in throughput first (none fits alone" in err
+    assert "lora_rank 16" in err and "grad_checkpointing true" in err
     assert "adamw-8bit" not in err and "fsdp" not in err.lower() and "offload" not in err
     assert not any((tmp_path / "out").rglob("*"))  # nothing loaded, nothing written
 
@@ -203,3 +204,27 @@ def test_a_generation_model_over_the_ram_is_refused_before_its_weights_load(tmp_
                         f"output_path={tmp_path / 'out.jsonl'}")
     assert code == 2 and "batch_size 32: does not fit, not even at batch 1" in err and "of this machine's RAM" in err
     assert "tensor parallelism" not in err and not (tmp_path / "out.jsonl").exists()
+
+
+def test_processes_that_the_ram_cannot_hold_together_are_refused_before_they_start(tmp_path, capsys, monkeypatch):
+    # Each CPU process holds the whole model: one fits, eight would not (RAM set to 16 GiB for the test).
+    import psutil
+    from types import SimpleNamespace
+    from workbook import presets
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=16 * 2**30, available=16 * 2**30))
+    model = tmp_path / "one-b"
+    model.mkdir()
+    presets.load_config("Llama-3.2-1B").to_json_file(model / "config.json")
+    code, err = run_cli(capsys, "generate", "--params", "cpu", "--set", f"model={model}", "dtype=bf16",
+                        "data_parallel_processes=8", f"output_path={tmp_path / 'out.jsonl'}")
+    assert code == 2 and "8 processes each hold the model and a batch of 32: 8 x" in err
+    assert "8 x 2.53 GiB is over the 15.2 GiB of this machine's RAM" in err and "run at most 6 process(es)" in err
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_model_the_planner_cannot_plan_is_not_refused_by_the_ram_check(tmp_path):
+    # GPT-2's config has no intermediate_size: nothing to judge by, so the job runs as before.
+    from transformers import GPT2Config
+    from workbook.planner import profile
+    GPT2Config(n_layer=2, n_embd=64, n_head=2).to_json_file(tmp_path / "config.json")
+    assert profile.refuse_over_ram({**params.load_all()["cpu"], "model": str(tmp_path)}, "generate", 4) is None

@@ -124,7 +124,7 @@ def test_a_point_that_runs_out_of_memory_is_recorded_beside_the_plan_and_the_swe
                                           log=lambda line: None)
     assert all("out_of_memory" in p or p.get("skipped") for p in sweep["points"]) and sweep["baselines"] == []
 
-    def broken(config):  # anything but out-of-memory is a bug, and stops the sweep
+    def broken(config):  # anything but out-of-memory is a bug: raised (the sweep's budget records the point failed)
         raise ValueError("a bug")
     monkeypatch.setattr(training, "train", broken)
     with pytest.raises(ValueError, match="a bug"):

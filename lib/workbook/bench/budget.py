@@ -61,15 +61,17 @@ class TimeBudget:
                 raise
             return {**point, "skipped": "stopped: the time budget ran out during this point"}
         except Exception as error:
+            if self.expired:  # the deadline's interrupt, wrapped or raised again by a library
+                return {**point, "skipped": "stopped: the time budget ran out during this point"}
             traceback.print_exc()
             text = f"{type(error).__name__}: {error}"[:500]
-            del error  # its frames hold the point's model and tensors
-            from accelerate.utils.memory import clear_device_cache  # torch's: only benchmarks get here
-            clear_device_cache(garbage_collection=True)
-            return {**point, "skipped": FAILED + text + " (the traceback is in the log)", "error": text}
         finally:
             with self.lock:
                 self.measuring = False
+        # Out of the except block: its traceback (the point's model and tensors) is gone before the cache clears.
+        from accelerate.utils.memory import clear_device_cache  # torch's: only benchmarks get here
+        clear_device_cache(garbage_collection=True)
+        return {**point, "skipped": FAILED + text + " (the traceback is in the log)", "error": text}
 
 
 NO_BUDGET = TimeBudget(None)

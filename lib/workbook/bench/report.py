@@ -371,6 +371,6 @@ def failed_points(report: dict) -> list[str]:
     points = [("generation", p) for p in (report.get("generation") or {}).get("points", [])]
     training = report.get("training") or {}
     points += [("training", p) for p in training.get("points", []) + training.get("baselines", [])]
-    return [f"{sweep} {point.get('strategy') or point.get('loop') or 'train'} batch "
-            f"{point.get('batch_size') or point.get('micro_batch_size')}: {point['error']}"
+    return [(f"training {training_label(point)}" if sweep == "training" else
+             f"generation {point['strategy']} batch {point['batch_size']}") + f": {point['error']}"
             for sweep, point in points if point.get("error")]

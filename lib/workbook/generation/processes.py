@@ -16,6 +16,7 @@ from typing import Callable
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from workbook import runtime
+from workbook.planner import profile
 from workbook.generation import job, tensor_parallel
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
@@ -48,6 +49,7 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
     processes = params["data_parallel_processes"]
     if not runtime.inside_launcher():  # a tensor-parallel size these processes cannot run stops before they start
         tensor_parallel.resolve_layout(params, processes, launched=processes > 1)
+        profile.refuse_over_ram(params, "generate", processes)  # so do processes the RAM cannot hold
     if processes > 1 and not runtime.inside_launcher():
         from accelerate import notebook_launcher
         files = OutputFiles(output_path)

@@ -73,7 +73,9 @@ def ways_to_fit(params, *, batch_size: int | None = None, **overrides) -> list[d
 
 def ways_to_fit_lines(options: list[dict]) -> list[str]:
     """The options as lines for the CLI and the notebook."""
-    lines = ["changes that would make it fit, one at a time, cheapest in throughput first:"]
+    lines = ["changes that would make it fit, one at a time, cheapest in throughput first:" if
+             any(option["fits"] for option in options) else
+             "single changes, cheapest in throughput first (none fits alone: combine them, or use more memory):"]
     for option in options:
         verdict = "fits" if option["fits"] else "does not fit"
         lines.append(f"  {option['change']:<28} {verdict:<13} peak {format_bytes(option['peak_bytes']):>10}, "

@@ -188,9 +188,11 @@ def _changes_that_save_memory(plan: Plan) -> list[str]:
     """Suggestions for a plan that does not fit at batch 1, the ones not already in use."""
     settings, changes = plan.settings, []
     if plan.mode == "generate":
-        if plan.dtype in ("fp32", "bf16", "fp16"):
-            changes.append("a smaller weight dtype (bf16, int8 or int4)" if plan.dtype == "fp32"
-                           else "quantized weights (dtype int8 or int4)")
+        # int8/int4 weights need bitsandbytes on CUDA: on CPU only bf16 halves fp32.
+        if plan.dtype == "fp32":
+            changes.append("bf16 weights (dtype bf16)" if plan.in_ram else "a smaller weight dtype (bf16, int8 or int4)")
+        elif plan.dtype in ("bf16", "fp16") and not plan.in_ram:
+            changes.append("quantized weights (dtype int8 or int4)")
         changes.append("shorter prompt_len or new_tokens (the KV cache grows with both)")
         if plan.in_ram:
             return changes
@@ -199,7 +201,7 @@ def _changes_that_save_memory(plan: Plan) -> list[str]:
         return changes
     if settings["lora_rank"] == 0:
         changes.append("LoRA (lora_rank=16) to train adapters only")
-    elif plan.dtype not in QUANTIZED_DTYPES:
+    elif plan.dtype not in QUANTIZED_DTYPES and not plan.in_ram:
         changes.append("a quantized frozen base (dtype int4: QLoRA)")
     if not settings["grad_checkpointing"]:
         changes.append("grad_checkpointing=True")

@@ -190,17 +190,29 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
     return result
 
 
-def refuse_over_ram(params, mode: str) -> None:
-    """On the cpu profile, DoesNotFitError before any model loads when the plan puts the job's batch over
-    this machine's RAM: past it the kernel kills the process without a word. A GPU profile is not
-    refused here: there an out-of-memory error is raised, and the generation engine splits the batch."""
+def refuse_over_ram(params, mode: str, processes: int = 1) -> None:
+    """On the cpu profile, DoesNotFitError before any model loads when the plan puts the job over this
+    machine's RAM: past it the kernel kills the process without a word. ``processes`` each hold the model
+    and their batch ('auto', the largest one process could hold, is judged at batch 1). A model the
+    planner cannot plan (GPT-2, ...) is not refused; nor is a GPU profile: there an out-of-memory error
+    is raised, and the generation engine splits the batch."""
     if params["gpu_count"] > 0:
         return
-    planned = plan(params, mode=mode)
+    key = "batch_size" if mode == "generate" else "micro_batch_size"
+    try:
+        planned = plan(params, mode=mode)
+        each = planned if params[key] != AUTO else plan(params, mode=mode, batch_size=1)
+    except ValueError:
+        return
     if not planned.fits:
-        key = "batch_size" if mode == "generate" else "micro_batch_size"
         largest = f" Set {key} to {planned.max_batch_size} or auto." if planned.max_batch_size else ""
-        raise DoesNotFitError(f"{key} {planned.batch_size}: {planned.advice()}{largest}", planned)
+        raise DoesNotFitError(f"{key} {params[key]}: {planned.advice()}{largest}", planned)
+    if each.total_bytes * processes > each.budget_bytes:
+        most = each.budget_bytes // each.total_bytes
+        raise DoesNotFitError(
+            f"{processes} processes each hold the model and a batch of {each.batch_size}: {processes} x "
+            f"{format_bytes(each.total_bytes)} is over the {format_bytes(each.budget_bytes)} of this machine's RAM "
+            f"the plan may use; run at most {most} process(es), or a smaller {key}.", each)
 
 
 def resolve_batch_size(params, mode: str, **overrides) -> int:

@@ -97,8 +97,8 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
                   f"{config.warmup_steps + 1} optimizer steps")
         micro_rule = f"auto: {fits_rule}" + (f", capped at {micro} so that {reason}" if micro < fits else "")
     else:
-        micro = int(config.micro_batch_size)
-        micro_rule = "set in params" + _fixed_micro_batch_check(config, micro, prepared.max_seq_length)
+        micro, micro_rule = int(config.micro_batch_size), "set in params"
+    micro_rule += _micro_batch_check(config, micro, prepared.max_seq_length, config.processes)  # this node's
     first_epoch = batches.epoch_micro_batches(rows, lengths, config.padding, micro_batch_size=micro,
                                                seed=config.seed, epoch=0)
     per_step = config.gradient_accumulation_steps * processes
@@ -129,18 +129,21 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
     )
 
 
-def _fixed_micro_batch_check(config: TrainConfig, micro: int, seq_len: int) -> str:
-    """'' when the plan holds a micro-batch set in params. Over this machine's RAM (the cpu profile):
-    DoesNotFitError, since the kernel kills such a process without a word. Over a GPU's budget: a note
-    in the run's micro-batch rule, not a refusal (FSDP, which the launcher decides, holds less per GPU;
-    a step that does not fit raises out of memory)."""
+def _micro_batch_check(config: TrainConfig, micro: int, seq_len: int, processes: int) -> str:
+    """'' when the plan holds the micro-batch in each process. Over this machine's RAM (the cpu profile,
+    every process holding the model and its batch): DoesNotFitError, since the kernel kills such a
+    process without a word. Over a GPU's budget: a note in the run's micro-batch rule, not a refusal
+    (FSDP, which the launcher decides, holds less per GPU; a step that does not fit raises out of memory)."""
     plan = memory_plan(config, micro, seq_len)
-    if plan.fits:
-        return ""
-    if plan.in_ram:
-        largest = f" Set micro_batch_size to {plan.max_batch_size} or auto." if plan.max_batch_size else ""
-        raise DoesNotFitError(f"micro_batch_size {micro} at {seq_len} tokens: {plan.advice()}{largest}", plan)
-    return f" (over the memory plan: {plan.advice()})"
+    if plan.in_ram and plan.total_bytes * processes > plan.budget_bytes:
+        if processes == 1:
+            largest = f" Set micro_batch_size to {plan.max_batch_size} or auto." if plan.max_batch_size else ""
+            raise DoesNotFitError(f"micro_batch_size {micro} at {seq_len} tokens: {plan.advice()}{largest}", plan)
+        raise DoesNotFitError(
+            f"{processes} training processes each hold the model and a micro-batch of {micro} at {seq_len} tokens: "
+            f"{processes} x {plan.total_bytes / 2**30:.1f} GiB is over the {plan.budget_bytes / 2**30:.1f} GiB of "
+            "this machine's RAM the plan may use; lower train_processes or micro_batch_size.", plan)
+    return "" if plan.fits else f" (over the memory plan: {plan.advice()})"
 
 
 def largest_micro_batch(config: TrainConfig, seq_len: int) -> tuple[int, str]:
