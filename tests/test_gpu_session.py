@@ -186,3 +186,13 @@ def test_a_step_stopped_by_the_budget_takes_its_detached_children_with_it(tmp_pa
     assert status.startswith("stopped: the budget ran out") and time.monotonic() - began < 30
     pid = int(child_pid.read_text())
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_overrides_given_to_the_session_reach_every_benchmark_step_after_its_own(capsys, tmp_path):
+    # A path that fails on the lent GPU (flex attention) is routed around without editing the calls.
+    assert gpu_session.main(["--call", "training", "--profile", "h100", "--out", str(tmp_path / "out"), "--list",
+                             "--set", "attn_implementation=eager", "bench_train_steps=6"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    benches = [line for line in lines if "-m workbook bench" in line]
+    assert len(benches) == 2 and all(line.endswith("attn_implementation=eager bench_train_steps=6") for line in benches)
+    assert all("attn_implementation" not in line for line in lines if "continuous_batching" in line)

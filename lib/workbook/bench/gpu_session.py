@@ -332,6 +332,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-pack", action="store_true", help="leave the results as a folder under --out")
     parser.add_argument("--unpack", metavar="FOLDER", help="here: extract the packs the device returned into --into")
     parser.add_argument("--into", help="with --unpack: e.g. outputs/reference/h100")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="more overrides for every `workbook bench` step, after its own (they win): e.g. "
+                             "attn_implementation=eager if flex attention fails on this GPU")
     args = parser.parse_args(argv)
     if args.unpack:
         if not args.into:
@@ -345,7 +348,8 @@ def main(argv: list[str] | None = None) -> int:
     folder = out if args.no_pack else out / args.call
     profile, why = call_profile(args.profile)
     print(why)
-    steps = calls(profile, folder)[args.call]
+    steps = [dataclasses.replace(step, argv=[*step.argv, *args.set]) if step.argv[:3] == ["-m", "workbook", "bench"]
+             else step for step in calls(profile, folder)[args.call]]
     if args.list:
         print("\n".join(f"{step.name}: python3 {' '.join(step.argv)}" for step in steps))
         return 0
