@@ -12,6 +12,7 @@ from workbook.units import GiB, format_bytes
 
 STRATEGY_COLORS = {"seed-before": "#8c8c8c", "seed-after": "#c44e52", "static-sorted": "#4c72b0",
                    "static-compiled": "#55a868", "continuous": "#8172b3", "hf-pipeline": "#937860"}
+NO_PEAK_TEXT = "peak memory not measured (CPU: torch keeps no peak of tensor memory)"
 
 
 def _timed_points(report: dict) -> list[dict]:
@@ -69,7 +70,7 @@ def memory_vs_batch_measured(report: dict, capacity_bytes: int | None):
         axis.plot([p["batch_size"] for p in mine], [p["peak_memory_bytes"] / unit for p in mine], marker="o",
                   label=f"measured: {strategy}", color=STRATEGY_COLORS.get(strategy))
     if not measured:
-        axis.text(0.01, 0.98, "peak memory not measured (CPU: torch keeps no peak of tensor memory)",
+        axis.text(0.01, 0.98, NO_PEAK_TEXT,
                   transform=axis.transAxes, va="top", fontsize=8)
     if capacity_bytes:
         axis.axhline(capacity_bytes / unit, color="#c44e52", label=f"capacity {format_bytes(capacity_bytes)}")
@@ -104,7 +105,7 @@ def mfu_bars(report: dict, capacity_bytes: int | None = None):
     if measured:
         memory_axis.bar([i for i, _ in measured], [v for _, v in measured], color="#55a868", label="measured peak")
     else:
-        memory_axis.text(0.01, 0.95, "peak memory not measured (CPU: torch keeps no peak of tensor memory)",
+        memory_axis.text(0.01, 0.95, NO_PEAK_TEXT,
                          transform=memory_axis.transAxes, va="top", fontsize=8)
     if planned:
         memory_axis.scatter([i for i, _ in planned], [v for _, v in planned], marker="_", s=400, color="black",

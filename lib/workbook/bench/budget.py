@@ -8,8 +8,6 @@ import threading
 import time
 import traceback
 
-FAILED = "failed: "  # how a point that raised is marked: its ``skipped`` starts with it, ``error`` holds it
-
 
 class TimeBudget:
     """A wall-clock budget: ``fits`` says whether a step of some seconds still fits; at the
@@ -71,7 +69,7 @@ class TimeBudget:
         # Out of the except block: its traceback (the point's model and tensors) is gone before the cache clears.
         from accelerate.utils.memory import clear_device_cache  # torch's: only benchmarks get here
         clear_device_cache(garbage_collection=True)
-        return {**point, "skipped": FAILED + text + " (the traceback is in the log)", "error": text}
+        return {**point, "skipped": f"failed: {text} (the traceback is in the log)", "error": text}
 
 
 NO_BUDGET = TimeBudget(None)

@@ -266,10 +266,15 @@ def _reading(nvml: dict, key: str, statistic: str, unit: float = 1.0) -> float |
     return None if values is None else values[statistic] / unit
 
 
+def _points(report: dict) -> list[tuple[str, dict]]:
+    """(sweep, point) of every point of a report: generation, then training and its baselines."""
+    training = report.get("training") or {}
+    return ([("generation", p) for p in (report.get("generation") or {}).get("points", [])]
+            + [("training", p) for p in training.get("points", []) + training.get("baselines", [])])
+
+
 def nvml_rows(report: dict) -> list[dict]:
-    training = report["training"] or {}
-    sampled = [p for p in report["generation"]["points"] + training.get("points", []) + training.get("baselines", [])
-               if "nvml" in p]
+    sampled = [p for _, p in _points(report) if "nvml" in p]
     reasons = {p["nvml"].get("reason") for p in sampled}
     if sampled and len(reasons) == 1 and not any(p["nvml"]["available"] for p in sampled):
         return [{"point": f"all {len(sampled)} points", "kernel running (% of time)": reasons.pop()}]  # one why
@@ -368,9 +373,6 @@ def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float |
 
 def failed_points(report: dict) -> list[str]:
     """'<sweep> <point>: <error>' of every point that raised (``TimeBudget.measure`` marked it)."""
-    points = [("generation", p) for p in (report.get("generation") or {}).get("points", [])]
-    training = report.get("training") or {}
-    points += [("training", p) for p in training.get("points", []) + training.get("baselines", [])]
     return [(f"training {training_label(point)}" if sweep == "training" else
              f"generation {point['strategy']} batch {point['batch_size']}") + f": {point['error']}"
-            for sweep, point in points if point.get("error")]
+            for sweep, point in _points(report) if point.get("error")]

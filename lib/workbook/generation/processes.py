@@ -49,8 +49,8 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
     processes = params["data_parallel_processes"]
     if not runtime.inside_launcher():  # a tensor-parallel size these processes cannot run stops before they start
         tensor_parallel.resolve_layout(params, processes, launched=processes > 1)
-        profile.refuse_over_ram(params, "generate", processes)  # so do processes the RAM cannot hold
     if processes > 1 and not runtime.inside_launcher():
+        profile.refuse_over_ram(params, "generate", processes)  # so do processes the RAM cannot hold together
         from accelerate import notebook_launcher
         files = OutputFiles(output_path)
         # This process holds the output's lock for its children (forked, they share it), and reads

@@ -191,9 +191,8 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
 
 
 def refuse_over_ram(params, mode: str, processes: int = 1) -> None:
-    """On the cpu profile, DoesNotFitError before any model loads when the plan puts the job over this
-    machine's RAM: past it the kernel kills the process without a word. ``processes`` each hold the model
-    and their batch ('auto', the largest one process could hold, is judged at batch 1). A model the
+    """On the cpu profile, ``check_ram`` before any model loads: the job's plan, ``processes`` of them
+    ('auto', the largest batch one process could hold, is judged at batch 1 for several). A model the
     planner cannot plan (GPT-2, ...) is not refused; nor is a GPU profile: there an out-of-memory error
     is raised, and the generation engine splits the batch."""
     if params["gpu_count"] > 0:
@@ -201,18 +200,27 @@ def refuse_over_ram(params, mode: str, processes: int = 1) -> None:
     key = "batch_size" if mode == "generate" else "micro_batch_size"
     try:
         planned = plan(params, mode=mode)
-        each = planned if params[key] != AUTO else plan(params, mode=mode, batch_size=1)
+        each = plan(params, mode=mode, batch_size=1) if params[key] == AUTO and processes > 1 else planned
     except ValueError:
+        return
+    check_ram(planned, key, params[key])
+    check_ram(each, key, params[key], processes)
+
+
+def check_ram(planned: Plan, key: str, asked, processes: int = 1) -> None:
+    """DoesNotFitError when ``processes`` copies of a plan against this machine's RAM (each process holding
+    the model and its batch) are over it: past the RAM the kernel kills a process without a word. Names
+    the largest batch, or the most processes, that fit."""
+    if not planned.in_ram or planned.total_bytes * processes <= planned.budget_bytes:
         return
     if not planned.fits:
         largest = f" Set {key} to {planned.max_batch_size} or auto." if planned.max_batch_size else ""
-        raise DoesNotFitError(f"{key} {params[key]}: {planned.advice()}{largest}", planned)
-    if each.total_bytes * processes > each.budget_bytes:
-        most = each.budget_bytes // each.total_bytes
-        raise DoesNotFitError(
-            f"{processes} processes each hold the model and a batch of {each.batch_size}: {processes} x "
-            f"{format_bytes(each.total_bytes)} is over the {format_bytes(each.budget_bytes)} of this machine's RAM "
-            f"the plan may use; run at most {most} process(es), or a smaller {key}.", each)
+        raise DoesNotFitError(f"{key} {asked}: {planned.advice()}{largest}", planned)
+    raise DoesNotFitError(
+        f"{processes} processes each hold the model and a batch of {planned.batch_size}: {processes} x "
+        f"{format_bytes(planned.total_bytes)} is over the {format_bytes(planned.budget_bytes)} of this machine's RAM "
+        f"the plan may use; run at most {planned.budget_bytes // planned.total_bytes} process(es), or a smaller "
+        f"{key}.", planned)
 
 
 def resolve_batch_size(params, mode: str, **overrides) -> int:

@@ -14,8 +14,8 @@ import psutil
 
 from workbook import models, presets
 from workbook.params import AUTO
-from workbook.planner import DoesNotFitError, Plan
-from workbook.planner.profile import train_plan
+from workbook.planner import Plan
+from workbook.planner.profile import check_ram, train_plan
 from workbook.training import batches, packed_attention
 from workbook.training.config import TrainConfig, TrainError
 from workbook.training.prepare import PreparedData
@@ -130,19 +130,11 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
 
 
 def _micro_batch_check(config: TrainConfig, micro: int, seq_len: int, processes: int) -> str:
-    """'' when the plan holds the micro-batch in each process. Over this machine's RAM (the cpu profile,
-    every process holding the model and its batch): DoesNotFitError, since the kernel kills such a
-    process without a word. Over a GPU's budget: a note in the run's micro-batch rule, not a refusal
-    (FSDP, which the launcher decides, holds less per GPU; a step that does not fit raises out of memory)."""
+    """'' when the plan holds the micro-batch in each process. Over this machine's RAM (the cpu profile):
+    ``check_ram``'s DoesNotFitError. Over a GPU's budget: a note in the run's micro-batch rule, not a
+    refusal (FSDP, which the launcher decides, holds less per GPU; a step that does not fit raises out of memory)."""
     plan = memory_plan(config, micro, seq_len)
-    if plan.in_ram and plan.total_bytes * processes > plan.budget_bytes:
-        if processes == 1:
-            largest = f" Set micro_batch_size to {plan.max_batch_size} or auto." if plan.max_batch_size else ""
-            raise DoesNotFitError(f"micro_batch_size {micro} at {seq_len} tokens: {plan.advice()}{largest}", plan)
-        raise DoesNotFitError(
-            f"{processes} training processes each hold the model and a micro-batch of {micro} at {seq_len} tokens: "
-            f"{processes} x {plan.total_bytes / 2**30:.1f} GiB is over the {plan.budget_bytes / 2**30:.1f} GiB of "
-            "this machine's RAM the plan may use; lower train_processes or micro_batch_size.", plan)
+    check_ram(plan, "micro_batch_size", f"{micro} at {seq_len} tokens", processes)
     return "" if plan.fits else f" (over the memory plan: {plan.advice()})"
 
 
