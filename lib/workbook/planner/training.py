@@ -114,12 +114,11 @@ def plan_train(
     if offload_activations:
         saved = _training_activations_term(shape, precision, micro_batch_size, seq_len, grad_checkpointing,
                                            attn_implementation, lora_rank, lora_target_modules, mixed_precision)
-        # Every saved tensor but the parameters: the activations, the loss's fp32 log-softmax output
-        # and autocast's weight copies (which the autocast cache also holds on the GPU until the
-        # forward ends: that term stays).
+        # Every saved tensor but the parameters and autocast's weight copies (backward casts the
+        # parameter again; the autocast cache holds them on the GPU until the forward ends, so that
+        # term stays): the activations and the loss's fp32 log-softmax output.
         log_softmax = 0 if loss_chunk_tokens else micro_batch_size * seq_len * shape.vocab_size * FP32_BYTES
-        casts = sum(term.bytes for term in state_terms if term.name == "autocast_weight_copies")
-        host = saved.bytes + log_softmax + casts
+        host = saved.bytes + log_softmax
         notes.append(f"offload_activations: {host:,} bytes of saved activations in pinned host memory per "
                      "micro-batch (not GPU memory; with checkpointing it includes the one recomputed layer, which stays on "
                      "the GPU: an upper bound); each step copies them over PCIe twice")
