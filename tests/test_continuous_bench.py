@@ -31,6 +31,9 @@ def test_every_arm_computes_the_same_tokens_and_the_report_has_the_gpu_figures(t
         # Direct: timed where it starts its own manager (uneven); one generate_batch call hides it (full).
         assert (starts["direct"] is None) == (result["workload"] == "full")
         assert result["continuous_vs_static_after_start"] >= result["continuous_vs_static"]
+        # The static arm's end-at-length processor belongs to the workload: its cost is measured apart.
+        assert 0 < result["static_end_processor_seconds"] < result["median_seconds"]["static-sorted"]
+        assert result["continuous_vs_static_without_processor"] <= result["continuous_vs_static"]
     text = (tmp_path / "continuous_batching.md").read_text()
     assert "Hardware: " in text and "load average" in text and "--memory-gib 2" in text
     assert "Beside vLLM's published figures" in text  # issue 19: the fraction set beside vLLM's, not by hand

@@ -101,6 +101,24 @@ class EndAtLength(LogitsProcessor):
         return torch.where(banned, -math.inf, torch.where(forced, 0.0, scores))
 
 
+def end_processor_seconds(prompts, batch_size: int, vocab_size: int, device, eos_token_id: int,
+                          calls: int = 50) -> float:
+    """What EndAtLength adds to the static arm: the run's rows x decode steps (each batch runs to its
+    longest output) at the cost per row of one call at the arm's batch and vocabulary, measured apart
+    (``calls`` back to back, one synchronization: timing it inside the run would stall every step).
+    The continuous arm ends requests by their own max_new_tokens and pays nothing like it."""
+    ordered = generation.sort_longest_first(prompts)
+    batches = [ordered[start:start + batch_size] for start in range(0, len(ordered), batch_size)]
+    row_steps = sum(len(batch) * max(p.max_new_tokens for p in batch) for batch in batches)
+    rows = batches[0]
+    processor = EndAtLength(1, [p.max_new_tokens for p in rows], eos_token_id)
+    ids = torch.zeros(len(rows), 2, dtype=torch.long, device=device)
+    scores = torch.zeros(len(rows), vocab_size, device=device)  # generate's scores are fp32
+    processor(ids, scores)  # first call: the lengths move to the device
+    elapsed, _ = timed(device, lambda: [processor(ids, scores) for _ in range(calls)])
+    return elapsed / calls / len(rows) * row_steps
+
+
 def static_backend(model, settings, batch_size: int) -> generation.StaticBackend:
     backend = generation.StaticBackend(model, settings, batch_size)
     backend.logits_processors = lambda prompts: [EndAtLength(
@@ -241,6 +259,8 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
         stopped = True  # the time budget ended inside an arm: the arms it finished are the result
     arms = [arm for arm in ARMS if seconds[arm]]
     median = {arm: statistics.median(seconds[arm]) for arm in arms}
+    processor = (end_processor_seconds(prompts, batch_sizes["static-sorted"], model.config.vocab_size, device,
+                                       eos_ids[0]) if "static-sorted" in arms else None)
     lengths = [p.max_new_tokens for p in prompts]
     longest_prompt = max(len(p.token_ids) for p in prompts)
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
@@ -278,6 +298,10 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
         "continuous_vs_static_after_start": _ratio(  # each repeat less its own start, then the median
             {arm: statistics.median(s - start for s, start in zip(seconds[arm], starts[arm])) for arm in arms},
             "static-sorted", "continuous"),
+        # The static arm's end-at-length processor is the workload's, not the engine's: its cost apart.
+        "static_end_processor_seconds": processor and float(f"{processor:.3g}"),
+        "continuous_vs_static_without_processor": processor and _ratio(
+            {**median, "static-sorted": median["static-sorted"] - processor}, "static-sorted", "continuous"),
         "failed": {arm: details[arm]["failed"] for arm in arms},
         "peak_memory_bytes": {arm: memory[arm] for arm in arms},
         "planned_bytes": planned,

@@ -26,7 +26,9 @@ def markdown(report: dict) -> str:
                         f"{'n/a (no peaks)' if fraction is None else fraction} |")
     ratios = [f"- {r['workload']}: continuous {_times(r['continuous_vs_static'])} static-sorted "
               f"({_times(r.get('continuous_vs_static_after_start'))} without its manager's start, "
-              f"{_seconds(r.get('manager_start_seconds', {}).get('continuous'))}, paid once per job), "
+              f"{_seconds(r.get('manager_start_seconds', {}).get('continuous'))}, paid once per job; "
+              f"{_times(r.get('continuous_vs_static_without_processor'))} without static's end-at-length processor, "
+              f"{_seconds(r.get('static_end_processor_seconds'))} measured apart), "
               f"{_times(r['continuous_vs_direct'])} direct (1.0 = as fast; medians of {r['repeats_done']}); "
               f"continuous ran attention {_attention_text(r.get('continuous_attention'))}"
               for r in report["results"]]
