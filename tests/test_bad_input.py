@@ -222,6 +222,28 @@ def test_processes_that_the_ram_cannot_hold_together_are_refused_before_they_sta
     assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_a_forecast_that_does_not_fit_says_so_and_what_would(tmp_path, capsys):
+    # As the job it forecasts: an error naming the key and the largest batch, no traceback, nothing run.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input": "What is 1 + 1?"}\n')
+    code, err = run_cli(capsys, "forecast", "--params", "cpu", "--set", f"prompts_path={prompts}",
+                        "batch_size=100000000", f"output_path={tmp_path / 'out.jsonl'}")
+    assert code == 2 and "error: batch_size 100000000: batch 100000000 needs" in err and "Set batch_size to" in err
+    assert not (tmp_path / "out.jsonl").exists()
+    code, err = run_cli(capsys, "forecast", "--params", "cpu", "--mode", "train", "--set", "model=Llama-3.1-70B",
+                        "max_seq_length=2048", f"train_output_dir={tmp_path / 'train'}")
+    assert code == 2 and "does not fit, not even at batch 1" in err and "lora_rank 16" in err
+
+
+def test_the_worst_case_probe_refuses_a_batch_over_the_ram_before_loading_the_model():
+    # Notebook 01's probe on the cpu profile: past the RAM there is no out-of-memory error to back off
+    # from, the kernel kills the process, so the plan refuses the batch first.
+    from workbook.planner import DoesNotFitError, probes
+    cpu = params.Params({**params.load_all()["cpu"], "micro_batch_size": 100000})
+    with pytest.raises(DoesNotFitError, match=r"micro_batch_size 100000: batch 100000 needs .* Set micro_batch_size to"):
+        probes.prove_batch_size(cpu, "train", device="cpu")
+
+
 def test_a_model_the_planner_cannot_plan_is_not_refused_by_the_ram_check(tmp_path):
     # GPT-2's config has no intermediate_size: nothing to judge by, so the job runs as before.
     from transformers import GPT2Config

@@ -51,6 +51,23 @@ def test_a_failing_notebook_stops_the_run_and_points_at_the_cell(tmp_path, monke
     assert str(run_dir / "01_broken.ipynb") in out
 
 
+@pytest.mark.notebook
+def test_a_kernel_killed_mid_cell_is_reported_at_that_cell(tmp_path, monkeypatch, capsys):
+    """As when the system kills the kernel for memory: no cell error comes back, the cell is found anyway."""
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    make_notebook(notebooks / "00_killed.ipynb", "x = 1", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    monkeypatch.setattr(runner, "NOTEBOOKS_DIR", notebooks)
+    monkeypatch.setattr(runner, "OUTPUTS_DIR", tmp_path / "outputs")
+
+    assert cli.main(["run", "--params", "cpu"]) == 1
+
+    out = capsys.readouterr().out
+    failed = json.loads((next((tmp_path / "outputs").iterdir()) / "manifest.json").read_text())["notebooks"][0]
+    assert failed["cell"] == 4 and "os.kill" in failed["cell_source"]  # after papermill's injected cell
+    assert "FAILED: 00_killed at cell In [4]: DeadKernelError" in out and "out of memory" in out
+
+
 def test_bad_params_exit_non_zero_with_a_message(capsys):
     assert cli.main(["run", "--params", "cpu", "--set", "gpu_count=-2"]) == 2
     assert "'gpu_count' is -2; expected an integer >= 0" in capsys.readouterr().err

@@ -244,7 +244,27 @@ def describe_failure(error: Exception, output: Path) -> dict:
     if hasattr(error, "exec_count"):  # papermill.PapermillExecutionError
         details.update(cell=error.exec_count, cell_index=error.cell_index,
                        error=f"{error.ename}: {error.evalue}", cell_source=error.source[:500])
+        return details
+    started = _last_started_cell(output)  # a kernel that died (killed for memory, ...) raises no cell error
+    if started is not None:
+        index, cell = started
+        details.update(cell=cell.get("execution_count"), cell_index=index,
+                       cell_source="".join(cell.get("source", ""))[:500])
+    if type(error).__name__ == "DeadKernelError":
+        details["error"] += (" (the kernel process ended mid-cell: on Linux, `dmesg | grep -i 'out of memory'` says "
+                             "whether the system killed it for memory)")
     return details
+
+
+def _last_started_cell(output: Path) -> tuple[int, dict] | None:
+    """The last cell papermill started, from the executed notebook it saves as each cell starts and ends."""
+    try:
+        cells = json.loads(output.read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return None
+    started = [(index, cell) for index, cell in enumerate(cells)
+               if cell.get("metadata", {}).get("papermill", {}).get("start_time")]
+    return started[-1] if started else None
 
 
 def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list[str] | None = None,
@@ -288,7 +308,9 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
     _write_manifest(run_dir, manifest)
     if failed:
         entry = failed[0]
-        where = f"cell In [{entry['cell']}]" if entry.get("cell") is not None else "before any cell ran"
+        where = (f"cell In [{entry['cell']}]" if entry.get("cell") is not None else
+                 f"cell {entry['cell_index']}" if entry.get("cell_index") is not None else
+                 "before any cell ran")
         log(f"FAILED: {entry['name']} at {where}: {entry['error']}\n"
             f"  open the executed notebook to see the traceback: {entry['executed_notebook']}\n"
             f"  run folder: {run_dir}")

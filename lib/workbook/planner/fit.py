@@ -12,7 +12,7 @@ method, more GPUs). The costs are estimates from FLOPs, not measurements.
 from __future__ import annotations
 
 from workbook import presets
-from workbook.planner.plans import Plan
+from workbook.planner.plans import DoesNotFitError, Plan
 from workbook.planner.profile import plan
 from workbook.planner.shape import model_shape
 from workbook.units import format_bytes
@@ -81,6 +81,16 @@ def ways_to_fit_lines(options: list[dict]) -> list[str]:
         lines.append(f"  {option['change']:<28} {verdict:<13} peak {format_bytes(option['peak_bytes']):>10}, "
                      f"largest micro-batch {option['max_batch_size']}; cost: {option['throughput_cost']}")
     return lines
+
+
+def lines_for_unfit_run(params, error: DoesNotFitError) -> list[str]:
+    """For a training run that does not fit even at micro-batch 1: the single changes that would make
+    it fit, each with its predicted peak, planned at the run's own sequence length ([] otherwise)."""
+    planned = error.plan
+    if planned is None or planned.mode != "train" or planned.max_batch_size:
+        return []
+    options = ways_to_fit(params, batch_size=1, seq_len=planned.lengths["seq_len"])
+    return ways_to_fit_lines(options) if options else []
 
 
 def _option(change: str, cost: str, changed: Plan) -> dict:

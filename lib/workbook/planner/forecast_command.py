@@ -48,6 +48,8 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     import sys
     from workbook import jsonl, runner
     from workbook.generation.engine import GenerationError
+    from workbook.planner.fit import lines_for_unfit_run
+    from workbook.planner.plans import DoesNotFitError
     from workbook.training.config import TrainError
 
     def say(line: str) -> None:
@@ -61,8 +63,11 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the training loop prints its progress; --json owns stdout
             result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock)
-    except (GenerationError, TrainError, jsonl.DataError, ValueError) as error:
+    except (GenerationError, TrainError, jsonl.DataError, ValueError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)
+        if isinstance(error, DoesNotFitError):
+            for line in lines_for_unfit_run(params, error):
+                print(line, file=sys.stderr)
         return 2
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(result.to_dict(), indent=2) + "\n")

@@ -191,6 +191,7 @@ def prove_batch_size(params, mode: str, *, device: str | torch.device, log=print
     base in its dtype with LoRA adapters, gradient checkpointing switched on the same way.
     Returns the finder's result and a description of the model that was probed.
     """
+    profile.refuse_over_ram(params, mode)  # on a CPU, past the RAM the kernel kills the process: no error to back off on
     start = profile.resolve_batch_size(params, mode)
     dtype, lora = params["dtype"], mode == "train" and params["lora_rank"] > 0
     mixed = mode == "train" and not lora and dtype != "fp32"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from workbook import jsonl, notebook, runner, runtime
 from workbook.params import ParamsError
-from workbook.planner import DoesNotFitError, forecast
+from workbook.planner import DoesNotFitError, fit, forecast
 from workbook.training import checkpoints, run_folder
 from workbook.training.config import TrainError, config_from_params
 from workbook.training.loop import train
@@ -75,8 +75,9 @@ def _run_and_report(params, run_dir: Path) -> int:
         result = launch(config, prepared)
     except (TrainError, jsonl.DataError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)
-        if isinstance(error, DoesNotFitError) and error.plan is not None and error.plan.max_batch_size == 0:
-            print("\n".join(ways_to_fit_lines(params, error.plan)), file=sys.stderr)
+        if isinstance(error, DoesNotFitError):
+            for line in fit.lines_for_unfit_run(params, error):
+                print(line, file=sys.stderr)
         return 2
     result["forecast"] = forecast.forecast_beside_measured(  # `workbook forecast --mode train` wrote it there
         Path(config.output_dir) / "forecast.json", runtime.process_age_seconds(),
@@ -86,14 +87,6 @@ def _run_and_report(params, run_dir: Path) -> int:
         print(line)
     print(f"metrics: {Path(run_dir) / METRICS_FILE}")
     return 0
-
-
-def ways_to_fit_lines(params, plan) -> list[str]:
-    """The single changes that would make a run that does not fit at micro-batch 1 fit, each with its
-    predicted peak (``workbook plan``'s list), planned at the run's own sequence length."""
-    from workbook.planner import fit
-    options = fit.ways_to_fit(params, batch_size=1, seq_len=plan.lengths["seq_len"])
-    return fit.ways_to_fit_lines(options) if options else []
 
 
 def main(argv: list[str] | None = None) -> int:
