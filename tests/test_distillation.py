@@ -50,3 +50,15 @@ def test_a_system_prompt_file_that_is_missing_stops_the_job_before_it_generates(
         generation.run_job(job_params(prompts, output, system_prompt=f"@{tmp_path / 'nowhere.txt'}"), output,
                            show_progress=False, log=lambda line: None)
     assert not output.exists()
+
+
+def test_a_system_prompt_file_that_is_a_folder_or_not_utf8_is_named(tmp_path):
+    prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:2])
+    output = tmp_path / "out.jsonl"
+    (tmp_path / "latin1.txt").write_bytes("Réponds en français.".encode("latin-1"))
+    for name, message in (("latin1.txt", r"latin1.txt is not UTF-8 text \(at byte offset 1: invalid continuation byte\)"),
+                          (".", r"is a folder, not a file")):
+        with pytest.raises(generation.GenerationError, match=message):
+            generation.run_job(job_params(prompts, output, system_prompt=f"@{tmp_path / name}"), output,
+                               show_progress=False, log=lambda line: None)
+    assert not output.exists()

@@ -505,6 +505,26 @@ def test_resume_continues_from_the_saved_step_with_the_same_optimizer_state(tmp_
         training.train(make_config(tmp_path / "a", path, **{**settings, "learning_rate": 5e-4}))
 
 
+def test_a_damaged_checkpoint_is_named_with_the_older_one_to_resume_from_and_nothing_is_deleted(tmp_path):
+    path = arithmetic_pairs(tmp_path)
+    settings = dict(max_steps=4, save_every_steps=1, micro_batch_size=2)
+    training.train(make_config(tmp_path, path, stop_after_steps=3, **settings))
+    newest, older = checkpoints.checkpoint_dir(tmp_path / "out", 3), checkpoints.checkpoint_dir(tmp_path / "out", 2)
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])  # a copy cut short
+    with pytest.raises(training.TrainError, match=rf"cannot resume from {newest}, it is damaged \(SafetensorError: .*"
+                                                  rf"move {newest} away to resume from the older checkpoint kept, "
+                                                  "step-00000002"):
+        training.train(make_config(tmp_path, path, **settings))
+    state = newest / checkpoints.STATE_FILE
+    state.write_text('{"step": ')
+    with pytest.raises(training.TrainError, match=rf"{newest}, it is damaged \({checkpoints.STATE_FILE}: Expecting"):
+        training.train(make_config(tmp_path, path, **settings))
+    assert weights.exists() and older.is_dir()  # nothing deleted
+    newest.rename(tmp_path / "damaged")  # as the message says: the older checkpoint resumes
+    assert training.train(make_config(tmp_path, path, **settings))["steps"] == {"total": 4, "resumed_from": 2, "reached": 4}
+
+
 def test_workbook_train_cli_trains_into_a_run_folder(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path)
     code = cli.main(["train", "--params", "cpu", "--set", "max_steps=2", "validation_fraction=0.05",

@@ -34,9 +34,15 @@ def system_prompt_text(params) -> str:
     if not value.startswith("@"):
         return value
     path = resolve_input_path(value[1:])
+    if path.is_dir():
+        raise GenerationError(f"system_prompt {value!r}: {path} is a folder, not a file")
     if not path.is_file():
         raise GenerationError(f"system_prompt {value!r}: no such file; give the text itself or @path to a file")
-    return path.read_text(encoding="utf-8").strip()
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise GenerationError(f"system_prompt {value!r}: {path} is not UTF-8 text (at byte offset {error.start}: "
+                              f"{error.reason}); save it as UTF-8") from error
 
 
 def system_prompt_record(params) -> dict:

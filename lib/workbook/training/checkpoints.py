@@ -98,8 +98,27 @@ def _all_gather(value) -> list:
 
 
 def saved_state(checkpoint: Path) -> dict:
-    """What our state file holds: the step, the fingerprint and the history so far."""
-    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+    """What our state file holds: the step, the fingerprint and the history so far; TrainError
+    naming the checkpoint when the file is damaged."""
+    path = Path(checkpoint) / STATE_FILE
+    try:
+        state = json.loads(path.read_text())
+        if not isinstance(state, dict) or not {"step", "fingerprint", "history"} <= state.keys():
+            raise ValueError("not the state a checkpoint saves (step, fingerprint, history)")
+    except (OSError, ValueError) as error:
+        raise damaged(Path(checkpoint), f"{path.name}: {error}") from error
+    return state
+
+
+def damaged(checkpoint: Path, what: str):
+    """The TrainError for a checkpoint that cannot be read back: what is wrong, and the ways on
+    (the older checkpoint kept beside it, or a new folder), nothing deleted."""
+    from workbook.training.config import TrainError
+    older = [p for p in complete_checkpoints(checkpoint.parent.parent) if p.name < checkpoint.name]
+    back = (f"move {checkpoint} away to resume from the older checkpoint kept, {older[-1].name}"
+            if older else f"move {checkpoint} away to train from the start")
+    return TrainError(f"cannot resume from {checkpoint}, it is damaged ({what}; a full disk or a copy cut short "
+                      f"can do this): {back}, or set train_output_dir to a new folder")
 
 
 def resumable_state(checkpoint: Path, fingerprint: dict) -> dict:

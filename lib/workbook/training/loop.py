@@ -80,7 +80,10 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         checkpoint = checkpoints.agreed_checkpoint(accelerator, output_dir)
         if checkpoint is not None:
             state = checkpoints.resumable_state(checkpoint, fingerprint)
-            accelerator.load_state(str(checkpoint))
+            try:
+                accelerator.load_state(str(checkpoint))
+            except Exception as error:  # any truncated or missing file: name the checkpoint, keep it
+                raise checkpoints.damaged(checkpoint, f"{type(error).__name__}: {str(error)[:300]}") from error
             start_step, history, eval_history = state["step"], state["history"], state["eval_history"]
             accuracy_before = state.get("accuracy_before")
             _print(accelerator, f"resuming from {checkpoint} at step {start_step} of {run.total_steps}")
