@@ -114,6 +114,21 @@ def test_appender_writes_whole_lines_and_cuts_a_torn_tail(tmp_path):
     assert path.read_text() == '{"n": 1}\n{"n": 2}\n{"n": 3}\n'
 
 
+def test_a_whole_last_record_without_its_newline_is_kept_not_cut(tmp_path):
+    # A hand edit or another tool's writer: the record is whole, so it counts and is never generated again.
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"n": 1}\n{"n": 2}')
+    assert jsonl.scan_ids([path], lambda r: r["n"]) == {1, 2}
+    with jsonl.LineAppender(path) as appender:
+        assert appender.repaired_bytes == 0
+        appender.write([{"n": 3}])
+    assert path.read_text() == '{"n": 1}\n{"n": 2}\n{"n": 3}\n'
+    part = tmp_path / "out.part-0.jsonl"
+    part.write_text('{"n": 4}')  # merged parts keep it too, on a line of its own
+    jsonl.merge_parts(path, [part], id_of=lambda r: r["n"], order={})
+    assert path.read_text() == '{"n": 1}\n{"n": 2}\n{"n": 3}\n{"n": 4}\n'
+
+
 def test_a_record_that_cannot_be_encoded_is_rejected_alone_or_stops_a_strict_write(tmp_path):
     path = tmp_path / "out.jsonl"
     with jsonl.LineAppender(path) as appender:

@@ -210,8 +210,13 @@ def test_a_rerun_skips_what_is_written_and_regenerates_only_a_torn_last_line(tmp
     assert output.read_bytes() == complete
     lines = complete.decode().splitlines(keepends=True)
     output.write_text("".join(lines[:-1]) + lines[-1][:25])  # a kill in the middle of the last write
-    again = generation.run_job(job_params(prompts, output), output, **run)
+    said = []
+    again = generation.run_job(job_params(prompts, output), output, **{**run, "log": said.append})
     assert again["generated"] == 1 and output.read_bytes() == complete
+    assert any("cut its torn last line (25 bytes" in line for line in said)
+    output.write_text("".join(lines[:-1]) + lines[-1].rstrip("\n"))  # whole, only its newline missing (a hand edit)
+    assert generation.run_job(job_params(prompts, output), output, **run)["generated"] == 0
+    assert output.read_bytes() == complete
 
 
 class OutOfMemoryAbove:

@@ -11,7 +11,9 @@ Writing so that a crash loses nothing and duplicates nothing::
 
 A line counts only once its newline is on disk: every write ends lines with "\\n", so a last line
 without one is the torn remainder of a killed write. Readers ignore it and the next appender cuts it
-off before writing, so the example it held is generated again, exactly once.
+off before writing, so the example it held is generated again, exactly once. A last line that is a
+whole JSON object all the same (a hand edit, another tool's writer) is a record, not a torn one:
+readers take it, and the next appender ends it with its newline instead.
 """
 
 from __future__ import annotations
@@ -153,7 +155,8 @@ def existing_file(path: str | Path) -> Path:
 
 
 def repair_torn_tail(path: str | Path) -> int:
-    """Cut a last line that has no newline (left by a killed write); returns the bytes removed."""
+    """Cut a last line that has no newline (left by a killed write); returns the bytes removed. A last
+    line that is a whole JSON object gets its newline instead (0 removed)."""
     path = Path(path)
     if not path.exists():
         return 0
@@ -173,10 +176,24 @@ def repair_torn_tail(path: str | Path) -> int:
             end = start
         else:
             keep = 0
-        handle.truncate(keep)
+        handle.seek(keep)
+        if _whole_object(handle.read(size - keep)):
+            handle.write(b"\n")
+            keep = size
+        else:
+            handle.truncate(keep)
         handle.flush()
         os.fsync(handle.fileno())
     return size - keep
+
+
+def _whole_object(raw: bytes) -> bool:
+    """A line without its newline that is a record all the same: never the prefix of one of ours
+    (a JSON object's prefix is not a JSON object), so a hand edit's or another writer's."""
+    try:
+        return isinstance(json.loads(raw.decode("utf-8")), dict)
+    except ValueError:
+        return False
 
 
 class LineAppender:
@@ -293,10 +310,10 @@ def read_complete_lines(path: str | Path) -> Iterator[tuple[int, str, dict]]:
         return
     with path.open("rb") as lines:
         for number, raw in enumerate(lines, start=1):
-            if not raw.endswith(b"\n"):
+            if not raw.endswith(b"\n") and not _whole_object(raw):
                 return  # torn by a killed write; the example is generated again
             try:
-                line = raw.decode("utf-8")
+                line = raw.decode("utf-8").rstrip("\n") + "\n"  # a whole last record may lack its newline
                 record = json.loads(line)
             except ValueError as error:  # not UTF-8, or not JSON
                 line, record = "", error

@@ -267,6 +267,9 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
         fsync_every = getattr(share.backend, "fsync_every", None)  # continuous: one line per call, synced by count/time
         with jsonl.LineAppender(files.output_part(rank.share), fsync_every) as outputs, \
                 jsonl.LineAppender(files.failures_part(rank.share), fsync_every) as failures:
+            if outputs.repaired_bytes:
+                log(f"{outputs.path}: cut its torn last line ({outputs.repaired_bytes} bytes: a record a kill cut "
+                    "short); that example is generated again")
             if rank.index == 0:
                 failures.write(bad_line_failure(bad) for bad in share.bad_lines)
             failures.write(records.failure_record(example_id=examples[i].example_id, line=examples[i].line,
