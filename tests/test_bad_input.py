@@ -250,3 +250,32 @@ def test_a_model_the_planner_cannot_plan_is_not_refused_by_the_ram_check(tmp_pat
     from workbook.planner import profile
     GPT2Config(n_layer=2, n_embd=64, n_head=2).to_json_file(tmp_path / "config.json")
     assert profile.refuse_over_ram({**params.load_all()["cpu"], "model": str(tmp_path)}, "generate", 4) is None
+
+
+def test_small_mistakes_each_get_their_own_message(tmp_path, capsys):
+    # The profile comes with its file (its hardware facts), never from --set.
+    with pytest.raises(params.ParamsError, match=r"--set 'profile=h100': the profile is the parameter file's own; "
+                                                 "choose it with --params h100"):
+        params.parse_overrides(["profile=h100"])
+    # A folder given as --params is a folder, not a missing '<folder>.yaml'.
+    with pytest.raises(params.ParamsError, match=rf"{tmp_path}: a folder, not a parameter file"):
+        params.load(params.profile_path(str(tmp_path)))
+    # NaN is Python's, not JSON's: copied into the outputs, strict readers would refuse them.
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"input": "What is 1 + 1?"}\n{"input": "What is 2 + 2?", "score": NaN}\n')
+    bad = [record for _, record in jsonl.iter_jsonl(prompts) if isinstance(record, jsonl.BadLine)]
+    assert [(b.line, b.reason) for b in bad] == [(2, "not valid JSON (NaN is not a JSON value; write null or a string)")]
+    code, err = run_cli(capsys, "forecast", "--params", "cpu", "--pilot-seconds", "nan")
+    assert code == 2 and "--pilot-seconds nan: expected a number of seconds > 0" in err
+    code, err = run_cli(capsys, "train", "--params", "cpu", "--set", f"train_data_path={tmp_path}",
+                        f"train_output_dir={tmp_path / 'out'}")
+    assert code == 2 and "a folder, not a file" in err
+    code, err = run_cli(capsys, "train", "--params", "cpu", "--set", f"train_output_dir={prompts}")
+    assert code == 2 and f"train_output_dir {prompts} must be a folder you can write" in err
+
+
+def test_a_warm_up_longer_than_the_run_is_said(tmp_path, capsys):
+    from workbook.training.run_plan import warmup_note
+    assert warmup_note(9, 10, 1e-3) == ""
+    assert warmup_note(100, 2, 1e-3) == ("warmup_steps 100 is not below the run's 2 optimizer steps: the learning rate "
+                                         "rises the whole run and ends at 2e-05, 2% of its peak")

@@ -593,7 +593,8 @@ def fake_run(root, name, settings, step=None, status=None, fingerprint=None):
     if step is not None:
         checkpoint = checkpoints.checkpoint_dir(folder / "training", step)
         checkpoint.mkdir(parents=True)
-        (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": step, "fingerprint": fingerprint}))
+        (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": step, "fingerprint": fingerprint, "history": [],
+                                                                          "eval_history": []}))
     if status is not None:
         (folder / "training" / "training_result.json").write_text(json.dumps({"status": status}))
     return folder

@@ -68,10 +68,13 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | BadLine]]:
             if not line.strip():
                 continue
             try:
-                value = json.loads(line)
+                value = json.loads(line, parse_constant=_refuse_constant)
             except json.JSONDecodeError as error:
                 yield number, BadLine(str(path), number, f"not valid JSON ({error.msg} at column {error.colno})",
                                       number)
+                continue
+            except ValueError as error:  # NaN or Infinity: Python's json takes them, JSON and its readers do not
+                yield number, BadLine(str(path), number, f"not valid JSON ({error})", number)
                 continue
             if not isinstance(value, dict):
                 yield number, BadLine(str(path), number, f"a JSON {type(value).__name__}, not an object", number)
@@ -84,6 +87,10 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | BadLine]]:
                                       "\\udfff), which is not valid Unicode text", number)
                 continue
             yield number, value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value; write null or a string")
 
 
 def unencodable_path(value: Any, path: str = "") -> str | None:

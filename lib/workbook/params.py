@@ -303,6 +303,8 @@ def _read_yaml_mapping(path: Path) -> tuple[dict, dict[str, int]]:
 def load(path: str | Path) -> Params:
     """Load and validate one profile file. Every schema key must be present, no other key may be."""
     path = Path(path)
+    if path.is_dir():
+        raise ParamsError(f"{path}: a folder, not a parameter file; give a profile name or a .yaml file in it.")
     if not path.is_file():
         available = ", ".join(profile_names()) or "none"
         raise ParamsError(f"{path}: no such parameter file.{did_you_mean(path.stem, profile_names())} "
@@ -336,6 +338,9 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             value = text
         if isinstance(value, (dict, list)):
             value = text  # `model={x}` is a path-like string, not YAML structure
+        if key.strip() == "profile":  # the file's name: a profile's hardware facts come with it, not from --set
+            raise ParamsError(f"--set {pair!r}: the profile is the parameter file's own; choose it with --params "
+                              f"{text.strip() or '<profile>'} (and change its settings with --set).")
         key_schema = SCHEMA.get(key.strip())
         if key_schema is not None and key_schema.kind is str and not isinstance(value, str):
             value = text.strip()  # a text key takes the text: system_prompt=no, output_path=2026-01-01, prompts_path=123
@@ -358,8 +363,8 @@ def profile_names() -> list[str]:
 def profile_path(name_or_path: str) -> Path:
     """'h200' or 'params/h200.yaml' -> the file's path (not checked for existence here)."""
     candidate = Path(name_or_path)
-    if candidate.suffix in (".yaml", ".yml"):
-        return candidate
+    if candidate.suffix in (".yaml", ".yml") or len(candidate.parts) > 1:
+        return candidate  # a path, not a profile name
     return PARAMS_DIR / f"{name_or_path}.yaml"
 
 

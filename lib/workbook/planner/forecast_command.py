@@ -60,6 +60,9 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     if not 0 < share <= 1:
         print(f"error: --pilot-share {share}: expected a share of the job in (0, 1], e.g. 0.1", file=sys.stderr)
         return 2
+    if seconds is not None and not 0 < seconds < float("inf"):  # NaN fails it too
+        print(f"error: --pilot-seconds {seconds}: expected a number of seconds > 0, e.g. 60", file=sys.stderr)
+        return 2
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the training loop prints its progress; --json owns stdout
             result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock)

@@ -126,7 +126,7 @@ def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dt
         raise ValueError(f"precision {precision!r}: expected mixed or bf16")
     if precision == "bf16" and dtype != "bf16":
         raise ValueError(f"precision bf16 trains bf16 weights and needs dtype bf16 (not {dtype}): "
-                         "add --dtype bf16, or use precision mixed")
+                         "set dtype bf16 (workbook plan: --dtype bf16), or precision mixed")
     return budget.place(plan_train(
         model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
         mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing,

@@ -103,8 +103,8 @@ def saved_state(checkpoint: Path) -> dict:
     path = Path(checkpoint) / STATE_FILE
     try:
         state = json.loads(path.read_text())
-        if not isinstance(state, dict) or not {"step", "fingerprint", "history"} <= state.keys():
-            raise ValueError("not the state a checkpoint saves (step, fingerprint, history)")
+        if not isinstance(state, dict) or not {"step", "fingerprint", "history", "eval_history"} <= state.keys():
+            raise ValueError("not the state a checkpoint saves (step, fingerprint, history, eval_history)")
     except (OSError, ValueError) as error:
         raise damaged(Path(checkpoint), f"{path.name}: {error}") from error
     return state

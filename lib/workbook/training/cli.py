@@ -43,8 +43,10 @@ def _train_in_chosen_folder(params, params_arg: str, overrides: list[str]) -> in
         print(f"error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # e.g. a read-only outputs folder: said before any model loads
-        print(f"error: cannot create or lock a run folder ({error}); make {run_folder.OUTPUTS_DIR} writable, or "
-              "set train_output_dir to a writable folder", file=sys.stderr)
+        where = (f"train_output_dir {params['train_output_dir']} must be a folder you can write (or one that can be "
+                 "created)" if params["train_output_dir"] else
+                 f"make {run_folder.OUTPUTS_DIR} writable, or set train_output_dir to a writable folder")
+        print(f"error: cannot create or lock a run folder ({error}); {where}", file=sys.stderr)
         return 2
     print(folder.note, flush=True)
     job = runner.start_job(folder.path, "train", params, params_arg, overrides)  # notebook 05 lists the run

@@ -165,6 +165,9 @@ def resolve_data_path(train_data_path: str, output_path: str, run_dir: Path,
     (built in memory if the file is absent)."""
     if train_data_path:
         path = Path(train_data_path).expanduser()
+        if path.is_dir():
+            raise TrainError(f"train_data_path {train_data_path!r}: a folder, not a file. Point it at a JSONL file of "
+                             "input/output records.")
         if not path.is_file():
             raise TrainError(f"train_data_path {train_data_path!r}: no such file. Point it at a JSONL file of "
                              "input/output records, or leave it '' for notebook 02's outputs / the shipped sample.")

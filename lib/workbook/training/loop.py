@@ -31,7 +31,7 @@ from workbook.training.config import (
 )
 from workbook.training.offload import OffloadActivations, release_pinned_host_memory
 from workbook.training.prepare import PreparedData, prepare_data
-from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run
+from workbook.training.run_plan import learning_rate_at, model_flops_coefficients, plan_run, warmup_note
 
 EVAL_POINTS = 10  # validation loss is computed about this many times per run, plus before the first step
 
@@ -101,6 +101,9 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
             if validation_batches is not None:
                 eval_history.append({"step": 0, "eval_loss": evaluation.evaluate(model, validation_batches, accelerator, config.loss_chunk_tokens)})
 
+        short_run = warmup_note(config.warmup_steps, run.total_steps, run.learning_rate)
+        if short_run:
+            _print(accelerator, f"note: {short_run}")
         eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
         stop_at = run.total_steps if config.stop_after_steps is None else min(run.total_steps, config.stop_after_steps)
         progress = _progress_bar(accelerator, run.total_steps, start_step)

@@ -57,6 +57,15 @@ def learning_rate_at(step: int, peak: float, warmup_steps: int, total_steps: int
     return peak * (MIN_LR_FRACTION + (1 - MIN_LR_FRACTION) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
 
+def warmup_note(warmup_steps: int, total_steps: int, peak: float) -> str:
+    """'' unless the warm-up outlasts the run, whose learning rate then never reaches its peak."""
+    if warmup_steps < total_steps:
+        return ""
+    return (f"warmup_steps {warmup_steps} is not below the run's {total_steps} optimizer steps: the learning rate "
+            f"rises the whole run and ends at {learning_rate_at(total_steps - 1, peak, warmup_steps, total_steps):g}, "
+            f"{total_steps / warmup_steps:.0%} of its peak")
+
+
 @dataclass
 class RunPlan:
     processes: int
@@ -117,6 +126,8 @@ def plan_run(config: TrainConfig, prepared: PreparedData, processes: int | None 
     else:
         lr_rule = (f"{config.lr_scaling} scaling of {config.learning_rate:g} from base_batch {config.base_batch} "
                    f"to effective batch {effective} (a heuristic)")
+    short_run = warmup_note(config.warmup_steps, total, learning_rate)
+    lr_rule += f"; {short_run}" if short_run else ""
     used = first_epoch[:steps_per_epoch * per_step]
     return RunPlan(
         processes=processes, micro_batch_size=micro, micro_batch_rule=micro_rule,
