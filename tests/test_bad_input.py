@@ -279,3 +279,10 @@ def test_a_warm_up_longer_than_the_run_is_said(tmp_path, capsys):
     assert warmup_note(9, 10, 1e-3) == ""
     assert warmup_note(100, 2, 1e-3) == ("warmup_steps 100 is not below the run's 2 optimizer steps: the learning rate "
                                          "rises the whole run and ends at 2e-05, 2% of its peak")
+
+
+def test_an_empty_model_or_prompts_path_is_refused_by_key():
+    for key in ("model", "prompts_path"):
+        with pytest.raises(params.ParamsError, match=rf"--set {key}=: '{key}' is ''; expected a non-empty string"):
+            params.parse_overrides([f"{key}="])
+    assert params.parse_overrides(["output_path="]) == {"output_path": ""}  # '' there means the run folder's file

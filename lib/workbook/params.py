@@ -40,6 +40,7 @@ class Key:
     auto: bool = False  # the value may also be 'auto': the memory planner chooses it
     int_list: bool = False  # a str of comma-separated positive integers, e.g. '8,32'
     choice_list: bool = False  # a str of comma-separated names, each one of choices, e.g. 'hf-trainer,trl-sft'
+    non_empty: bool = False  # a str that must name something ('' is no model, no file)
 
     def expected(self) -> str:
         if self.choices:
@@ -47,7 +48,8 @@ class Key:
             return f"comma-separated names, each one of {names}" if self.choice_list else f"one of {names}"
         if self.int_list:
             return "comma-separated positive integers, e.g. '8,32'" + (", or 'auto' among them" if self.auto else "")
-        text = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}[self.kind]
+        text = {int: "an integer", float: "a finite number", bool: "true or false",
+                str: "a non-empty string" if self.non_empty else "a string"}[self.kind]
         if self.minimum is not None:
             text += f" >= {self.minimum:g}"
         if self.maximum is not None:
@@ -70,7 +72,7 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("supports_tf32", bool, "whether the GPU has TF32 tensor cores"),
     Key("usd_per_gpu_hour", float, "rental price per GPU-hour in US dollars, for cost estimates", minimum=0),
     # Run settings.
-    Key("model", str, "'tiny' (built locally) or a local Hugging Face model directory"),
+    Key("model", str, "'tiny' (built locally) or a local Hugging Face model directory", non_empty=True),
     Key("dtype", str, "dtype the model runs in", choices=DTYPES),
     Key("interactive", bool, "show ipywidgets controls (JupyterLab); false draws static figures (papermill)"),
     # Memory planning (notebook 01) and the batch sizes the later notebooks run with.
@@ -89,7 +91,7 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
         minimum=0),
     # Generation (notebook 02, `workbook generate`); batch_size, max_new_tokens, model and dtype above.
     Key("prompts_path", str, "JSONL of prompts, one object per line (a relative path is read from the working "
-        "directory, else the repository root)"),
+        "directory, else the repository root)", non_empty=True),
     Key("prompt_field", str, "the field holding each prompt: 'auto' (the first of input, prompt, question) "
         "or a field name"),
     Key("output_path", str, "JSONL the outputs are appended to; '' writes generations.jsonl in the run folder; "
@@ -256,6 +258,8 @@ def validate_value(key: str, value: Any, where: str) -> Any:
     if ok and spec.choices:
         names = _names(value) if spec.choice_list else [value]
         ok = bool(names) and set(names) <= set(spec.choices)
+    if ok and spec.non_empty and not value.strip():
+        ok = False
     if ok and spec.minimum is not None and value < spec.minimum:
         ok = False
     if ok and spec.maximum is not None and value > spec.maximum:
