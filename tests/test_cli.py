@@ -246,3 +246,11 @@ def test_plan_auto_that_fits_nothing_lists_the_changes_at_batch_1(capsys):
     assert code == 3 and result["max_batch_size"] == 0
     lora = next(option for option in result["ways_to_fit"] if option["change"] == "lora_rank 16")
     assert lora["fits"] and lora["max_batch_size"] >= 1
+
+
+def test_a_key_the_job_does_not_read_is_noted_with_the_one_it_may_mean(capsys):
+    # seq_len is notebook 01's: a valid key that workbook train never reads (max_steps=abc stops it first).
+    assert cli.main(["train", "--params", "cpu", "--set", "seq_len=4096", "max_steps=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "note: --set seq_len: `workbook train` does not read it, so it changes nothing here. Did you mean " \
+           "'max_seq_length'?" in err and "max_steps" not in err.split("error:")[0]

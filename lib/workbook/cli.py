@@ -167,6 +167,17 @@ def params_used(module: str) -> tuple[str, ...]:
     return importlib.import_module(module).PARAMS_USED
 
 
+def note_keys_not_read(job: str, pairs: list[str]) -> None:
+    """A note on stderr for each --set key the job does not read (a profile holds every notebook's keys:
+    `train --set seq_len=...` is valid and changes nothing), with the key it may have meant."""
+    from workbook.suggest import did_you_mean
+    used = params_used(JOBS[job][2])
+    for key in dict.fromkeys(pair.partition("=")[0].strip() for pair in pairs):
+        if key in params_module.SCHEMA and key not in used:
+            print(f"note: --set {key}: `workbook {job}` does not read it, so it changes nothing here."
+                  f"{did_you_mean(key, used)}", file=sys.stderr)
+
+
 def params_keys_help(keys: tuple[str, ...], width: int = 100) -> str:
     """The keys a job reads, one per line with its meaning and accepted values (from params.SCHEMA)."""
     lines = ["parameters this job reads (from the params file; change any with --set key=value):"]
@@ -298,6 +309,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command in JOBS:
+            note_keys_not_read(args.command, args.set)
         try:
             code = args.handler(args)
         except (params_module.ParamsError, RunError) as error:
