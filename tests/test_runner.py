@@ -64,8 +64,9 @@ def test_a_kernel_killed_mid_cell_is_reported_at_that_cell(tmp_path, monkeypatch
 
     out = capsys.readouterr().out
     failed = json.loads((next((tmp_path / "outputs").iterdir()) / "manifest.json").read_text())["notebooks"][0]
-    assert failed["cell"] == 4 and "os.kill" in failed["cell_source"]  # after papermill's injected cell
-    assert "FAILED: 00_killed at cell In [4]: DeadKernelError" in out and "out of memory" in out
+    assert failed["cell_index"] == 3 and "os.kill" in failed["cell_source"]  # after papermill's injected cell
+    assert "FAILED: 00_killed at cell 4 (papermill's 'Executing Cell 4'): DeadKernelError" in out
+    assert "out of memory" in out
 
 
 def test_bad_params_exit_non_zero_with_a_message(capsys):

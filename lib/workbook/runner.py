@@ -246,10 +246,9 @@ def describe_failure(error: Exception, output: Path) -> dict:
                        error=f"{error.ename}: {error.evalue}", cell_source=error.source[:500])
         return details
     started = _last_started_cell(output)  # a kernel that died (killed for memory, ...) raises no cell error
-    if started is not None:
+    if started is not None:  # its execution count may not have come back: the cell's place in the notebook
         index, cell = started
-        details.update(cell=cell.get("execution_count"), cell_index=index,
-                       cell_source="".join(cell.get("source", ""))[:500])
+        details.update(cell_index=index, cell_source="".join(cell.get("source", ""))[:500])
     if type(error).__name__ == "DeadKernelError":
         details["error"] += (" (the kernel process ended mid-cell: on Linux, `dmesg | grep -i 'out of memory'` says "
                              "whether the system killed it for memory)")
@@ -309,7 +308,8 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
     if failed:
         entry = failed[0]
         where = (f"cell In [{entry['cell']}]" if entry.get("cell") is not None else
-                 f"cell {entry['cell_index']}" if entry.get("cell_index") is not None else
+                 f"cell {entry['cell_index'] + 1} (papermill's 'Executing Cell {entry['cell_index'] + 1}')"
+                 if entry.get("cell_index") is not None else
                  "before any cell ran")
         log(f"FAILED: {entry['name']} at {where}: {entry['error']}\n"
             f"  open the executed notebook to see the traceback: {entry['executed_notebook']}\n"
