@@ -370,13 +370,26 @@ def test_the_memory_setting_goal_compares_each_setting_at_its_planned_batch_with
 
 
 def test_a_point_the_planner_said_fits_running_out_of_memory_fails_the_goal():
-    goal = lambda points: {row["goal"]: row for row in bench.goals_table(None, {"points": points})}[bench.GOALS[4]]
+    def goal(points, device="cuda:0"):
+        table = bench.goals_table(None, {"points": points, "baselines": [train_point(6, 2.0)], "device": device})
+        return {row["goal"]: row for row in table}[bench.GOALS[4]]
     refused = {"out_of_memory": "CUDA out of memory", "planner_said": "does not fit"}
-    assert goal([train_point(6, 1.0), refused])["met"] == "yes"
-    wrong = goal([train_point(6, 1.0), refused, {"out_of_memory": "x", "planner_said": "fits (the planner was wrong)"}])
-    assert wrong["met"] == "no: 1 of 3"
-    assert wrong["measured"] == ("3 training points ran; 1 ran out of memory where the planner said they fit, "
+    planned = train_point(6, 1.0, predicted_peak_bytes=2**30)
+    assert goal([planned, refused])["met"] == "yes"
+    wrong = goal([planned, refused, {"out_of_memory": "x", "planner_said": "fits (the planner was wrong)"}])
+    assert wrong["met"] == "no: 1 of 3"  # the unplanned baseline is not counted
+    assert wrong["measured"] == ("3 planned training points ran; 1 ran out of memory where the planner said they fit, "
                                  "1 where it said they do not")
+    # A CPU raises no out-of-memory error (past the RAM the process is killed): the rule was not tested there.
+    assert goal([planned], device="cpu")["met"] == "n/a: a GPU rule (a CPU raises no out-of-memory error)"
+
+
+def test_a_speedup_over_a_noisy_baseline_says_so_in_the_table_and_the_goal():
+    point = {"strategy": "static-sorted", "batch_size": 32, "planner_batch": "planner", "seconds": 1.0,
+             "speedup_over_seed_after": 12.0, "speedup_noise": "seed-after: noisy: its runs spread 3.0x",
+             "output_tokens_per_second": {"median": 10.0}, "fraction_of_roofline": {}, "roofline": {"seconds": None}}
+    row = {row["goal"]: row for row in bench.goals_table({"points": [point], "device": "cpu"}, None)}[bench.GOALS[1]]
+    assert row["measured"].endswith("(seed-after: noisy: its runs spread 3.0x)")
 
 
 def write_run(folder, manifest=None, **files):
@@ -390,7 +403,8 @@ def write_run(folder, manifest=None, **files):
 def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
     benchmark = {"profile": "h200", "generation": {"points": [
         fake_point("static-sorted", 8, 100.0, peak_memory_bytes=2 * 10**6),
-        fake_point("continuous", 8, 150.0), fake_point("static-sorted", 32, 300.0)]}, "training": {"points": [
+        fake_point("continuous", 8, 150.0), fake_point("static-sorted", 32, 300.0),
+        fake_point("hf-pipeline", 32, 900.0)]}, "training": {"points": [  # the baseline is not the workbook's best
             {"micro_batch_size": 4, "grad_checkpointing": False, "torch_compile": False, "padding": "packing",
              "tokens_per_second": 1000.0, "mfu": 0.4}]}}
     write_run(tmp_path / "reference" / "h200", None, benchmark=benchmark)
@@ -415,8 +429,8 @@ def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
     assert "manifest.json: unreadable" in rows["20261121-000002-cpu"]["problems"]
     assert "benchmark.json: not a JSON object" in rows["20261121-000002-cpu"]["problems"]
     series = review.throughput_series(runs)
-    assert series == [{"label": label, "x": [8, 32], "y": [150.0, 300.0]} for label in
-                      ("reference/h200 (h200)", "reference/h200/20261201-000000-bench-h200 (h200)")]
+    assert series == [{"label": label, "x": [8, 32], "y": [150.0, 300.0], "notes": ["continuous", "static-sorted"]}
+                      for label in ("reference/h200 (h200)", "reference/h200/20261201-000000-bench-h200 (h200)")]
     assert review.memory_accuracy_series(runs)[0]["y"] == [2.0]
     assert review.mfu_rows(runs)[0]["MFU"] == "40.0%"
 

@@ -258,11 +258,15 @@ def generation_timeline(batches: list[dict], title: str):
 
 
 def runs_side_by_side(series: list[dict], x_label: str, y_label: str, title: str):
-    """One line per run: ``series`` = [{"label", "x": [...], "y": [...]}] (notebook 05)."""
+    """One line per run: ``series`` = [{"label", "x": [...], "y": [...], optional "notes": a word per
+    point, e.g. its strategy}] (notebook 05)."""
     figure, axis = plt.subplots(figsize=(8, 4.5))
     for item in series:
         axis.plot(item["x"], item["y"], marker="o", label=item["label"])
-    if not series:
+        for x, y, note in zip(item["x"], item["y"], item.get("notes", [])):
+            axis.annotate(note, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    if not series:  # no axes to read: an empty plot's default limits would read as figures
+        axis.set_axis_off()
         axis.text(0.5, 0.5, "no run has this metric yet", transform=axis.transAxes, ha="center")
     else:
         axis.legend(fontsize=8)

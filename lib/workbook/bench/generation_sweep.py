@@ -32,7 +32,7 @@ from workbook.bench import hf_pipeline
 from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.counting import (
     BASELINE, HF_PIPELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, parse_int_list, parse_strategies,
-    pass_cost, pass_figures, peak_tflops, run_dtype, spread,
+    noise_note, pass_cost, pass_figures, peak_tflops, run_dtype, spread,
 )
 from workbook.bench.sampler import NvmlSampler
 from workbook.params import AUTO
@@ -288,6 +288,10 @@ def generation_sweep(params, log: Callable[[str], None] = print, setup: Generati
         if baseline is not None and "output_tokens_per_second" in point:
             point["speedup_over_seed_after"] = (point["output_tokens_per_second"]["median"]
                                                 / baseline["output_tokens_per_second"]["median"])
+            # A ratio is as noisy as either of its medians: a busy machine slows one point's runs, not both.
+            point["speedup_noise"] = next((f"{name}: {note}" for name, note in (
+                (BASELINE, noise_note(baseline["output_tokens_per_second"]["runs"])),
+                (point["strategy"], noise_note(point["output_tokens_per_second"]["runs"]))) if note), "")
     for point in points:
         if point["strategy"] == HF_PIPELINE and "output_tokens_per_second" in point:
             point["workbook_best_over_pipeline"] = hf_pipeline.best_workbook_ratio(point, points)

@@ -152,7 +152,8 @@ def generation_rows(report: dict) -> list[dict]:
             "of roofline, measured ceilings": _format(p["fraction_of_roofline"]["measured_ceilings"], "{:.1%}"),
             "prefill share of roofline": _format(p["roofline"]["seconds"] and p["roofline"]["seconds"]["prefill"]
                                                  / p["roofline"]["seconds"]["total"], "{:.0%}"),
-            "speedup vs seed-after": _format(p.get("speedup_over_seed_after"), "{:.2f}x"),
+            "speedup vs seed-after": _format(p.get("speedup_over_seed_after"), "{:.2f}x")
+                                     + (f" ({p['speedup_noise']})" if p.get("speedup_noise") else ""),
             **({"vs hf-pipeline, same batch": _format(tps["median"] / pipeline[p["batch_size"]]
                                                       if p["batch_size"] in pipeline else None, "{:.2f}x")}
                if pipeline else {}),

@@ -16,6 +16,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from workbook.bench.counting import HF_PIPELINE
 from workbook.paths import OUTPUTS_DIR
 from workbook.runner import MANIFEST_FILE
 
@@ -181,17 +182,21 @@ def run_rows(runs: list[Run]) -> list[dict]:
 
 
 def throughput_series(runs: list[Run], strategy: str | None = None) -> list[dict]:
-    """Generation tokens/s vs batch per run and strategy (``strategy`` None: the best per batch)."""
+    """Generation tokens/s vs batch per run and strategy (``strategy`` None: the workbook's best per
+    batch, the HF pipeline baseline left out; ``notes`` names the strategy of each point)."""
     series = []
     for run in runs:
         points = [p for p in (run.metrics.get("benchmark") or {}).get("generation", {}).get("points", [])
-                  if "output_tokens_per_second" in p and (strategy is None or p.get("strategy") == strategy)]
-        best: dict[int, float] = {}
+                  if "output_tokens_per_second" in p and (p.get("strategy") == strategy if strategy
+                                                          else p.get("strategy") != HF_PIPELINE)]
+        best: dict[int, dict] = {}
         for p in points:
-            best[p["batch_size"]] = max(best.get(p["batch_size"], 0.0), p["output_tokens_per_second"]["median"])
+            if p["output_tokens_per_second"]["median"] > best.get(p["batch_size"], {}).get("y", 0.0):
+                best[p["batch_size"]] = {"y": p["output_tokens_per_second"]["median"], "strategy": p.get("strategy")}
         if best:
             xs = sorted(best)
-            series.append({"label": f"{run.label} ({run.profile})", "x": xs, "y": [best[x] for x in xs]})
+            series.append({"label": f"{run.label} ({run.profile})", "x": xs, "y": [best[x]["y"] for x in xs],
+                           "notes": [best[x]["strategy"] for x in xs]})
     return series
 
 
