@@ -721,6 +721,21 @@ def test_a_run_too_short_to_leave_out_its_warm_up_steps_says_its_figure_is_not_a
     assert "left out of the steady-state figure" in longer["what"] and longer["tokens_per_second"] == 100.0
 
 
+def test_a_stalled_step_is_named_beside_the_steady_state_figure_and_a_cpu_run_has_no_cost():
+    from types import SimpleNamespace
+    from workbook.training import report
+    config = SimpleNamespace(peak_bf16_tflops=0.0, peak_fp16_tflops=0.0, dtype="fp32", profile="cpu")
+    steps = [{"step": i, "tokens": 1000, "seconds": 0.25, "flops": 1e9} for i in range(1, 10)]
+    steps[7]["seconds"] = 4.0  # another process had the machine during step 8
+    figures = report.throughput(steps, config, 1, on_gpu=False)
+    assert figures["tokens_per_second_median_step"] == 4000.0 and figures["tokens_per_second"] < 1500
+    assert figures["stalls"].startswith("1 step(s) ran under 1/3 of the median step's rate (step 8 (4.00 s)")
+    assert figures["stalls"].endswith("the median step ran at 4,000 tokens/s")
+    assert report.throughput(steps[:7], config, 1, on_gpu=False)["stalls"] == ""
+    assert report.cost_text({"gpus": 0, "usd_per_gpu_hour": 0.0, "cost_usd": 0.0}) == "n/a: a CPU run (no GPU-hours)"
+    assert report.cost_text({"gpus": 2, "usd_per_gpu_hour": 3.5, "cost_usd": 0.7}) == "$0.70 (2 GPU(s) x $3.5/GPU-hour)"
+
+
 def test_an_auto_micro_batch_leaves_the_run_its_warm_up(tmp_path, tiny_model_path):
     # The tiny model fits thousands of rows: 'auto' once took them all, one optimizer step, and a run whose
     # learning rate never left its warm-up (warmup_steps 20 on the GPU profiles).

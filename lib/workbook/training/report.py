@@ -17,10 +17,12 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 
 from workbook import gpu, runtime
+from workbook.units import format_bytes
 from workbook.training.checkpoints import latest_checkpoint
 from workbook.training.config import MAX_GRAD_NORM, TIMING_WARMUP_STEPS, accelerate_mixed_precision
 from workbook.training.chunked_loss import loss_description
@@ -54,6 +56,8 @@ def throughput(steps: list[dict], config, processes: int, on_gpu: bool) -> dict:
     all_seconds = sum(r["seconds"] for r in steps)
     overall = sum(r["tokens"] for r in steps) / all_seconds if all_seconds else None
     achieved_tflops = sum(r["flops"] for r in warm) / seconds / 1e12 if seconds else None
+    rates = [r["tokens"] / r["seconds"] for r in warm if r["seconds"]]
+    median_step = statistics.median(rates) if rates else None
     peak = dense_peak_tflops(config)
     if not on_gpu:
         mfu, mfu_note = None, "n/a: CPU run (no GPU peak to measure against)"
@@ -70,10 +74,26 @@ def throughput(steps: list[dict], config, processes: int, on_gpu: bool) -> dict:
             if len(steps) > TIMING_WARMUP_STEPS else
             f"all {len(steps)} step(s) counted, the first (compilation, allocator warm-up) among them: too few "
             f"steps to leave out the first {TIMING_WARMUP_STEPS}, so not a steady state"),
+        "tokens_per_second_median_step": median_step, "stalls": stall_note(warm, median_step),
         "achieved_tflops": achieved_tflops, "mfu": mfu, "mfu_note": mfu_note,
         "flops_convention": "torchtitan: 6 x matmul params x n + 12 x layers x heads x head_dim x n^2 per example "
                             "of n tokens (LoRA: 4 x params); recomputation not counted",
     }
+
+
+STALL_FACTOR = 3  # a step this many times slower per token than the median step stalled
+
+
+def stall_note(steps: list[dict], median_rate: float | None) -> str:
+    """'' or what stalled steps did to the steady-state figure: a few steps of a short run (a busy
+    machine, a garbage collection) can hold most of its seconds, and the sum's rate with them."""
+    stalled = [r for r in steps if median_rate and r["seconds"] and r["tokens"] / r["seconds"] * STALL_FACTOR < median_rate]
+    if not stalled:
+        return ""
+    share = sum(r["seconds"] for r in stalled) / sum(r["seconds"] for r in steps)
+    which = ", ".join(f"step {r.get('step', '?')} ({r['seconds']:.2f} s)" for r in stalled[:3])
+    return (f"{len(stalled)} step(s) ran under 1/{STALL_FACTOR} of the median step's rate ({which}; a busy machine?), "
+            f"{share:.0%} of the steady-state seconds: the median step ran at {median_rate:,.0f} tokens/s")
 
 
 def result(config, prepared, run, accelerator, history, eval_history, start_step, step, finished,
@@ -159,8 +179,9 @@ def summary_lines(result: dict) -> list[str]:
              + " -> ".join(f"{value:.4f}" for value in loss["epoch_means"]) if loss["epoch_means"] else "no step ran",
              f"tokens/s {tokens:,.0f} (non-padding, steady state); MFU "
              + (f"{throughput['mfu']:.1%}" if throughput["mfu"] is not None else throughput["mfu_note"])
+             + (f"; {throughput['stalls']}" if throughput.get("stalls") else "")
              if tokens else "tokens/s: not measured",
-             f"wall {time_['wall_seconds']:.1f} s, cost ${time_['cost_usd']:.2f}"]
+             f"wall {time_['wall_seconds']:.1f} s, cost {cost_text(time_)}"]
     if loss["eval_before"] is not None:
         lines.append(f"validation loss {loss['eval_before']:.4f} -> {loss['eval_after']:.4f}")
     accuracy = result["accuracy"]
@@ -171,3 +192,65 @@ def summary_lines(result: dict) -> list[str]:
     if result["output"]["final_model_dir"]:
         lines.append(f"final model: {result['output']['final_model_dir']}")
     return lines
+
+
+def cost_text(time_: dict) -> str:
+    """The run's cost at the profile's price, or n/a where there is no GPU or no price (not $0.00)."""
+    if not time_["gpus"] or not time_["usd_per_gpu_hour"]:
+        return "n/a: " + ("a CPU run (no GPU-hours)" if not time_["gpus"] else "the profile has no price per GPU-hour")
+    return f"${time_['cost_usd']:.2f} ({time_['gpus']} GPU(s) x ${time_['usd_per_gpu_hour']:g}/GPU-hour)"
+
+
+def measurement_rows(result: dict) -> list[dict]:
+    """Notebook 03's table: throughput (steady state, every step, the median step), MFU, peak memory
+    measured beside the plan, time and cost."""
+    throughput, memory, time_ = result["throughput"], result["memory"], result["time"]
+    measured_peak = memory["measured"].get("peak_bytes")
+    per = "per GPU" if time_["gpus"] else "(CPU RAM)"
+
+    def rate(key: str) -> str:
+        return f"{throughput[key]:,.0f}" if throughput.get(key) else "n/a"
+    rows = (
+        ("tokens/s (steady state)", rate("tokens_per_second")),
+        ("tokens/s (every step)", rate("tokens_per_second_overall")),
+        ("tokens/s (the median step)", rate("tokens_per_second_median_step")
+         + (f"; {throughput['stalls']}" if throughput.get("stalls") else "")),
+        ("achieved TFLOP/s", f"{throughput['achieved_tflops']:.4g}" if throughput["achieved_tflops"] else "n/a"),
+        ("MFU", f"{throughput['mfu']:.1%}" if throughput["mfu"] is not None else throughput["mfu_note"]),
+        (f"peak memory {per} (measured)", format_bytes(measured_peak) if measured_peak else memory["measured"]["note"]),
+        (f"peak memory {per} (planner)",
+         format_bytes(memory["predicted_peak_bytes"]) if memory["predicted_peak_bytes"] else "n/a"),
+        ("wall time", f"{time_['wall_seconds']:.1f} s ({time_['training_seconds']:.1f} s in training steps)"),
+        ("cost", cost_text(time_)),
+    )
+    return [{"measurement": key, "value": value} for key, value in rows]
+
+
+def settings_rows(result: dict) -> list[dict]:
+    """The settings the run used; a setting the machine decides shows what was requested and applied."""
+    def text(value) -> str:
+        if isinstance(value, dict):  # {"requested": ..., "applied": ...}
+            return ", ".join(f"{key} {item}" for key, item in value.items())
+        return str(value)
+    return [{"setting": key, "value": text(value)} for key, value in result["settings"].items()]
+
+
+def before_after_rows(result: dict) -> list[dict]:
+    """Notebook 03's comparison: the training loss's first epoch against its last (both measured while
+    training), the validation loss and the arithmetic accuracy before training and after it."""
+    accuracy, loss = result["accuracy"], result["loss"]
+
+    def figure(value, pattern: str = "{:.4f}") -> str:
+        return "n/a" if value is None else pattern.format(value)
+    means = loss["epoch_means"]
+    rows = [{"measure": "training loss, mean over an epoch (measured while training, same examples): the first epoch "
+                        "-> the last", "start": figure(means[0] if means else None),
+             "end": figure(means[-1] if means else None)},
+            {"measure": "validation loss, before training -> after", "start": figure(loss["eval_before"]),
+             "end": figure(loss["eval_after"])}]
+    if accuracy["after"]:
+        rows.append({"measure": f"arithmetic accuracy ({accuracy['after']['records']} {accuracy['after']['of']}, "
+                                "greedy), before training -> after",
+                     "start": figure(accuracy["before"] and accuracy["before"]["accuracy"], "{:.1%}"),
+                     "end": figure(accuracy["after"]["accuracy"], "{:.1%}")})
+    return rows
