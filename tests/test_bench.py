@@ -401,7 +401,8 @@ def write_run(folder, manifest=None, **files):
 
 
 def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
-    benchmark = {"profile": "h200", "generation": {"points": [
+    benchmark = {"profile": "h200", "started_at": "2026-12-01T00:00:00+00:00",
+                 "git": {"commit": "0123456789abcdef", "dirty": False}, "generation": {"points": [
         fake_point("static-sorted", 8, 100.0, peak_memory_bytes=2 * 10**6),
         fake_point("continuous", 8, 150.0), fake_point("static-sorted", 32, 300.0),
         fake_point("hf-pipeline", 32, 900.0)]}, "training": {"points": [  # the baseline is not the workbook's best
@@ -422,6 +423,9 @@ def test_review_loads_complete_partial_broken_and_reference_runs(tmp_path):
                       "20261121-000001-cpu", "20261121-000000-cpu"]
     rows = {row["run"]: row for row in review.run_rows(runs)}
     assert rows["reference/h200"]["profile"] == "h200" and rows["reference/h200"]["status"] == "no manifest"
+    # A reference folder has no manifest: its benchmark says when and from what commit it ran.
+    assert rows["reference/h200"]["date"] == "2026-12-01T00:00:00+00:00"
+    assert rows["reference/h200"]["commit"] == "0123456789"
     assert rows["20261121-000000-cpu"]["commit"] == "abcdef1234 (dirty)" and rows["20261121-000000-cpu"]["GPU"] == "no GPU"
     assert "status running" in rows["20261121-000001-cpu"]["problems"]
     assert review.load_run(tmp_path / "20261121-000002-cpu").profile == "cpu"  # from the folder name
@@ -450,6 +454,7 @@ def test_review_tells_a_run_still_running_from_one_whose_process_is_gone(tmp_pat
     assert killed["status"] == "stopped" and "process" in killed["problems"] and "rerun" in killed["problems"]
     assert by_run["20261121-000001-cpu"]["status"] == "running" and by_run["20261121-000001-cpu"]["problems"] == ""
     assert by_run["20261121-000002-cpu (this run)"]["problems"] == ""
+    assert by_run["20261121-000002-cpu (this run)"]["status"] == "running (its last notebook, 05, is reviewing it)"
     assert by_run["20261121-000003-cpu"]["problems"] == "status failed: prompts.jsonl:3: not valid JSON"
 
 

@@ -99,7 +99,7 @@ def git_state() -> dict:
     return {"commit": git("rev-parse", "HEAD"), "dirty": bool(status) if status is not None else None}
 
 
-def _now() -> str:
+def now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -123,7 +123,7 @@ def _new_manifest(params: dict, params_file: str, overrides: list[str], hardware
         "hardware": hardware,
         "pid": os.getpid(),
         "host": socket.gethostname(),
-        "started_at": _now(),
+        "started_at": now(),
         "finished_at": None,
         "status": "running",
         "notebooks": [],
@@ -151,7 +151,7 @@ def start_job(run_dir: Path, job: str, params: dict, params_file: str, overrides
     with contextlib.suppress(OSError, ValueError):
         earlier = json.loads((run_dir / MANIFEST_FILE).read_text())
         manifest["started_at"] = earlier["started_at"]
-        manifest["resumed_at"] = earlier.get("resumed_at", []) + [_now()]
+        manifest["resumed_at"] = earlier.get("resumed_at", []) + [now()]
     _write_manifest(run_dir, manifest)
     return JobRun(run_dir, manifest)
 
@@ -172,7 +172,7 @@ def finish_job(run: JobRun | None, exit_code: int, error: object = None) -> int:
             run.run_dir.rmdir()
         return exit_code
     run.manifest.update(status={0: "ok", 1: "incomplete"}.get(exit_code, "failed"), exit_code=exit_code,
-                        finished_at=_now(), hardware=gpu.detect())
+                        finished_at=now(), hardware=gpu.detect())
     if error:
         run.manifest["error"] = str(error)[:2000]
     _write_manifest(run.run_dir, run.manifest)
@@ -284,7 +284,7 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
     _write_manifest(run_dir, manifest)
     log(f"run folder: {run_dir}")
     for path in notebooks:
-        entry = {"name": path.stem, "status": "running", "started_at": _now()}
+        entry = {"name": path.stem, "status": "running", "started_at": now()}
         manifest["notebooks"].append(entry)
         _write_manifest(run_dir, manifest)
         log(f"--- {path.name}")
@@ -301,7 +301,7 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
         entry["executed_notebook"] = str(output)
         if entry["status"] == "failed":
             break
-    manifest["finished_at"] = _now()
+    manifest["finished_at"] = now()
     failed = [entry for entry in manifest["notebooks"] if entry["status"] == "failed"]
     manifest["status"] = "failed" if failed else "ok"
     _write_manifest(run_dir, manifest)

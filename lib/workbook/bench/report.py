@@ -51,7 +51,7 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
     check_names(params)
     device = runtime.default_device()
     params = without_absent_peaks(params, device, log)
-    began, load_before = time.perf_counter(), os.getloadavg()
+    began, load_before, started_at = time.perf_counter(), os.getloadavg(), runner.now()
     generation = generation_sweep(params, log, on_point=lambda point: on_point("generation", point), budget=budget)
     runtime.reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
     training = (training_sweep(params, Path(work_dir), log, on_point=lambda point: on_point("training", point),
@@ -62,6 +62,8 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
     return {
         "what": "generation and training sweeps against the profile's bandwidth and compute peaks",
         "profile": params["profile"],
+        # When and from what code: a reference folder keeps this file without a run's manifest.
+        "started_at": started_at, "git": runner.git_state(),
         "params": {key: params[key] for key in params},
         "peaks": {"memory_bandwidth_gbs": params["memory_bandwidth_gbs"], "dense_tflops": peak_tflops(params, dtype),
                   "dtype": dtype, "usd_per_gpu_hour": params["usd_per_gpu_hour"],

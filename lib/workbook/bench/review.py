@@ -64,7 +64,9 @@ class Run:
         if self.stopped:
             return "stopped"
         if self.manifest:
-            return str(self.manifest.get("status", "unknown"))
+            status = str(self.manifest.get("status", "unknown"))
+            return status + (" (its last notebook, 05, is reviewing it)" if self.this_run and status == "running"
+                             else "")
         return "no manifest" if self.metrics else "empty"
 
     def gpu_name(self) -> str:
@@ -76,14 +78,14 @@ class Run:
 
     def date(self) -> str:
         """When the run started: its manifest's, else its folder's timestamp (outputs/<YYYYmmdd-HHMMSS>-...)."""
-        started = (self.manifest or {}).get("started_at")
+        started = (self.manifest or {}).get("started_at") or (self.metrics.get("benchmark") or {}).get("started_at")
         if started:
             return str(started)
         stamp = self.path.name[:15]
         return stamp if re.fullmatch(r"\d{8}-\d{6}", stamp) else "n/a (no manifest, no timestamp)"
 
     def commit(self) -> str:
-        git = (self.manifest or {}).get("git") or {}
+        git = (self.manifest or {}).get("git") or (self.metrics.get("benchmark") or {}).get("git") or {}
         commit = git.get("commit")
         return (commit[:10] + (" (dirty)" if git.get("dirty") else "")) if commit else "?"
 

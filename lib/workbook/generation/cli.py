@@ -17,9 +17,11 @@ from workbook.planner import DoesNotFitError
 def summary_lines(summary: dict) -> list[str]:
     """The end-of-run report in words."""
     waste = summary["padding_waste"]
+    # With several samples per prompt, each sample is one output: the rate counts outputs, not examples.
+    outputs = "examples" if summary.get("samples_per_prompt", 1) == 1 else "outputs"
     lines = [
-        f"generated {summary['generated']} in {summary['seconds']:.1f} s: {summary['examples_per_minute']} "
-        f"examples/min, {summary['output_tokens_per_second']} output tokens/s"
+        f"generated {summary['generated']} {outputs} in {summary['seconds']:.1f} s: {summary['examples_per_minute']} "
+        f"{outputs}/min, {summary['output_tokens_per_second']} output tokens/s"
         + (f", padding waste {waste:.1%}" if waste is not None else "")
         + f" ({summary['backend']}, batch {summary['batch_size']}, {summary['processes']} process(es))",
         f"output: {summary['output_path']} ({summary['in_output']} of {summary['examples']} examples)"
