@@ -227,7 +227,7 @@ def machine_tables(detection: dict) -> list[tuple[str, list[dict]]]:
 def spec_rows(detection: dict) -> list[dict]:
     """The GPU spec table, the detected GPU marked."""
     detected = {g["spec"]["name"] for g in detection["gpus"] if g["spec"]}
-    return [{"GPU": s.name + (" ← detected" if s.name in detected else ""), "memory GiB": s.memory_gib,
+    return [{"GPU": s.name + (" ← detected" if s.name in detected else ""), "memory GiB (as the driver reports it)": s.memory_gib,
              "dense bf16 TFLOP/s": s.peak_bf16_tflops or "none", "dense fp16 TFLOP/s": s.peak_fp16_tflops,
              "bandwidth GB/s": s.memory_bandwidth_gbs, "source": s.source} for s in GPU_SPECS]
 

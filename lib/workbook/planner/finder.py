@@ -33,7 +33,7 @@ from typing import Callable
 
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from workbook.units import GiB
+from workbook.units import format_bytes
 
 DEFAULT_BACKOFF = 0.9  # accelerate's find_executable_batch_size multiplies by 0.9 on each OOM
 ERROR_TEXT_LIMIT = 300  # characters of an OOM message kept in the attempt record
@@ -211,5 +211,5 @@ def error_summary(error: BaseException) -> str:
 
 
 def _bytes_text(value: int | None) -> str:
-    return "not measured" if value is None else f"{value / GiB:.2f} GiB"
+    return "not measured" if value is None else format_bytes(value)
 

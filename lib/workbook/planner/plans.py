@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from workbook.planner.shape import QUANTIZED_DTYPES, require_non_negative
-from workbook.units import GiB, MiB
+from workbook.units import GiB, MiB, format_bytes
 
 # The CUDA 12 context (lazy module loading) plus cuBLAS/cuDNN workspaces, what nvidia-smi shows for
 # a process that has initialised torch and run a matmul: usually a few hundred MiB up to ~600.
@@ -179,7 +179,7 @@ def overhead_terms(
              f"CUDA context, kernels and library workspaces: {overhead_bytes / MiB:,.0f} MiB "
              "(profile constant; prior until calibrated)"),
         Term("allocator_fragmentation", math.ceil(tensors * fragmentation_fraction),
-             f"{fragmentation_fraction:.0%} of the {tensors / GiB:,.2f} GiB of tensors "
+             f"{fragmentation_fraction:.0%} of the {format_bytes(tensors)} of tensors "
              "(caching allocator rounding and unreusable blocks; prior until calibrated)"),
     ]
 
