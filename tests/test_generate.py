@@ -197,7 +197,8 @@ def test_a_job_writes_seed_format_records_counts_and_a_summary(tmp_path, tiny):
     assert 0 <= summary["padding_waste"] < 1 and summary["failures_path"] is None
     assert json.loads((tmp_path / "out.summary.json").read_text())["in_output"] == 20
     assert any(line.startswith("batch 2/4: 12/20 (60.0%) - generated 12, failed 0") for line in lines)
-    assert generation.task_accuracy(written)["scored"] == 19  # the line without a domain is not scored
+    accuracy = generation.task_accuracy(written)
+    assert accuracy["scored"] == 19 and accuracy["decoding"] == "greedy"  # the line without a domain is not scored
 
 
 def test_a_rerun_skips_what_is_written_and_regenerates_only_a_torn_last_line(tmp_path, tiny):

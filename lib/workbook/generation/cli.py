@@ -60,7 +60,10 @@ def task_accuracy(records: list[dict]) -> dict | None:
     if not checkable:
         return None
     references = [{"id": r["metadata"]["example_id"], "output": r["metadata"]["original_output"]} for r in checkable]
-    return {"task": arithmetic.DOMAIN, "scored": len(checkable),
+    decoding = checkable[0]["metadata"].get("generation_params") or {}
+    how = (f"sampled at temperature {decoding.get('temperature')}, top_p {decoding.get('top_p')}"
+           if decoding.get("do_sample") else "greedy")
+    return {"task": arithmetic.DOMAIN, "scored": len(checkable), "decoding": how,
             "accuracy": arithmetic.accuracy(references, [r["output"] for r in checkable])}
 
 
