@@ -35,6 +35,10 @@ def network_traffic(plan: Plan, num_nodes: int, gpus_per_node: int) -> dict:
             "share the output's filesystem send their finished records (about the output file's size) to the "
             "first node")}
     gradients = plan.trainable_params * gradient_bytes_per_parameter(plan)
+    if processes == 1:
+        return {**traffic, "counted_per": "optimizer step", "gradient_bytes": gradients, "bytes_per_gpu_per_step": 0,
+                "network_bytes_per_node_per_step": 0,
+                "explanation": "one process: no gradients are exchanged (data parallelism needs two or more)"}
     if plan.settings.get("sharding") == "fsdp":
         # Full sharding over every GPU of every node: each micro-batch all-gathers the weights twice
         # (forward, backward) in the compute precision and reduce-scatters the gradients.

@@ -177,7 +177,8 @@ def overhead_terms(
     return [
         Term("cuda_context", overhead_bytes,
              f"CUDA context, kernels and library workspaces: {overhead_bytes / MiB:,.0f} MiB "
-             "(profile constant; prior until calibrated)"),
+             "(profile constant; prior until calibrated)" if overhead_bytes else
+             "none (the profile's cuda_overhead_gib is 0: no GPU, as on the cpu profile)"),
         Term("allocator_fragmentation", math.ceil(tensors * fragmentation_fraction),
              f"{fragmentation_fraction:.0%} of the {format_bytes(tensors)} of tensors "
              "(caching allocator rounding and unreusable blocks; prior until calibrated)"),
