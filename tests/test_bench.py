@@ -610,6 +610,17 @@ def test_the_mfu_figure_draws_a_point_without_an_mfu_beside_those_with_one():
     assert heights == pytest.approx([41.0, 0.0])
 
 
+def test_the_memory_panel_of_a_cpu_sweep_is_in_mib_and_shows_every_planner_mark():
+    from workbook import benchmark_plots
+    points = [{**train_point(8, 13000.0), "mfu": None, "peak_memory_bytes": None, "predicted_peak_bytes": 36 * 2**20}]
+    figure = benchmark_plots.mfu_bars({"profile": "cpu", "training": {"model": "tiny", "points": points}},
+                                      capacity_bytes=24 * 2**30)
+    memory_axis = figure.axes[1]
+    assert memory_axis.get_ylabel().startswith("peak memory, MiB") and "off this scale" in memory_axis.get_ylabel()
+    assert memory_axis.get_ylim()[1] > 36  # the 36 MiB mark sits inside the panel, not on its edge
+    assert memory_axis.get_title(loc="left") == benchmark_plots.NO_PEAK_TEXT
+
+
 def test_a_training_point_that_diverges_is_recorded_and_the_sweep_goes_on(tmp_path):
     import importlib
     from workbook import params as params_module, training

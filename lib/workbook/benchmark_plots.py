@@ -100,20 +100,24 @@ def mfu_bars(report: dict, capacity_bytes: int | None = None):
     speed_axis.set_title(f"Training sweep: {training.get('model', '?')} ({report['profile']}); "
                          "orange: the baselines (HF Trainer, TRL SFTTrainer)", fontsize=10)
     positions = range(len(points))
-    measured = [(i, p["peak_memory_bytes"] / GiB) for i, p in zip(positions, points) if p.get("peak_memory_bytes")]
-    planned = [(i, p["predicted_peak_bytes"] / GiB) for i, p in zip(positions, points) if p.get("predicted_peak_bytes")]
+    sizes = [p[key] for p in points for key in ("peak_memory_bytes", "predicted_peak_bytes") if p.get(key)]
+    unit, unit_name = (GiB, "GiB") if max(sizes, default=0) >= GiB else (2**20, "MiB")
+    measured = [(i, p["peak_memory_bytes"] / unit) for i, p in zip(positions, points) if p.get("peak_memory_bytes")]
+    planned = [(i, p["predicted_peak_bytes"] / unit) for i, p in zip(positions, points) if p.get("predicted_peak_bytes")]
     if measured:
         memory_axis.bar([i for i, _ in measured], [v for _, v in measured], color="#55a868", label="measured peak")
-    else:
-        memory_axis.text(0.01, 0.95, NO_PEAK_TEXT,
-                         transform=memory_axis.transAxes, va="top", fontsize=8)
+    else:  # above the panel, where no bar or mark is
+        memory_axis.set_title(NO_PEAK_TEXT, fontsize=8, loc="left")
     if planned:
         memory_axis.scatter([i for i, _ in planned], [v for _, v in planned], marker="_", s=400, color="black",
                             zorder=3, label="planner")
-    if capacity_bytes:
-        memory_axis.axhline(capacity_bytes / GiB, color="#c44e52", label=f"capacity {format_bytes(capacity_bytes)}")
-    memory_axis.set_ylim(bottom=0)
-    memory_axis.set_ylabel("peak memory, GiB")
+    # The capacity line only where it is on the bars' scale: a CPU's RAM would flatten MiB-sized bars.
+    if capacity_bytes and capacity_bytes <= 4 * max(sizes, default=0):
+        memory_axis.axhline(capacity_bytes / unit, color="#c44e52", label=f"capacity {format_bytes(capacity_bytes)}")
+    top = max([v for _, v in measured + planned] + ([capacity_bytes / unit] if memory_axis.lines else []), default=1)
+    memory_axis.set_ylim(0, 1.15 * top)  # room above the highest mark: none clipped at the edge
+    off_scale = f"\n(capacity {format_bytes(capacity_bytes)}: off this scale)" if capacity_bytes and not memory_axis.lines else ""
+    memory_axis.set_ylabel(f"peak memory, {unit_name}{off_scale}")
     if measured or planned:
         memory_axis.legend(fontsize=8)
     memory_axis.tick_params(axis="x", labelsize=7, labelrotation=40)
