@@ -43,6 +43,15 @@ def test_memory_vs_batch_on_cpu_names_system_ram_and_no_gpu():
     assert "GPU" not in axis.get_ylabel() + axis.get_xlabel()
 
 
+def test_memory_vs_batch_marks_the_runs_batch_on_a_scale_that_shows_it():
+    # A tiny model fits hundreds of thousands of rows: on a linear axis batch 32 would sit at 0.
+    batches = [1, 32, 1024, 400_000]
+    figure = plots.memory_vs_batch({"fp32": (batches, [b * 2**20 for b in batches])}, 24 * GiB, 22 * GiB, "t",
+                                   on_gpu=False, mark_batch=32)
+    axis = figure.axes[0]
+    assert "this run's batch (32)" in legend_texts(axis) and axis.get_xscale() == "log"
+
+
 def test_the_overview_says_when_the_weights_are_too_small_to_see():
     devices = [{"label": "CPU RAM", "total_bytes": 24 * GiB, "free_bytes": 20 * GiB}]
     figure = plots.memory_overview(devices, 3 * MiB, caption="psutil")

@@ -105,9 +105,10 @@ def _zoomed_bar(axis, plan, memory: str) -> None:
 
 
 def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title: str, axis=None,
-                    on_gpu: bool = True):
+                    on_gpu: bool = True, mark_batch: int | None = None):
     """Predicted peak memory against batch size, one line per setting, with the memory's capacity
-    (one GPU's; with `on_gpu` False, the cpu profile, this machine's RAM).
+    (one GPU's; with `on_gpu` False, the cpu profile, this machine's RAM) and, at ``mark_batch``,
+    the batch the run uses.
 
     `curves`: {label: (batch sizes, total bytes)}.
     """
@@ -120,6 +121,11 @@ def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title:
     axis.axhline(capacity_bytes / GiB, color="black", linewidth=2,
                  label=f"{memory_name(on_gpu)} {format_bytes(capacity_bytes)}")
     axis.axhline(budget_bytes / GiB, color="black", linestyle="--", label="budget (safety margin kept free)")
+    if mark_batch:
+        axis.axvline(mark_batch, color="#c44e52", linewidth=1, label=f"this run's batch ({mark_batch})")
+    largest = max((max(batches) for batches, _ in curves.values() if batches), default=1)
+    if largest >= 64 * min((min(batches) for batches, _ in curves.values() if batches), default=1):
+        axis.set_xscale("log", base=2)  # the largest batches a small model fits would crowd the run's own into 0
     axis.set_xlabel("batch size (sequences per GPU)" if on_gpu else "batch size (sequences)")
     axis.set_ylabel("predicted peak, GiB per GPU" if on_gpu else "predicted peak, GiB")
     axis.set_title(title, fontsize=10)
