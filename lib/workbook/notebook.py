@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import datetime as dt
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,8 +91,28 @@ def start(namespace: dict, notebook: str) -> Session:
     run_dir_value = namespace.get(RUN_DIR_PARAMETER) or ""
     run_dir = Path(run_dir_value) if run_dir_value else new_run_dir(values.get("profile", "adhoc"))
     run_dir.mkdir(parents=True, exist_ok=True)
+    if values.get("interactive") is False:
+        quiet_library_progress()
     print(f"{notebook}: profile {values.get('profile', '?')}, writing to {run_dir}")
     return Session(notebook, values, run_dir)
+
+
+# (module, its switch) for the libraries whose progress bars are notebook widgets in a kernel.
+LIBRARY_PROGRESS_SWITCHES = (("huggingface_hub.utils", "disable_progress_bars"),
+                             ("transformers.utils.logging", "disable_progress_bar"),
+                             ("datasets", "disable_progress_bars"))
+
+
+def quiet_library_progress() -> None:
+    """Headless runs (``interactive: false``, papermill): the libraries' progress bars (loading weights,
+    writing shards, TRL's dataset passes) are widgets whose saved text is their first frame, '0%', so a
+    finished step reads as stalled in the executed notebook; they are switched off (the environment
+    for libraries not imported yet). The workbook's own bars write text in such runs."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    for module, switch in LIBRARY_PROGRESS_SWITCHES:
+        if module in sys.modules:
+            getattr(sys.modules[module], switch)()
 
 
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
