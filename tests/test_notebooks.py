@@ -228,7 +228,7 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
     assert points[("static-sorted", cpu.bench_examples)]["planner_batch"] == planner["note"]
     goals = {row["goal"]: row for row in data["goals"]}
     assert goals[bench.GOALS[0]]["met"] == "n/a" and "no bandwidth peak" in goals[bench.GOALS[0]]["measured"]
-    assert f"({planner['note']})" in goals[bench.GOALS[1]]["measured"]  # then a noise note, where its runs spread
+    assert f"; {planner['note']})" in goals[bench.GOALS[1]]["measured"]  # then a noise note, where its runs spread
     assert goals[bench.GOALS[1]]["met"] == "n/a: a GPU goal, measured here on a CPU"
     trained = [p for p in data["training"]["points"] if "tokens_per_second" in p]
     assert trained and all(p["tokens_per_second"] > 0 and p["mfu"] is None for p in trained)
