@@ -81,8 +81,8 @@ def start(namespace: dict, notebook: str) -> Session:
     one); an empty `run_dir` creates `outputs/<timestamp>-<profile>/` for a stand-alone run.
     """
     where = f"notebook {notebook} parameters"
-    unknown = [name for name in injected_parameter_names(namespace)
-               if name not in params_module.SCHEMA and name != RUN_DIR_PARAMETER]
+    injected = injected_parameter_names(namespace)
+    unknown = [name for name in injected if name not in params_module.SCHEMA and name != RUN_DIR_PARAMETER]
     if unknown:
         # validate_value raises with a did-you-mean hint for the first unknown name.
         params_module.validate_value(unknown[0], namespace[unknown[0]], where)
@@ -91,7 +91,7 @@ def start(namespace: dict, notebook: str) -> Session:
     run_dir_value = namespace.get(RUN_DIR_PARAMETER) or ""
     run_dir = Path(run_dir_value) if run_dir_value else new_run_dir(values.get("profile", "adhoc"))
     run_dir.mkdir(parents=True, exist_ok=True)
-    if values.get("interactive") is False:
+    if injected or values.get("interactive") is False:  # papermill (the runner always injects run_dir)
         quiet_library_progress()
     print(f"{notebook}: profile {values.get('profile', '?')}, writing to {run_dir}")
     return Session(notebook, values, run_dir)
@@ -104,7 +104,7 @@ LIBRARY_PROGRESS_SWITCHES = (("huggingface_hub.utils", "disable_progress_bars"),
 
 
 def quiet_library_progress() -> None:
-    """Headless runs (``interactive: false``, papermill): the libraries' progress bars (loading weights,
+    """Headless runs (papermill, or ``interactive: false``): the libraries' progress bars (loading weights,
     writing shards, TRL's dataset passes) are widgets whose saved text is their first frame, '0%', so a
     finished step reads as stalled in the executed notebook; they are switched off (the environment
     for libraries not imported yet). The workbook's own bars write text in such runs."""
