@@ -55,7 +55,9 @@ def test_memory_vs_batch_marks_the_runs_batch_on_a_scale_that_shows_it():
 def test_the_overview_says_when_the_weights_are_too_small_to_see():
     devices = [{"label": "CPU RAM", "total_bytes": 24 * GiB, "free_bytes": 20 * GiB}]
     figure = plots.memory_overview(devices, 3 * MiB, caption="psutil")
-    [weights] = [text for text in legend_texts(figure.axes[0]) if text.startswith("model weights")]
+    [legend] = figure.legends  # below the panel, where it covers no bar
+    [weights] = [text.get_text() for text in legend.get_texts() if text.get_text().startswith("model weights")]
+    assert legend.get_title().get_text() == "psutil"
     assert "of CPU RAM: at 0 on this scale" in weights
     figure = plots.memory_overview(devices, 8 * GiB, caption="psutil")
     assert "model weights alone: 8.00 GiB" in legend_texts(figure.axes[0])

@@ -27,7 +27,7 @@ def memory_overview(devices: list[dict], weights_bytes: int | None, caption: str
 
     `devices`: [{"label", "total_bytes", "free_bytes"}]. Returns the figure.
     """
-    figure, axis = plt.subplots(figsize=(8, 0.6 * len(devices) + 1.6))
+    figure, axis = plt.subplots(figsize=(8, 0.6 * len(devices) + 1.8), layout="constrained")
     labels = [d["label"] for d in devices]
     used = [(d["total_bytes"] - d["free_bytes"]) / GiB for d in devices]
     free = [d["free_bytes"] / GiB for d in devices]
@@ -41,10 +41,9 @@ def memory_overview(devices: list[dict], weights_bytes: int | None, caption: str
                      label=f"model weights alone: {format_bytes(weights_bytes)}{unseen}")
     axis.set_xlabel("GiB")
     axis.invert_yaxis()
-    axis.legend(loc="lower right", fontsize=8)
+    # Below the panel, not over the bars: one device's bar fills the panel's width.
+    figure.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False, title=caption, title_fontsize=7)
     axis.set_title("Memory per device", fontsize=11)
-    figure.text(0.01, -0.02, caption, fontsize=7, ha="left", va="top", wrap=True)
-    figure.tight_layout()
     return figure
 
 
