@@ -10,7 +10,9 @@ from workbook.units import GiB, MiB
 
 
 def legend_texts(axis) -> list[str]:
-    return [text.get_text() for text in axis.get_legend().get_texts()]
+    """The axis's legend, or its figure's (drawn below the panel)."""
+    legend = axis.get_legend() or axis.figure.legends[0]
+    return [text.get_text() for text in legend.get_texts()]
 
 
 @pytest.mark.parametrize("mode", ["generate", "train"])
