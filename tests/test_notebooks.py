@@ -248,3 +248,12 @@ def test_benchmarking_notebook_writes_every_point_against_the_limits_and_the_rev
     # Its generation kept the plan its ETA used, so the review checks that ETA against the time left.
     checked = json.loads((cpu_run.run_dir / "review_eta.json").read_text())["runs"]
     assert any(row["run"].startswith(cpu_run.run_dir.name) for row in checked)
+
+
+def test_a_column_na_in_every_row_is_named_under_the_table_instead_of_filling_it():
+    rows = [{"strategy": "static", "of roofline": "n/a", "tok/s": "10"},
+            {"strategy": "continuous", "of roofline": "n/a", "tok/s": "n/a"}, {"strategy": "skipped"}]
+    text = notebook.markdown_table(rows)
+    assert text.splitlines()[0] == "| strategy | tok/s |" and "| skipped |  |" in text
+    assert text.endswith("n/a in every row, so not shown: of roofline")
+    assert "of roofline" in notebook.markdown_table(rows[:1])  # one row: its n/a is the answer

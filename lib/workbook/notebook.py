@@ -115,13 +115,26 @@ def quiet_library_progress() -> None:
             getattr(sys.modules[module], switch)()
 
 
+NOT_APPLICABLE = "n/a"
+
+
 def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    """A Markdown table of `rows` (dicts); numbers keep their given formatting."""
-    columns = columns or (list(rows[0]) if rows else [])
+    """A Markdown table of `rows` (dicts); numbers keep their given formatting. Without `columns`, a
+    column that is n/a in every row of several (a GPU's roofline on a CPU run) is named under the
+    table instead of filling it."""
+    empty: list[str] = []
+    if columns is None:
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        if len(rows) > 1:
+            empty = [column for column in columns if {str(row.get(column, "")) for row in rows} <= {NOT_APPLICABLE, ""}
+                     and any(column in row for row in rows)]
+            columns = [column for column in columns if column not in empty]
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         cells = [str(row.get(column, "")).replace("|", "\\|").replace("\n", " ") for column in columns]
         lines.append("| " + " | ".join(cells) + " |")
+    if empty:
+        lines += ["", f"n/a in every row, so not shown: {', '.join(empty)}"]
     return "\n".join(lines)
 
 
