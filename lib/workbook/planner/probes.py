@@ -15,6 +15,7 @@ from accelerate.utils.memory import clear_device_cache
 from workbook import models, runtime
 from workbook.planner import profile
 from workbook.planner.finder import FinderResult, ProbeMeasurement, find_batch_size
+from workbook.units import format_bytes
 
 
 class ProbeError(RuntimeError):
@@ -219,3 +220,33 @@ def prove_batch_size(params, mode: str, *, device: str | torch.device, log=print
     finally:
         del model, loaded, probe
         clear_device_cache(garbage_collection=True)
+
+
+def prove_modes(params, modes: list[str], log=print) -> tuple[dict, list[dict], str | None]:
+    """Notebook 01's proof: ``prove_batch_size`` for each mode on the profile's hardware, where it is
+    present. Returns (each mode's outcome or error, every probe attempt as a table row, the device or
+    None). A mode that cannot be proven (nothing fits) is reported and the others still run."""
+    device = "cpu" if params["gpu_count"] == 0 else ("cuda" if torch.cuda.is_available() else None)
+    proofs: dict[str, dict] = {}
+    if device is None:
+        log(f"Profile {params['profile']} plans for a GPU, and this machine has none: the probe is skipped. "
+            "Run this notebook on the GPU to prove the plan.")
+        return proofs, [], None
+    for mode in modes:
+        try:
+            result, probed = prove_batch_size(params, mode, device=device, log=log)
+        except Exception as error:  # e.g. the plan says nothing fits: reported, and the next mode runs
+            proofs[mode] = {"error": f"{type(error).__name__}: {error}"}
+            log(f"{mode}: {proofs[mode]['error']}")
+            continue
+        proofs[mode] = {"model": probed, "device": device, **result.to_dict()}
+        measured = result.measured_peak_bytes
+        log(f"{mode}: settled on batch {result.batch_size} (planner started at {result.start_batch}); measured peak "
+            f"{format_bytes(measured) if measured else 'not measured on CPU (torch keeps no peak of tensor memory)'}, "
+            f"predicted {format_bytes(result.predicted_bytes)}; model {probed}")
+    rows = [{"mode": mode, "batch": a["batch_size"], "outcome": a["outcome"],
+             "measured peak": format_bytes(a["peak_bytes"]) if a["peak_bytes"] else "n/a",
+             "predicted": format_bytes(a["predicted_bytes"]) if a["predicted_bytes"] else "n/a",
+             "seconds": f"{a['seconds']:.2f}"}
+            for mode, proof in proofs.items() for a in proof.get("attempts", [])]
+    return proofs, rows, device
