@@ -406,7 +406,7 @@ def test_cli_generates_and_reports_errors_with_exit_codes(tmp_path, capsys):
                      "max_examples=3", "log_every_batches=0", *GREEDY_SET])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    assert "generated 3 in" in captured.out and f"output: {output} (3 of 3 examples)" in captured.out
+    assert "generated 3 examples in" in captured.out and f"output: {output} (3 of 3 examples)" in captured.out
     assert len(read_records(output)) == 3
     assert cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={tmp_path / 'nope.jsonl'}",
                      f"output_path={output}"]) == 2
