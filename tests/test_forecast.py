@@ -605,3 +605,11 @@ def test_a_forecast_without_output_path_leaves_a_run_folder_that_generate_finish
     manifest = json.loads((folder / runner.MANIFEST_FILE).read_text())
     assert manifest["status"] == "ok" and len(manifest["resumed_at"]) == 1
     assert len((folder / "generations.jsonl").read_text().splitlines()) == 40
+
+
+def test_a_range_widened_by_an_error_over_100_percent_stays_positive():
+    # A busy host's pilot once fitted its own batches 10.7x off: the range read "-2327.2-2693.3 s".
+    from workbook.planner import forecast
+    low, high = forecast.widened(100.0, 120.0, 10.67)
+    assert 0 < low < 100.0 < 120.0 < high and low == pytest.approx(100.0 / 11.67)
+    assert forecast.widened(100.0, 100.0, 0.03) == pytest.approx((97.09, 103.0), abs=0.01)

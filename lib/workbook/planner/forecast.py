@@ -161,8 +161,13 @@ def generation_range(prompt_lengths: list[int], *, prompts_per_call: int, max_ne
     draws = sorted(simulate(prompt_lengths, outputs=outputs.resampled(rng), **job).seconds for _ in range(count))
     low, high = draws[len(draws) // 10], draws[(9 * len(draws)) // 10]
     middle = simulate(prompt_lengths, outputs=outputs, **job).seconds
-    spread = max(fit_error, MINIMUM_SPREAD)
-    return min(low, middle) * (1 - spread), max(high, middle) * (1 + spread)
+    return widened(min(low, middle), max(high, middle), max(fit_error, MINIMUM_SPREAD))
+
+
+def widened(low: float, high: float, spread: float) -> tuple[float, float]:
+    """(low, high) widened by a relative error, as a factor either way: low / (1 + spread), never
+    negative however wide the error (a busy host's pilot has fitted worse than 100%)."""
+    return low / (1 + spread), high * (1 + spread)
 
 
 def forecast_beside_measured(forecast_file: Path, measured_seconds: float | None, what: str,

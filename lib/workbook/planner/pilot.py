@@ -355,7 +355,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     phases = Phases(decode_seconds=0.0, compute_seconds=steps_part + evaluations * evaluation_seconds,
                     other_seconds=wall - steps_part - evaluations * evaluation_seconds,
                     compute_flops=flops_per_step * (run.total_steps + evaluations * validation_tokens / tokens_per_step / 3))
-    return _assemble("train", params, wall, (wall * (1 - spread), wall * (1 + spread)), wall, phases, timings.to_dict(), runtime.default_device(), {
+    return _assemble("train", params, wall, forecast.widened(wall, wall, spread), wall, phases, timings.to_dict(), runtime.default_device(), {
                          "steps": steps, "seconds": pilot_seconds, "share_of_job_steps": steps / run.total_steps,
                          "step_seconds": [r["seconds"] for r in history], "reused_by_the_job": False,
                          "fresh_process": startup.record(fresh, entered)},
