@@ -43,7 +43,7 @@ from typing import Callable
 from workbook import gpu, models, params as params_module
 from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 from workbook.bench.forecast_report import markdown
-from workbook.generation.files import OutputFiles
+from workbook.generation.files import OutputFiles, resolve_input_path
 from workbook.paths import REPO_ROOT
 from workbook.planner.eta import ETA_CHECKPOINTS, eta_errors
 from workbook.planner.forecast import FORECAST_SUFFIX
@@ -256,15 +256,19 @@ def cases(args, work: Path, on_gpu: bool) -> list[tuple[str, str, list[str]]]:
     generation case is the mixed-length prompts at a fixed output length."""
     shipped = ["verifier=final_number"]
     mixed = mixed_prompts(work / "mixed.jsonl", args.mixed_prompts)
+    profile = params_module.load(params_module.profile_path(args.profile))
+    samples = profile["samples_per_prompt"]
+    each = f" x {samples} samples" if samples > 1 else ""  # each prompt's samples are outputs of their own
+    pool = sum(1 for line in resolve_input_path(profile["prompts_path"]).open() if line.strip())
     if on_gpu:
         generation = [(f"{args.mixed_prompts} mixed-length prompts, fixed length (max_new_tokens {args.max_new_tokens})",
                        "generate", [f"prompts_path={mixed}", "verifier=", f"max_new_tokens={args.max_new_tokens}"])]
     else:
         generation = [
-            ("shipped prompts (300), EOS-ended", "generate", shipped),
-            (f"{args.mixed_prompts} mixed-length prompts, EOS-ended", "generate",
+            (f"the profile's {pool:,} prompts{each}, EOS-ended", "generate", shipped),
+            (f"{args.mixed_prompts} mixed-length prompts{each}, EOS-ended", "generate",
              [f"prompts_path={mixed}", "verifier=", "max_new_tokens=8"]),
-            (f"{args.mixed_prompts} mixed-length prompts, fixed length (cut at max_new_tokens 3)", "generate",
+            (f"{args.mixed_prompts} mixed-length prompts{each}, fixed length (cut at max_new_tokens 3)", "generate",
              [f"prompts_path={mixed}", "verifier=", "max_new_tokens=3"]),
             # One sample each: a stream of 8 samples of every prompt would run minutes on this CPU.
             (f"{args.mixed_prompts} mixed-length prompts, EOS-ended, continuous backend (one sample each, "

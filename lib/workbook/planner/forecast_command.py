@@ -18,7 +18,7 @@ def forecast_lines(result: forecast.Forecast) -> list[str]:
     nodes = result.network.get("num_nodes", 1)
     where = "here" if nodes == 1 else f"on {nodes} nodes like this one"
     pilot = result.pilot
-    what = (f"{pilot['batches']} batch(es), {pilot['prompts']} prompts ({pilot['share_of_job_batches']:.1%} of the "
+    what = (f"{pilot['batches']} batch(es), {pilot['prompts']} outputs ({pilot['share_of_job_batches']:.1%} of the "
             f"job's batches), written to {pilot['written_to']}" if result.mode == "generate" else
             f"{pilot['steps']} steps ({pilot['share_of_job_steps']:.1%} of the run; not reused by it)")
     lines = [f"pilot on this machine ({result.profile}): {what}, {pilot['seconds']:.1f} s",
