@@ -38,8 +38,9 @@ def forecast_output(predicted: float, prompts: int = 1500, max_new_tokens: int =
 def test_the_cpu_profile_keeps_its_cases_and_its_recorded_command(tmp_path):
     args = arguments("--out", "outputs/reference/cpu", "--mixed-prompts", "1000", "--train-steps", "100")
     names = [name for name, _, _ in forecast_check.cases(args, tmp_path, on_gpu=False)]
-    assert names == ["shipped prompts (300), EOS-ended", "1000 mixed-length prompts, EOS-ended",
-                     "1000 mixed-length prompts, fixed length (cut at max_new_tokens 3)",
+    # The cpu profile draws 8 samples a prompt: each is an output of its own, and the names say so.
+    assert names == ["the profile's 1,500 prompts x 8 samples, EOS-ended", "1000 mixed-length prompts x 8 samples, EOS-ended",
+                     "1000 mixed-length prompts x 8 samples, fixed length (cut at max_new_tokens 3)",
                      "1000 mixed-length prompts, EOS-ended, continuous backend (one sample each, up to 16 new tokens)",
                      "training, 100 steps (shipped sample, micro-batch 4)"]
     assert forecast_check.command_line(args) == (
