@@ -286,3 +286,16 @@ def test_an_empty_model_or_prompts_path_is_refused_by_key():
         with pytest.raises(params.ParamsError, match=rf"--set {key}=: '{key}' is ''; expected a non-empty string"):
             params.parse_overrides([f"{key}="])
     assert params.parse_overrides(["output_path="]) == {"output_path": ""}  # '' there means the run folder's file
+
+
+def test_a_gpu_profiles_bench_on_a_cpu_refuses_a_model_the_ram_cannot_hold(capsys, monkeypatch):
+    # The sweeps run fp32 on a CPU: an 8B's weights alone fill 30 GiB, past which the kernel kills the run.
+    import psutil
+    from types import SimpleNamespace
+    import torch
+    from workbook import runtime
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(total=24 * 2**30, available=20 * 2**30))
+    monkeypatch.setattr(runtime, "default_device", lambda: torch.device("cpu"))  # as on a machine without a GPU
+    code, err = run_cli(capsys, "bench", "--params", "h200")
+    assert code == 2 and "error: bench_generate_model Llama-3.1-8B: its fp32 weights (29.9 GiB) are over the " \
+                         "20.0 GiB of RAM free on this CPU" in err and "set bench_generate_model=tiny" in err

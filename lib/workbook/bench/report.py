@@ -51,6 +51,7 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
     check_names(params)
     device = runtime.default_device()
     params = without_absent_peaks(params, device, log)
+    refuse_models_over_ram(params, device)
     began, load_before, started_at = time.perf_counter(), os.getloadavg(), runner.now()
     generation = generation_sweep(params, log, on_point=lambda point: on_point("generation", point), budget=budget)
     runtime.reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
@@ -109,6 +110,28 @@ def without_absent_peaks(params, device: torch.device, log: Callable[[str], None
     log(f"warning: profile {params['profile']} describes a GPU and this run is on {device}: its bandwidth, "
         "compute peaks and price are not applied (n/a); its memory plans still are")
     return params_module.apply_overrides(params, {key: 0.0 for key in GPU_FIGURES})
+
+
+def refuse_models_over_ram(params, device: torch.device) -> None:
+    """On a CPU the sweeps run fp32: a GPU profile's 8B there would fill the RAM, and past it the kernel
+    kills the process without a word. BenchError first, naming the model, when its fp32 weights (for
+    the training sweep: weights, gradients and AdamW states, 16 B per parameter) exceed the RAM free."""
+    if device.type != "cpu":
+        return
+    import psutil
+    from workbook.planner import plan_generate
+    available = psutil.virtual_memory().available
+    for key, copies in (("bench_generate_model", 1), ("bench_train_model", 4 if params["bench_train_steps"] else 0)):
+        try:
+            weights = plan_generate(params[key], batch_size=1, prompt_len=1, new_tokens=1, gpu_memory_bytes=available,
+                                    dtype="fp32").weights_bytes
+        except (ValueError, OSError):  # a model the planner cannot read: the sweep's own loading says why
+            continue
+        if copies and weights * copies > available:
+            held = "fp32 weights" if copies == 1 else "fp32 weights, gradients and AdamW states"
+            raise BenchError(f"{key} {params[key]}: its {held} ({format_bytes(weights * copies)}) are over the "
+                             f"{format_bytes(available)} of RAM free on this CPU (the sweeps run fp32 there); run "
+                             f"profile {params['profile']} on its GPU, or set {key}=tiny")
 
 
 # ----------------------------------------------------------------------------------------------
