@@ -258,7 +258,7 @@ def select_profile(gpus: list[dict], profiles: dict) -> ProfileChoice:
     in the spec table, then memory, name and count), with a reason that says what differs. No GPU: `cpu`.
     """
     if not gpus:
-        return ProfileChoice("cpu", True, "no GPU detected")
+        return ProfileChoice("cpu", True, "no GPU detected: profile 'cpu'")
     name, count = gpus[0]["name"], len(gpus)
     memory_gib = gpus[0]["memory_total_bytes"] / GiB
     candidates = [p for p in profiles.values() if p["gpu_count"] > 0]
