@@ -108,8 +108,11 @@ def _cmd_plan(args) -> int:
 
 
 def _cmd_calibrate(args) -> int:
+    import torch
     from workbook.planner import calibration
-    return calibration.main(["--out", args.out or f"outputs/reference/{args.profile}", "--profile", args.profile,
+    # Without a GPU only the exact CPU checks run: they belong to the cpu reference, not to the GPU's.
+    default = f"outputs/reference/{args.profile if torch.cuda.is_available() else 'cpu'}"
+    return calibration.main(["--out", args.out or default, "--profile", args.profile,
                              *(["--only", args.only] if args.only else []),
                              *(["--overhead-from", args.overhead_from] if args.overhead_from else [])])
 
