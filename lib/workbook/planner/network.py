@@ -29,11 +29,13 @@ def network_traffic(plan: Plan, num_nodes: int, gpus_per_node: int) -> dict:
     processes = num_nodes * gpus_per_node
     traffic = {"num_nodes": num_nodes, "gpus_per_node": gpus_per_node, "processes": processes}
     if plan.mode == "generate":
+        tensor_parallel = max(plan.tensor_parallel_size, 1)
+        copies = (f"{processes // tensor_parallel} copies of the model, each sharded over {tensor_parallel} GPUs of "
+                  "one node" if tensor_parallel > 1 else "every process holds the whole model")
         return {**traffic, "counted_per": "token", "bytes_per_gpu_per_step": 0, "network_bytes_per_node_per_step": 0, "explanation": (
-            "data-parallel generation: every process holds the whole model (its layers are split only over the "
-            "GPUs of one node), so nothing crosses the network per token; once, at the end, nodes that do not "
-            "share the output's filesystem send their finished records (about the output file's size) to the "
-            "first node")}
+            f"data-parallel generation: {copies}, so nothing crosses the network per token; once, at the end, "
+            "nodes that do not share the output's filesystem send their finished records (about the output "
+            "file's size) to the first node")}
     gradients = plan.trainable_params * gradient_bytes_per_parameter(plan)
     if processes == 1:
         return {**traffic, "counted_per": "optimizer step", "gradient_bytes": gradients, "bytes_per_gpu_per_step": 0,
@@ -64,4 +66,4 @@ def network_traffic(plan: Plan, num_nodes: int, gpus_per_node: int) -> dict:
 def traffic_line(traffic: dict) -> str:
     """One line for the plan's text: the layout and what crosses the network."""
     return (f"network: {traffic['num_nodes']} node(s) x {traffic['gpus_per_node']} process(es), one per GPU = "
-            f"{traffic['processes']} data-parallel processes; {traffic['explanation']}")
+            f"{traffic['processes']} processes; {traffic['explanation']}")
