@@ -134,7 +134,7 @@ def markdown_table(rows: list[dict], columns: list[str] | None = None) -> str:
         cells = [str(row.get(column, "")).replace("|", "\\|").replace("\n", " ") for column in columns]
         lines.append("| " + " | ".join(cells) + " |")
     if empty:
-        lines += ["", f"n/a in every row, so not shown: {', '.join(empty)}"]
+        lines += ["", f"n/a or empty in every row, so not shown: {', '.join(empty)}"]
     return "\n".join(lines)
 
 
