@@ -112,11 +112,12 @@ def mfu_bars(report: dict, capacity_bytes: int | None = None):
         memory_axis.scatter([i for i, _ in planned], [v for _, v in planned], marker="_", s=400, color="black",
                             zorder=3, label="planner")
     # The capacity line only where it is on the bars' scale: a CPU's RAM would flatten MiB-sized bars.
-    if capacity_bytes and capacity_bytes <= 4 * max(sizes, default=0):
+    drawn = bool(capacity_bytes) and capacity_bytes <= 4 * max(sizes, default=0)
+    if drawn:
         memory_axis.axhline(capacity_bytes / unit, color="#c44e52", label=f"capacity {format_bytes(capacity_bytes)}")
-    top = max([v for _, v in measured + planned] + ([capacity_bytes / unit] if memory_axis.lines else []), default=1)
+    top = max([v for _, v in measured + planned] + ([capacity_bytes / unit] if drawn else []), default=1)
     memory_axis.set_ylim(0, 1.15 * top)  # room above the highest mark: none clipped at the edge
-    off_scale = f"\n(capacity {format_bytes(capacity_bytes)}: off this scale)" if capacity_bytes and not memory_axis.lines else ""
+    off_scale = f"\n(capacity {format_bytes(capacity_bytes)}: off this scale)" if capacity_bytes and not drawn else ""
     memory_axis.set_ylabel(f"peak memory, {unit_name}{off_scale}")
     if measured or planned:
         memory_axis.legend(fontsize=8)

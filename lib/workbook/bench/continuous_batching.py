@@ -66,6 +66,7 @@ from workbook.bench.continuous_report import ARMS, markdown
 from workbook.bench.engine_overhead import sample_prompts, timed
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.generation.continuous import ContinuousBackend, stop_manager
+from workbook.generation.engine import in_batches
 from workbook.planner import plan_generate
 from workbook.planner.paged import continuous_attention, plan_generate_paged
 
@@ -107,8 +108,7 @@ def end_processor_seconds(prompts, batch_size: int, vocab_size: int, device, eos
     longest output) at the cost per row of one call at the arm's batch and vocabulary, measured apart
     (``calls`` back to back, one synchronization: timing it inside the run would stall every step).
     The continuous arm ends requests by their own max_new_tokens and pays nothing like it."""
-    ordered = generation.sort_longest_first(prompts)
-    batches = [ordered[start:start + batch_size] for start in range(0, len(ordered), batch_size)]
+    batches = in_batches(generation.sort_longest_first(prompts), batch_size)
     row_steps = sum(len(batch) * max(p.max_new_tokens for p in batch) for batch in batches)
     rows = batches[0]
     processor = EndAtLength(1, [p.max_new_tokens for p in rows], eos_token_id)

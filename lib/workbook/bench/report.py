@@ -121,14 +121,16 @@ def refuse_models_over_ram(params, device: torch.device) -> None:
     import psutil
     from workbook.planner import plan_generate
     available = psutil.virtual_memory().available
-    for key, copies in (("bench_generate_model", 1), ("bench_train_model", 4 if params["bench_train_steps"] else 0)):
+    swept = [("bench_generate_model", 1, "fp32 weights")]
+    if params["bench_train_steps"]:
+        swept.append(("bench_train_model", 4, "fp32 weights, gradients and AdamW states"))
+    for key, copies, held in swept:
         try:
             weights = plan_generate(params[key], batch_size=1, prompt_len=1, new_tokens=1, gpu_memory_bytes=available,
                                     dtype="fp32").weights_bytes
         except (ValueError, OSError):  # a model the planner cannot read: the sweep's own loading says why
             continue
-        if copies and weights * copies > available:
-            held = "fp32 weights" if copies == 1 else "fp32 weights, gradients and AdamW states"
+        if weights * copies > available:
             raise BenchError(f"{key} {params[key]}: its {held} ({format_bytes(weights * copies)}) are over the "
                              f"{format_bytes(available)} of RAM free on this CPU (the sweeps run fp32 there); run "
                              f"profile {params['profile']} on its GPU, or set {key}=tiny")

@@ -141,6 +141,11 @@ def sort_longest_first(prompts: list[Prompt]) -> list[Prompt]:
     return sorted(prompts, key=lambda p: (-len(p.token_ids), p.index, p.sample))
 
 
+def in_batches(ordered: list[Prompt], size: int) -> list[list[Prompt]]:
+    """``ordered`` cut every ``size`` prompts: the job's batches (after ``sort_longest_first``)."""
+    return [ordered[start:start + size] for start in range(0, len(ordered), size)]
+
+
 def generate_with_split(backend, prompts: list[Prompt], log: Callable[[str], None] = print) -> Outcome:
     """Generate for ``prompts``; a failing call is split in halves and retried, down to one prompt,
     whose failure is recorded. Stops the run (GenerationError) when MAX_CONSECUTIVE_ERRORS single
@@ -210,7 +215,7 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
     from workbook.planner.eta import positions_cost, remaining_seconds
     ordered = sort_longest_first(prompts) if sort_by_length else list(prompts)
     size = backend.prompts_per_call
-    batches = [ordered[start:start + size] for start in range(0, len(ordered), size)]
+    batches = in_batches(ordered, size)
     planned = (planned_seconds or positions_cost)(batches)
     if callable(getattr(backend, "stream", None)):
         return backend.stream(ordered, write=write, sort_by_length=False, progress=progress, log=log,

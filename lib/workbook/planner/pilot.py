@@ -157,7 +157,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     outputs go into the job's output (``params['output_path']``, which must be set): the job's
     resume skips them. ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests)."""
     from workbook.generation import job
-    from workbook.generation.engine import sort_longest_first
+    from workbook.generation.engine import in_batches, sort_longest_first
     from workbook.generation.files import OutputFiles, lock_output, resolve_input_path
     from workbook.generation.inputs import read_inputs
 
@@ -173,8 +173,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         # The whole job as a fresh run: every candidate whose prompt leaves room to generate.
         every = [len(share_.token_ids[i]) for i in range(len(share_.examples)) for _ in range(samples)
                  if not context or len(share_.token_ids[i]) < context]
-        ordered, size = sort_longest_first(share_.prompts), backend.prompts_per_call
-        pending = [ordered[start:start + size] for start in range(0, len(ordered), size)]  # the engine's batches
+        pending = in_batches(sort_longest_first(share_.prompts), backend.prompts_per_call)  # the engine's batches
         chosen = pick_batches(pending, share) if pending else []
         before_pilot = startup.seconds_so_far(clock)
         first = pending[chosen[0]] if chosen else []
