@@ -126,7 +126,8 @@ def test_generate_uses_every_set_and_records_its_run_folder_for_notebook_05(tiny
     assert (run.status, run.profile, run.problems) == ("ok", "cpu", [])
 
 
-JOB_MODULES = {"generate": "workbook.generation", "train": "workbook.training", "bench": "workbook.bench"}
+JOB_MODULES = {"generate": "workbook.generation", "train": "workbook.training", "bench": "workbook.bench",
+               "forecast": "workbook.planner.pilot", "verify": "workbook.generation.verify"}
 
 
 @pytest.mark.parametrize("job", JOB_MODULES)
@@ -254,3 +255,13 @@ def test_a_key_the_job_does_not_read_is_noted_with_the_one_it_may_mean(capsys):
     err = capsys.readouterr().err
     assert "note: --set seq_len: `workbook train` does not read it, so it changes nothing here. Did you mean " \
            "'max_seq_length'?" in err and "max_steps" not in err.split("error:")[0]
+
+
+def test_forecast_reads_every_training_key_it_pilots_with(capsys):
+    # The forecast pilots training through the trainer's own config: none of the trainer's keys
+    # (the lean-training switches included) may be noted as changing nothing.
+    cli.note_keys_not_read("forecast", ["precision=bf16", "loss_chunk_tokens=512", "offload_activations=true",
+                                        "report_to=tensorboard", "lora_targets=all", "system_prompt=x"])
+    assert capsys.readouterr().err == ""
+    cli.note_keys_not_read("verify", ["batch_size=8"])
+    assert "`workbook verify` does not read it" in capsys.readouterr().err

@@ -4,16 +4,12 @@ calls the same library function the notebooks call; no logic lives here."""
 from __future__ import annotations
 
 import argparse
-import ast
-import contextlib
-import importlib
 import json
 import os
 import sys
 import textwrap
-from pathlib import Path
 
-from workbook import params as params_module
+from workbook import job_keys, params as params_module
 from workbook.runner import RunError
 
 
@@ -143,38 +139,24 @@ def _cmd_bench(args) -> int:
     return cli_main(args.params, args.set, args.time_budget_seconds)
 
 
-# The jobs that take a params profile: name -> (handler, help, the module whose PARAMS_USED lists
-# the keys it reads). Each handler imports its job only when called, so `workbook gpu` or `workbook
-# plan` never pays for the training stack.
+# The jobs that take a params profile: name -> (handler, help); job_keys.READ_BY lists the keys each
+# reads. Each handler imports its job only when called, so `workbook gpu` or `workbook plan` never pays
+# for the training stack.
 JOBS = {
-    "generate": (_cmd_generate, "batched generation of teacher outputs (JSONL in, JSONL out), resumable",
-                 "workbook.generation.job"),
-    "train": (_cmd_train, "supervised fine-tuning on input/output JSONL", "workbook.training.config"),
-    "bench": (_cmd_bench, "generation and training sweeps against the hardware's limits", "workbook.bench.report"),
+    "generate": (_cmd_generate, "batched generation of teacher outputs (JSONL in, JSONL out), resumable"),
+    "train": (_cmd_train, "supervised fine-tuning on input/output JSONL"),
+    "bench": (_cmd_bench, "generation and training sweeps against the hardware's limits"),
     "forecast": (_cmd_forecast, "how long the job takes and what it costs, here and on every profile: a pilot of "
-                 "its own batches (their outputs count toward the job), then the whole job simulated",
-                 "workbook.planner.pilot"),
-    "verify": (_cmd_verify, "check an existing output with a verifier; the right ones go to <output>.accepted.jsonl",
-               "workbook.generation.verify"),
+                 "its own batches (their outputs count toward the job), then the whole job simulated"),
+    "verify": (_cmd_verify, "check an existing output with a verifier; the right ones go to <output>.accepted.jsonl"),
 }
-
-
-def params_used(module: str) -> tuple[str, ...]:
-    """A job module's PARAMS_USED, read from its source when it is a literal: importing the job
-    loads torch, ten seconds on a busy machine just to print --help."""
-    source = Path(__file__).parent.joinpath(*module.split(".")[1:]).with_suffix(".py")
-    for node in ast.parse(source.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(target, "id", None) == "PARAMS_USED" for target in node.targets):
-            with contextlib.suppress(ValueError):
-                return ast.literal_eval(node.value)
-    return importlib.import_module(module).PARAMS_USED
 
 
 def note_keys_not_read(job: str, pairs: list[str]) -> None:
     """A note on stderr for each --set key the job does not read (a profile holds every notebook's keys:
     `train --set seq_len=...` is valid and changes nothing), with the key it may have meant."""
     from workbook.suggest import did_you_mean
-    used = params_used(JOBS[job][2])
+    used = job_keys.READ_BY[job]
     for key in dict.fromkeys(pair.partition("=")[0].strip() for pair in pairs):
         if key in params_module.SCHEMA and key not in used:
             print(f"note: --set {key}: `workbook {job}` does not read it, so it changes nothing here."
@@ -195,17 +177,17 @@ def params_keys_help(keys: tuple[str, ...], width: int = 100) -> str:
 
 
 class WorkbookParser(argparse.ArgumentParser):
-    """argparse's parser; a job's (`params_from` set) lists the params keys it reads in its --help."""
+    """argparse's parser; a job's (`job` set) lists the params keys it reads in its --help."""
 
-    def __init__(self, *args, params_from: str | None = None, **kwargs):
-        if params_from:
+    def __init__(self, *args, job: str | None = None, **kwargs):
+        if job:
             kwargs["formatter_class"] = argparse.RawDescriptionHelpFormatter  # keep the key table's lines
         super().__init__(*args, **kwargs)
-        self.params_from = params_from
+        self.job = job
 
     def format_help(self) -> str:
-        if self.params_from and self.epilog is None:
-            self.epilog = params_keys_help(params_used(self.params_from))
+        if self.job and self.epilog is None:
+            self.epilog = params_keys_help(job_keys.READ_BY[self.job])
         return super().format_help()
 
 
@@ -285,8 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "(python -m workbook.planner.overhead_probe): plan each case's CUDA context with it")
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
 
-    for name, (handler, what, params_from) in JOBS.items():
-        job = commands.add_parser(name, help=what, description=what, params_from=params_from)
+    for name, (handler, what) in JOBS.items():
+        job = commands.add_parser(name, help=what, description=what, job=name)
         job.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
         add_set_argument(job)
         job.set_defaults(handler=handler)

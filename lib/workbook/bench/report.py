@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from workbook import gpu, notebook, params as params_module, runner, runtime
+from workbook import gpu, job_keys, notebook, params as params_module, runner, runtime
 from workbook.bench import published
 from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
@@ -29,13 +29,7 @@ from workbook.planner import DoesNotFitError
 from workbook.planner.profile import Budget
 from workbook.units import GiB, format_bytes
 
-# The params keys the benchmark reads; notebook 04 declares them all in its parameters cell.
-PARAMS_USED = ("profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops",
-               "memory_bandwidth_gbs", "usd_per_gpu_hour", "dtype", "prompt_len", "seq_len", "safety_margin",
-               "cuda_overhead_gib", "bench_generate_model", "bench_train_model", "bench_batch_sizes",
-               "bench_strategies", "bench_examples", "bench_max_new_tokens", "bench_repeats",
-               "bench_train_micro_batches", "bench_train_steps", "bench_train_settings", "bench_train_baselines",
-               "lora_rank", "attn_implementation")
+PARAMS_USED = job_keys.BENCH
 
 
 def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,

@@ -116,7 +116,7 @@ def verify_main(params_arg: str, overrides: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from workbook.cli import WorkbookParser, add_set_argument
-    parser = WorkbookParser(prog="python -m workbook.generation", params_from="workbook.generation.job",
+    parser = WorkbookParser(prog="python -m workbook.generation", job="generate",
                             description="Batched generation of teacher outputs: JSONL in, JSONL out, resumable.")
     parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
     add_set_argument(parser)

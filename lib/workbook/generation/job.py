@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbook import jsonl, models, runtime
+from workbook import job_keys, jsonl, models, runtime
 from workbook.generation import nodes, records, tensor_parallel, verify
 from workbook.generation.backends import make_backend, resolve_backend
 from workbook.generation.engine import (
@@ -32,14 +32,7 @@ from workbook.generation.inputs import (
 )
 from workbook.planner import eta, forecast, profile
 
-# The params keys this job reads; notebook 02 declares them all in its parameters cell.
-PARAMS_USED = ("profile", "model", "dtype", "interactive", "batch_size", "prompt_len", "max_new_tokens",
-               "gpu_count", "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path",
-               "prompt_field", "output_path", "backend", "do_sample", "temperature", "top_p", "seed",
-               "max_examples", "on_bad_line", "on_long_prompt", "use_chat_template", "log_every_batches",
-               "data_parallel_processes", "verifier", "max_accepted_per_prompt", "system_prompt",
-               "samples_per_prompt", "tensor_parallel_size")
-
+PARAMS_USED = job_keys.GENERATE
 
 
 @dataclass(frozen=True)

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from workbook import jsonl
+from workbook import job_keys, jsonl
 from workbook.generation.files import OutputFiles, read_outputs
 
-# The params keys ``workbook verify`` reads (the generation job reads the last two as well).
-PARAMS_USED = ("profile", "output_path", "verifier", "max_accepted_per_prompt")
+PARAMS_USED = job_keys.VERIFY
 ERROR_TEXT_LIMIT = 500  # characters of a verifier's error kept per record
 # Where the reference answer of a record is looked for, in order: the input line's own "output"
 # (kept as metadata.original_output), then the GSM8K-style "answer" and a generic "reference"

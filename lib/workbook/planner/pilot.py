@@ -26,27 +26,13 @@ from typing import Callable
 
 import torch
 
-from workbook import ceilings, models, params as params_module, runtime
+from workbook import ceilings, job_keys, models, params as params_module, runtime
 from workbook.paths import OUTPUTS_DIR
 from workbook.planner import forecast, regression, startup, stream_forecast
 from workbook.planner.forward_timer import ForwardTimer
 from workbook.planner.forecast import GenerationTimings, OutputLengths, Phases, Peaks
 
-# The params keys `workbook forecast` reads: the generation job's and the training run's (it pilots
-# either), the profile's peaks and price, and plan_mode (the default --mode).
-PARAMS_USED = (
-    "profile", "model", "dtype", "interactive", "batch_size", "prompt_len", "max_new_tokens", "gpu_count",
-    "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path", "prompt_field", "output_path", "backend",
-    "do_sample", "temperature", "top_p", "seed", "max_examples", "on_bad_line", "on_long_prompt",
-    "use_chat_template", "log_every_batches", "data_parallel_processes", "verifier", "max_accepted_per_prompt",
-    "system_prompt", "samples_per_prompt", "peak_bf16_tflops", "peak_fp16_tflops", "memory_bandwidth_gbs",
-    "usd_per_gpu_hour", "plan_mode", "micro_batch_size", "grad_checkpointing", "lora_rank", "train_data_path",
-    "input_field", "output_field", "max_seq_length", "length_percentile", "padding", "validation_fraction",
-    "learning_rate", "lr_scaling", "base_batch", "gradient_accumulation_steps", "epochs", "max_steps",
-    "warmup_steps", "weight_decay", "optimizer", "tf32", "torch_compile", "attn_implementation",
-    "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps", "train_output_dir", "train_processes",
-    "num_nodes", "seq_len", "tensor_parallel_size",
-)
+PARAMS_USED = job_keys.FORECAST
 DEFAULT_SHARE = 0.1
 WARM_UP_NEW_TOKENS = 2  # the warm-up's generation: a prefill and one decode step at the pilot's first shape
 # What the forecast predicts: wall seconds (what a user waits and pays for), or this process's CPU

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     """`python -m workbook.training`: the entry point for `accelerate launch` and `torchrun`, one
     process per GPU; every process gets the same --run-dir."""
     from workbook.cli import WorkbookParser, add_set_argument
-    parser = WorkbookParser(prog="python -m workbook.training", params_from="workbook.training.config",
+    parser = WorkbookParser(prog="python -m workbook.training", job="train",
                             description="Supervised fine-tuning on input/output JSONL.")
     parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
     add_set_argument(parser)

@@ -9,24 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from workbook import arithmetic
+from workbook import arithmetic, job_keys
 from workbook.generation.files import OutputFiles, resolve_input_path, resolve_output_path
 from workbook.params import AUTO
 from workbook.planner.profile import Budget
 
-# Keys of a params profile this module reads; notebook 03 declares each of them.
-PARAMS_USED = (
-    "profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour",
-    "model", "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "lora_targets", "safety_margin", "cuda_overhead_gib",
-    "train_data_path", "on_bad_line", "input_field", "output_field", "use_chat_template", "max_seq_length",
-    "length_percentile", "padding", "validation_fraction", "learning_rate", "lr_scaling", "base_batch",
-    "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer", "tf32",
-    "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor", "save_every_steps",
-    "train_output_dir", "train_processes", "loss_chunk_tokens", "report_to", "precision",
-    "eval_prompts_path", "offload_activations",
-    "output_path",  # where notebook 02 wrote its outputs: the default training data
-    "verifier",  # set: notebook 02 verified its outputs, and the accepted ones are the default training data
-)
+PARAMS_USED = job_keys.TRAIN
 TRAINING_DIR_NAME = "training"  # train_output_dir '' -> <run folder>/training/
 RESULT_FILE = "training_result.json"
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
