@@ -4,6 +4,7 @@ import pytest
 
 from test_generate import job_params, read_records, write_prompts
 from workbook import arithmetic, generation, models, training
+from workbook.training.examples import IGNORE_INDEX
 
 SYSTEM_PROMPT = "You add numbers."
 
@@ -62,3 +63,37 @@ def test_a_system_prompt_file_that_is_a_folder_or_not_utf8_is_named(tmp_path):
             generation.run_job(job_params(prompts, output, system_prompt=f"@{tmp_path / name}"), output,
                                show_progress=False, log=lambda line: None)
     assert not output.exists()
+
+
+@pytest.mark.parametrize("use_chat_template", [True, False])
+def test_the_student_trains_on_the_prompt_tokens_the_teacher_was_given(tmp_path, tiny_model_path, use_chat_template):
+    # One formatting for both jobs: a student trained on other prompt tokens than it is asked with
+    # at inference learns replies to a prompt it never sees.
+    tokenizer = models.load_tokenizer(str(tiny_model_path))
+    records = arithmetic.sample_records()[:6]
+    data = write_prompts(tmp_path / "train.jsonl", records)
+    config = training.TrainConfig(model=str(tiny_model_path), data_path=str(data), data_description="t",
+                                  output_dir=str(tmp_path / "train"), use_chat_template=use_chat_template,
+                                  validation_fraction=0.0)
+    trained = training.prepare_data(config, tokenizer).train
+    teacher = generation.tokenize_prompts(tokenizer, [r["input"] for r in records], use_chat_template)
+    by_tokens = {tuple(example.input_ids): example for example in trained}
+    for prompt in teacher:
+        example = next(e for ids, e in by_tokens.items() if ids[:len(prompt)] == tuple(prompt))
+        masked = example.labels[:len(prompt)]
+        assert all(label == IGNORE_INDEX for label in masked)  # the prompt is not learned
+        assert example.labels[len(prompt)] != IGNORE_INDEX  # the reply starts right after it
+
+
+def test_a_chat_template_asked_of_a_tokenizer_without_one_names_the_key_in_both_jobs(tmp_path, tiny_model_path):
+    from workbook.jsonl import DataError
+    tokenizer = models.load_tokenizer(str(tiny_model_path))
+    tokenizer.chat_template = None
+    with pytest.raises(DataError, match="use_chat_template is true but the tokenizer .* has no chat template; set "
+                                        "use_chat_template: false"):
+        generation.tokenize_prompts(tokenizer, ["What is 2 + 3?"], use_chat_template=True)
+    data = write_prompts(tmp_path / "train.jsonl", arithmetic.sample_records()[:2])
+    config = training.TrainConfig(model=str(tiny_model_path), data_path=str(data), data_description="t",
+                                  output_dir=str(tmp_path / "train"), use_chat_template=True, validation_fraction=0.0)
+    with pytest.raises(DataError, match="has no chat template; set use_chat_template: false"):
+        training.prepare_data(config, tokenizer)

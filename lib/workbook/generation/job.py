@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbook import job_keys, jsonl, models, runtime
+from workbook import job_keys, jsonl, models, prompt_format, runtime
 from workbook.generation import nodes, records, tensor_parallel, verify
 from workbook.generation.backends import make_backend, resolve_backend
 from workbook.generation.engine import (
@@ -100,20 +100,9 @@ def load_model(model: str, dtype: str, device, sharding: dict | None = None) -> 
 
 def tokenize_prompts(tokenizer, prompts: list[str], use_chat_template: bool,
                      system_prompt: str = "") -> list[list[int]]:
-    """Token ids of each prompt: as one user turn of the chat template, or as plain text (with the
-    special tokens the tokenizer adds, e.g. BOS); a ``system_prompt`` goes first, as the template's
-    system turn or, in plain text, as its own paragraph."""
-    if not use_chat_template:
-        texts = [f"{system_prompt}\n\n{prompt}" if system_prompt else prompt for prompt in prompts]
-        return [list(ids) for ids in tokenizer(texts)["input_ids"]]
-    if not getattr(tokenizer, "chat_template", None):
-        raise GenerationError(f"use_chat_template is true but the tokenizer ({tokenizer.name_or_path}) has no chat "
-                              "template; set use_chat_template: false (plain prompts, e.g. for a base model).")
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    texts = [tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True) for prompt in prompts]
-    # The rendered template already holds BOS and the other special tokens.
-    return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    """Token ids of each prompt, formatted as training formats them (prompt_format)."""
+    return prompt_format.prompt_token_ids(tokenizer, prompts, use_chat_template=use_chat_template,
+                                          system_prompt=system_prompt)
 
 
 def decoding_settings(params, model, tokenizer) -> DecodingSettings:

@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from workbook import arithmetic, models, tiny_model
+from workbook import arithmetic, models, prompt_format, tiny_model
 from workbook.training import packed_attention
 from workbook.training.batches import epoch_micro_batches, loss_sum, plan_rows
-from workbook.training.examples import IGNORE_INDEX, prompt_ids
+from workbook.training.examples import IGNORE_INDEX
 
 GENERATION_BATCH = 64
 
@@ -66,8 +66,8 @@ def accuracy(accelerator, model, tokenizer, prepared, config) -> dict | None:
     if references is not None and accelerator.is_main_process:
         was_training = model.training
         model.eval()
-        prompts = [prompt_ids(tokenizer, r[config.input_field], use_chat_template=config.use_chat_template)
-                   for r in records]
+        prompts = prompt_format.prompt_token_ids(tokenizer, [r[config.input_field] for r in records],
+                                                 use_chat_template=config.use_chat_template)
         with accelerator.autocast(), packed_attention.generation_attention(model):
             texts = models.greedy_completions(model, tokenizer, prompts, tiny_model.MAX_NEW_TOKENS,
                                               batch_size=GENERATION_BATCH)

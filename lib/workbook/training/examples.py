@@ -46,6 +46,7 @@ import math
 import random
 from dataclasses import dataclass, field
 
+from workbook import prompt_format
 from workbook.jsonl import DataError  # one error type for unusable data files and records
 
 IGNORE_INDEX = -100  # label of tokens that carry no loss (PyTorch cross_entropy's default ignore_index)
@@ -128,15 +129,15 @@ def tokenize_pairs(
         raise DataError(f"no usable record: every record lacks a non-empty {fields} string "
                         f"(first problem: {report.skipped[0] if report.skipped else 'no records'}). "
                         "Set input_field / output_field to the field names of your data.")
+    # The prompt's tokens exactly as the generation job (and evaluation after training) formats it.
+    prompt_ids = prompt_format.prompt_token_ids(tokenizer, prompts, use_chat_template=use_chat_template)
     if use_chat_template:
-        prompt_texts, response_texts = _chat_texts(tokenizer, prompts, responses, kept_sources)
-        prompt_ids = tokenizer(prompt_texts, add_special_tokens=False)["input_ids"]
+        response_texts = _chat_replies(tokenizer, prompts, responses, kept_sources)
         response_ids = tokenizer(response_texts, add_special_tokens=False)["input_ids"]
     else:
         if tokenizer.eos_token_id is None:
             raise DataError("the tokenizer has no eos_token: plain formatting ends every response with it. "
                             "Set the tokenizer's eos_token, or use_chat_template: true.")
-        prompt_ids = tokenizer(prompts)["input_ids"]  # with the tokenizer's BOS, as at inference
         response_ids = [ids + [tokenizer.eos_token_id] for ids in
                         tokenizer([plain_response_text(r) for r in responses], add_special_tokens=False)["input_ids"]]
     examples = [
@@ -147,11 +148,9 @@ def tokenize_pairs(
     return examples, report
 
 
-def _chat_texts(tokenizer, prompts, responses, sources) -> tuple[list[str], list[str]]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("use_chat_template is true but the tokenizer has no chat template; "
-                        "set use_chat_template: false (plain formatting) or use an instruct model's tokenizer.")
-    prompt_texts, response_texts = [], []
+def _chat_replies(tokenizer, prompts, responses, sources) -> list[str]:
+    """Each reply's text as the chat template renders it after its prompt's generation prompt."""
+    response_texts = []
     for prompt, response, source in zip(prompts, responses, sources):
         user = {"role": "user", "content": prompt}
         # Reply content is stripped, as Llama-3's template does (`| trim`): the template places it.
@@ -161,18 +160,8 @@ def _chat_texts(tokenizer, prompts, responses, sources) -> tuple[list[str], list
         if not full_text.startswith(prompt_text):
             raise DataError(f"{source}: the chat template renders the prompt differently once the reply follows "
                             "it, so the response tokens cannot be separated exactly; use use_chat_template: false.")
-        prompt_texts.append(prompt_text)
         response_texts.append(full_text[len(prompt_text):])
-    return prompt_texts, response_texts
-
-
-def prompt_ids(tokenizer, prompt: str, *, use_chat_template: bool) -> list[int]:
-    """The prompt's token ids exactly as training formats them (for generation after training)."""
-    if use_chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                             add_generation_prompt=True)
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(prompt)["input_ids"])
+    return response_texts
 
 
 # ----------------------------------------------------------------------------------------------
