@@ -537,6 +537,18 @@ def test_every_profile_is_projected_and_costed_on_as_many_nodes():
     assert by_name["test-here"]["gpu_hours"] == pytest.approx(15.0 / 3600 * 1 * 2, abs=1e-4)
 
 
+def test_an_fp32_job_is_projected_at_the_16_bit_peak_it_would_run_at_and_the_row_says_so():
+    phases = forecast.Phases(decode_seconds=0.0, compute_seconds=8.0, other_seconds=0.0)
+    here = {"profile": "test-here", "gpu_count": 1, "dtype": "fp32", "peak_bf16_tflops": 100.0,
+            "peak_fp16_tflops": 100.0, "memory_bandwidth_gbs": 1.0, "usd_per_gpu_hour": 1.0}
+    v100 = {**here, "profile": "test-v100", "peak_bf16_tflops": 0.0, "peak_fp16_tflops": 200.0}
+    rows = {row["profile"]: row for row in forecast.profile_rows(
+        phases, here, forecast.profile_peaks(here, "fp32"), {"test-here": here, "test-v100": v100}, 8.0, "train")}
+    assert rows["test-v100"]["wall_seconds"] == pytest.approx(4.0)  # twice the compute: its fp16 peak
+    assert rows["test-v100"]["basis"].endswith("; at test-v100's fp16 peak (it states none for fp32)")
+    assert forecast.profile_peaks(here, "bf16").note == ""
+
+
 def test_a_generation_forecast_over_two_nodes_shards_the_prompts_and_sends_nothing_per_token(tmp_path, tiny_model_path):
     from workbook.planner import forecast_command
     model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")

@@ -137,6 +137,31 @@ def test_h100_and_h200_peaks_are_dense_not_sparse():
         assert params.load(PARAMS_DIR / f"{name}.yaml").peak_bf16_tflops == pytest.approx(989.5)
 
 
+def test_every_gpu_profile_states_the_spec_table_figures_of_a_gpu_it_matches():
+    # The spec table is the one place for GPU figures; a profile copies one row so it reads alone.
+    import re
+    from workbook import gpu
+    for name, profile in params.load_all().items():
+        if not profile["gpu_name_pattern"]:
+            continue
+        stated = (profile["gpu_memory_gib"], profile["peak_bf16_tflops"], profile["peak_fp16_tflops"],
+                  profile["memory_bandwidth_gbs"])
+        rows = {(spec.memory_gib, spec.peak_bf16_tflops, spec.peak_fp16_tflops, spec.memory_bandwidth_gbs): spec.name
+                for spec in gpu.GPU_SPECS if re.search(profile["gpu_name_pattern"], spec.name)}
+        assert stated in rows, f"params/{name}.yaml states {stated}; its GPUs' rows are {rows}"
+
+
+def test_a_dense_peak_is_the_16_bit_one_and_fp32_has_none():
+    from workbook import gpu
+    h100 = params.load(PARAMS_DIR / "h100.yaml")
+    v100_spec = gpu.spec_for_name("Tesla V100-SXM2-32GB")
+    assert gpu.dense_peak_tflops(h100, "bf16") == gpu.dense_peak_tflops(h100, "bfloat16") == 989.5
+    assert gpu.dense_peak_tflops(h100, "fp32") == gpu.dense_peak_tflops(h100, "float32") == 0
+    assert gpu.dense_peak_tflops(v100_spec, "bf16") == 0 and gpu.dense_peak_tflops(v100_spec, "fp16") == 125
+    assert gpu.mfu(flops=989.5e12 * 2, seconds=4.0, peak_tflops=989.5, gpus=1) == 0.5
+    assert gpu.mfu(flops=1e12, seconds=1.0, peak_tflops=0) is None
+
+
 def test_exponent_notation_without_a_dot_is_a_number():
     # YAML 1.1 (PyYAML) reads 1e-4 as a string; users write it that way in files and --set.
     assert params.parse_overrides(["learning_rate=1e-4"]) == {"learning_rate": 1e-4}

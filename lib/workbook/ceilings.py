@@ -107,9 +107,7 @@ def against_datasheet(ceilings: Ceilings, params: dict) -> dict:
     """Each measured ceiling as a share of the profile's datasheet figure (None where the profile
     states none, as the cpu profile does)."""
     bandwidth = params.get("memory_bandwidth_gbs") or 0
-    # The profiles state 16-bit tensor-core peaks only: an fp32 matmul has no datasheet figure beside it.
-    peak_key = {"bfloat16": "peak_bf16_tflops", "float16": "peak_fp16_tflops"}.get(ceilings.matmul_dtype)
-    tflops = (params.get(peak_key) or 0) if peak_key else 0
+    tflops = gpu.dense_peak_tflops(params, ceilings.matmul_dtype)
     return {"profile": params.get("profile"), "datasheet_bandwidth_gbs": bandwidth or None,
             "datasheet_tflops": tflops or None,
             "copy_share_of_datasheet": ceilings.copy_bytes_per_second / 1e9 / bandwidth if bandwidth else None,

@@ -75,6 +75,31 @@ def spec_for_name(gpu_name: str) -> GpuSpec | None:
     return None
 
 
+# The spec table and the profiles state dense 16-bit tensor-core peaks only: an fp32 (or TF32)
+# matmul has no figure beside it, so MFU and rooflines of fp32 work are n/a, not measured against
+# a peak it cannot reach.
+_PEAK_KEYS = {"bf16": "peak_bf16_tflops", "bfloat16": "peak_bf16_tflops", "fp16": "peak_fp16_tflops",
+              "float16": "peak_fp16_tflops"}
+
+
+def dense_peak_tflops(figures, dtype: str) -> float:
+    """Dense peak per GPU for ``dtype`` ('bf16'/'fp16', or torch's 'bfloat16'/'float16'), TFLOP/s,
+    from a profile (a mapping) or anything with peak_*_tflops attributes (GpuSpec, TrainConfig);
+    0 when there is none (fp32, or the cpu profile's zeros)."""
+    key = _PEAK_KEYS.get(dtype)
+    if key is None:
+        return 0.0
+    value = figures.get(key) if hasattr(figures, "get") else getattr(figures, key, None)
+    return float(value or 0)
+
+
+def mfu(flops: float, seconds: float, peak_tflops: float, gpus: int = 1) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over ``gpus`` GPUs' dense peak; None without a peak or time."""
+    if not (peak_tflops and seconds > 0 and flops):
+        return None
+    return flops / seconds / 1e12 / (peak_tflops * gpus)
+
+
 def _decode(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 

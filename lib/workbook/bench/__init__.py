@@ -37,7 +37,7 @@ Where each part lives: ``counting`` (bytes and FLOPs per step, rooflines, peaks,
 from workbook.bench.claims import GOALS, claims_table, goals_table
 from workbook.bench.counting import (
     BASELINE, HF_PIPELINE, NA, NOT_MEASURED, STRATEGIES, BenchError, PassCost, StepCost, cost_figures,
-    decode_step_cost, noise_note, parse_int_list, parse_strategies, pass_cost, pass_figures, peak_tflops, run_dtype,
+    decode_step_cost, noise_note, parse_int_list, parse_strategies, pass_cost, pass_figures, run_dtype,
 )
 from workbook.bench.generation_sweep import (
     GenerationSetup, generation_point, generation_setup, generation_sweep, mixed_prompts, planner_batch,
@@ -55,7 +55,7 @@ __all__ = [
     "GenerationSetup", "NvmlSampler", "PassCost", "StepCost", "baseline_note", "claims_table", "cli_main", "cost_figures",
     "decode_step_cost", "generation_point", "generation_rows", "generation_setup",
     "generation_sweep", "goals_table", "gpu_capacity_bytes", "hardware_text", "mixed_prompts", "noise_note", "nvml_rows",
-    "failed_points", "parse_int_list", "parse_strategies", "partial_record", "pass_cost", "pass_figures", "peak_tflops", "pipeline_comparison_lines", "planner_batch",
+    "failed_points", "parse_int_list", "parse_strategies", "partial_record", "pass_cost", "pass_figures", "pipeline_comparison_lines", "planner_batch",
     "run_benchmark", "run_dtype", "same_greedy_tokens", "sweep_points",
     "training_point", "training_points", "training_rows", "training_sweep",
 ]

@@ -330,7 +330,7 @@ def roofline_peaks(device: torch.device, dtype: str, bandwidth_gbs: float | None
     """(bandwidth GB/s, dense TFLOP/s for ``dtype``) of the roofline, and where they come from: the
     arguments, else the GPU spec table (one place for GPU specs); none on CPU."""
     spec = gpu.spec_for_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    table = {"bf16": spec.peak_bf16_tflops, "fp16": spec.peak_fp16_tflops}.get(dtype) if spec else None
+    table = gpu.dense_peak_tflops(spec, dtype) if spec else None
     bandwidth, peak = bandwidth_gbs or (spec and spec.memory_bandwidth_gbs), peak_tflops or table
     if not (bandwidth and peak):
         return (None, None), (f"n/a: no {'bandwidth' if not bandwidth else dtype + ' compute peak'} for "

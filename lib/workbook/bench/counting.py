@@ -99,11 +99,6 @@ def pass_cost(model, dtype: str, prompt_lengths: list[int], batch_size: int, new
         decode_steps=decode_steps)
 
 
-def peak_tflops(params, dtype: str) -> float:
-    """The profile's dense peak for ``dtype`` (fp32 has none in the profiles: 0)."""
-    return {"bf16": params["peak_bf16_tflops"], "fp16": params["peak_fp16_tflops"]}.get(dtype, 0.0)
-
-
 def pass_figures(cost: PassCost, output_tokens: int, seconds: float, bandwidth_gbs: float, peak_tflops_value: float,
                  ceilings: dict | None = None) -> dict:
     """A timed pass beside its roofline: ``roofline`` (the least time ``cost`` allows at the

@@ -27,12 +27,12 @@ from typing import Callable
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
-from workbook import ceilings, generation, models, runtime
+from workbook import ceilings, generation, gpu, models, runtime
 from workbook.bench import hf_pipeline
 from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.counting import (
     BASELINE, HF_PIPELINE, NOT_MEASURED, SEED_BATCH_SIZE, BenchError, cost_figures, parse_int_list, parse_strategies,
-    noise_note, pass_cost, pass_figures, peak_tflops, run_dtype, spread,
+    noise_note, pass_cost, pass_figures, run_dtype, spread,
 )
 from workbook.bench.sampler import NvmlSampler
 from workbook.params import AUTO
@@ -230,7 +230,7 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
         if peak_bytes is None else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
         predicted_peak_bytes=predicted,
         rows_per_batch=rows, pass_cost=dataclasses.asdict(whole),
-        **pass_figures(whole, tokens, median_run["seconds"], params["memory_bandwidth_gbs"], peak_tflops(params, dtype),
+        **pass_figures(whole, tokens, median_run["seconds"], params["memory_bandwidth_gbs"], gpu.dense_peak_tflops(params, dtype),
                        setup.ceilings),
         cost=cost_figures(median_run["seconds"], median_run["generated"], tokens, params["usd_per_gpu_hour"]),
         nvml=sampler.summary(),

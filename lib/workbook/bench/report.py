@@ -20,7 +20,7 @@ from workbook import gpu, job_keys, notebook, params as params_module, runner, r
 from workbook.bench import published
 from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
-from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, noise_note, peak_tflops, run_dtype
+from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, noise_note, run_dtype
 from workbook.bench.generation_sweep import generation_sweep
 from workbook.bench.training_sweep import memory_setting_names, training_label, training_setting, training_sweep
 from workbook.generation import GenerationError
@@ -60,7 +60,7 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
         # When and from what code: a reference folder keeps this file without a run's manifest.
         "started_at": started_at, "git": runner.git_state(),
         "params": {key: params[key] for key in params},
-        "peaks": {"memory_bandwidth_gbs": params["memory_bandwidth_gbs"], "dense_tflops": peak_tflops(params, dtype),
+        "peaks": {"memory_bandwidth_gbs": params["memory_bandwidth_gbs"], "dense_tflops": gpu.dense_peak_tflops(params, dtype),
                   "dtype": dtype, "usd_per_gpu_hour": params["usd_per_gpu_hour"],
                   "note": "from the profile; 0 means none to measure against (n/a)"},
         "versions": gpu.software_versions(),

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 
+from workbook import gpu
 from workbook.paths import REFERENCE_DIR, REPO_ROOT
 
 SECONDS_PER_HOUR = 3600.0
@@ -274,14 +275,21 @@ class Peaks:
     flops: float
     bytes_per_second: float
     source: str
+    note: str = ""  # set when the compute peak is not the job's dtype's
 
 
 def profile_peaks(profile: dict, dtype: str) -> Peaks | None:
-    """The spec-table peaks a profile states, or None when it states none (the cpu profile)."""
-    tflops = profile["peak_fp16_tflops"] if dtype == "fp16" else profile["peak_bf16_tflops"] or profile["peak_fp16_tflops"]
+    """The spec-table peaks a profile states, or None when it states none (the cpu profile). Where
+    the profile has no peak for ``dtype`` (fp32 always; bf16 on a V100), the job is projected at the
+    16-bit peak it would run at there, and the source says so."""
+    tflops, used = gpu.dense_peak_tflops(profile, dtype), dtype
+    for other in ("bf16", "fp16"):
+        if not tflops:
+            tflops, used = gpu.dense_peak_tflops(profile, other), other
     if tflops <= 0 or profile["memory_bandwidth_gbs"] <= 0:
         return None
-    return Peaks(tflops * 1e12, profile["memory_bandwidth_gbs"] * 1e9, f"params/{profile['profile']}.yaml")
+    note = f"at {profile['profile']}'s {used} peak (it states none for {dtype})" if used != dtype else ""
+    return Peaks(tflops * 1e12, profile["memory_bandwidth_gbs"] * 1e9, f"params/{profile['profile']}.yaml", note)
 
 
 def efficiencies(phases: Phases, peaks: Peaks) -> dict:
@@ -346,7 +354,7 @@ def profile_rows(phases: Phases, this_profile: dict, here: Peaks, profiles: dict
             seconds = project(phases, here, there, profile["gpu_count"] * num_nodes, processes_here, reference)
             basis = (f"projected from {name}'s committed reference ({reference['file']})"
                      if reference else f"projected from here ({this_profile['profile']}: {here.source}) by "
-                     "bandwidth (decode) and compute (prefill, steps) ratios")
+                     "bandwidth (decode) and compute (prefill, steps) ratios") + (f"; {there.note}" if there.note else "")
         rows.append({"profile": name, "wall_seconds": round(seconds, 2), **cost(seconds, profile, num_nodes),
                      "basis": basis})
     return rows

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from workbook import models, runtime
+from workbook import gpu, models, runtime
 from workbook.planner.architectures import model_attention
 from workbook.training import batches, checkpoints, evaluation, packed_attention, report, tracking
 from workbook.training.config import (
@@ -162,7 +162,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                         f"before it are kept in {output_dir}); lower learning_rate, or check the data and dtype")
                 history.append(record)
                 if config.report_to != "none":
-                    accelerator.log(tracking.step_metrics(record, report.dense_peak_tflops(config), world, device), step=step)
+                    accelerator.log(tracking.step_metrics(record, gpu.dense_peak_tflops(config, config.dtype), world, device), step=step)
                 progress.update(1)
                 progress.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_second'] or 0:,.0f}")
                 if validation_batches is not None and (step % eval_every == 0 or step == run.total_steps):

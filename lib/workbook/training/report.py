@@ -42,11 +42,6 @@ def measured_peak_memory(device, accelerator) -> dict:
             "note": "max over processes of torch.cuda.max_memory_reserved + memory outside PyTorch's allocator"}
 
 
-def dense_peak_tflops(config) -> float:
-    """The profile's dense peak per GPU for the run's dtype, TFLOP/s; 0 when it has none (fp32)."""
-    return {"bf16": config.peak_bf16_tflops, "fp16": config.peak_fp16_tflops}.get(config.dtype, 0.0)
-
-
 def throughput(steps: list[dict], config, processes: int, on_gpu: bool) -> dict:
     """Tokens/s and MFU of these steps (records with ``tokens``, ``seconds`` and ``flops``), the
     first TIMING_WARMUP_STEPS left out of the steady-state figures; any loop's steps are counted so."""
@@ -58,13 +53,13 @@ def throughput(steps: list[dict], config, processes: int, on_gpu: bool) -> dict:
     achieved_tflops = sum(r["flops"] for r in warm) / seconds / 1e12 if seconds else None
     rates = [r["tokens"] / r["seconds"] for r in warm if r["seconds"]]
     median_step = statistics.median(rates) if rates else None
-    peak = dense_peak_tflops(config)
+    peak = gpu.dense_peak_tflops(config, config.dtype)
     if not on_gpu:
         mfu, mfu_note = None, "n/a: CPU run (no GPU peak to measure against)"
     elif not peak:
         mfu, mfu_note = None, f"n/a: profile {config.profile} has no dense {config.dtype} peak (fp32 runs have none)"
     else:
-        mfu = achieved_tflops / (peak * processes) if achieved_tflops else None
+        mfu = gpu.mfu(sum(r["flops"] for r in warm), seconds, peak, processes)
         mfu_note = f"against {peak:g} dense {config.dtype} TFLOP/s x {processes} GPU(s) (profile {config.profile})"
     return {
         "tokens_per_second": tokens_per_second, "tokens_per_second_overall": overall,

@@ -13,7 +13,7 @@ import importlib.util
 import os
 from pathlib import Path
 
-from workbook import runtime
+from workbook import gpu, runtime
 
 REPORT_TO = ("none", "tensorboard", "wandb")
 TRACKING_DIR_NAME = "tracking"
@@ -52,10 +52,7 @@ def start(accelerator, config) -> None:
 
 def step_metrics(record: dict, peak_tflops: float, processes: int, device) -> dict[str, float]:
     """The numbers of one optimizer step for the trackers (None-valued ones left out)."""
-    seconds = record["seconds"]
-    mfu = None
-    if device.type == "cuda" and peak_tflops and seconds > 0:
-        mfu = record["flops"] / seconds / 1e12 / (peak_tflops * processes)
+    mfu = gpu.mfu(record["flops"], record["seconds"], peak_tflops, processes) if device.type == "cuda" else None
     peak = runtime.peak_memory(device)
     metrics = {"train/loss": record["loss"], "train/learning_rate": record["learning_rate"],
                "train/grad_norm": record["grad_norm"], "train/tokens_per_second": record["tokens_per_second"],
