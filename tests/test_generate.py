@@ -336,6 +336,15 @@ def test_sampling_is_recorded_and_repeats_with_the_same_seed(tmp_path, tiny):
     assert first[0]["metadata"]["generation_params"] == {"temperature": 1.5, "top_p": 0.95, "max_new_tokens": 6,
                                                          "do_sample": True, "seed": 7}
     assert outputs_by_id(tmp_path / "a.jsonl") == outputs_by_id(tmp_path / "b.jsonl")
+    # It samples: another seed draws other tokens; a temperature near 0, or a top_p that keeps only
+    # the likeliest token, draws the greedy ones (so both settings reach the sampler).
+    outputs = {}
+    for name, changes in (("seed8", dict(sampled, seed=8)), ("greedy", dict(max_new_tokens=6)),
+                          ("cold", dict(sampled, temperature=1e-3, top_p=1.0)), ("narrow", dict(sampled, top_p=1e-6))):
+        generation.run_job(job_params(prompts, tmp_path / name, **changes), tmp_path / name, **run)
+        outputs[name] = outputs_by_id(tmp_path / name)
+    assert outputs["seed8"] != outputs_by_id(tmp_path / "a.jsonl")
+    assert outputs["cold"] == outputs["greedy"] == outputs["narrow"] != outputs_by_id(tmp_path / "a.jsonl")
     with pytest.raises(generation.GenerationError, match="sampling needs temperature > 0"):
         generation.run_job(job_params(prompts, tmp_path / "c.jsonl", do_sample=True, temperature=0.0),
                          tmp_path / "c.jsonl", **run)

@@ -346,7 +346,10 @@ def test_resume_refuses_an_edited_prompt_or_other_settings_by_name(tmp_path, tin
     write_prompts(prompts, good)
     changes = {"'max_new_tokens': 5": dict(max_new_tokens=5),
                "this run: tiny with {'temperature': 0.7": dict(do_sample=True, temperature=0.7, max_new_tokens=4),
-               "so dtype or use_chat_template differ": dict(use_chat_template=False, max_new_tokens=4)}
+               "so dtype, use_chat_template or system_prompt differ": dict(use_chat_template=False, max_new_tokens=4),
+               "this run: " + str(tmp_path) + " with": dict(model=str(tmp_path), max_new_tokens=4),  # another teacher
+               "the same model and decoding (tiny with": dict(dtype="bf16", max_new_tokens=4),
+               "system_prompt differ": dict(system_prompt="You add numbers.", max_new_tokens=4)}
     for shown, change in changes.items():
         with pytest.raises(generation.GenerationError, match=r"out.jsonl holds 6 output\(s\) made with other "
                                                              r"settings than this run's.*new file for these settings"

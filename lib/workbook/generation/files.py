@@ -166,12 +166,12 @@ def check_resume(files: OutputFiles, written: dict[tuple[Any, int], Written], ex
         first = next(entry for entry in written.values() if not same_settings(entry))
         now = f"{teacher_model} with {generation_params}"
         if (first.teacher_model, first.generation_params) == (teacher_model, generation_params):
-            how = f"the same model and decoding ({now}), so dtype or use_chat_template differ"
+            how = f"the same model and decoding ({now}), so dtype, use_chat_template or system_prompt differ"
         else:
             how = f"{first.teacher_model} with {first.generation_params}; this run: {now}"
         raise GenerationError(
             f"{files.output} holds {len(other_settings)} output(s) made with other settings than this run's (model, "
-            f"dtype, use_chat_template or decoding), e.g. id {other_settings[0]!r}: {how}. Resuming would mix them "
+            f"dtype, use_chat_template, system_prompt or decoding), e.g. id {other_settings[0]!r}: {how}. Resuming would mix them "
             f"in one file: set output_path to a new file for these settings, or move {files.output.name} (and its "
             "part files) away to start again.")
     beyond = sorted({sample for _, sample in written if sample >= samples_per_prompt})
