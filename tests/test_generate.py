@@ -60,7 +60,8 @@ VARIED_PROMPTS = [record["input"] for record in arithmetic.sample_records()[:10]
 
 
 def greedy_one_at_a_time(model, prompts, settings):
-    """Reference: plain `generate` on each prompt alone (no padding), cut at the first end of sequence."""
+    """Reference: plain `generate` on each prompt alone (no padding), cut at the first end of sequence;
+    with its finish reason: "eos" where it ended so, else "length"."""
     results = {}
     for prompt in prompts:
         output = model.generate(torch.tensor([prompt.token_ids]), max_new_tokens=prompt.max_new_tokens,
@@ -68,7 +69,7 @@ def greedy_one_at_a_time(model, prompts, settings):
                                 pad_token_id=settings.pad_token_id)
         new = output[0, len(prompt.token_ids):].tolist()
         ends = [i for i, token in enumerate(new) if token in settings.eos_token_ids]
-        results[prompt.index] = new[: ends[0] + 1] if ends else new
+        results[prompt.index] = (new[: ends[0] + 1], "eos") if ends else (new, "length")
     return results
 
 
@@ -77,7 +78,8 @@ def engine_results(backend, prompts):
 
     def write(outcome):
         assert not outcome.failed
-        collected.update({prompt.index: completion.token_ids for prompt, completion in outcome.completed})
+        collected.update({prompt.index: (completion.token_ids, completion.finish_reason)
+                          for prompt, completion in outcome.completed})
 
     generation.run_batches(backend, prompts, write=write)
     return collected
@@ -97,8 +99,9 @@ def varied(tiny):
     # some rows end early with EOS and the three-digit answers run into the limit.
     prompts, settings = make_prompts(tiny, VARIED_PROMPTS, max_new_tokens=4)
     reference = greedy_one_at_a_time(tiny[0], prompts, settings)
-    lengths = {len(tokens) for tokens in reference.values()}
+    lengths = {len(tokens) for tokens, _ in reference.values()}
     assert min(lengths) < settings.max_new_tokens == max(lengths), "outputs should end early and at the limit"
+    assert {finish for _, finish in reference.values()} == {"eos", "length"}
     return prompts, settings, reference
 
 
@@ -144,7 +147,7 @@ def test_a_short_warm_up_call_leaves_static_compiled_a_cache_the_job_reuses(tiny
     backend.generate([dataclasses.replace(p, max_new_tokens=2) for p in batch])
     output = backend.generate(batch)
     assert len({id(cache) for cache, _ in used}) == 1
-    assert {p.index: c.token_ids for p, c in zip(batch, output.completions)} == {p.index: reference[p.index]
+    assert {p.index: (c.token_ids, c.finish_reason) for p, c in zip(batch, output.completions)} == {p.index: reference[p.index]
                                                                                 for p in batch}
 
 
@@ -168,7 +171,7 @@ def test_output_is_sliced_at_the_padded_prompt_length_not_at_the_unpadded_count(
     # its own prompt; the long prompt forces 30+ pad tokens on the short one.
     prompts, settings = make_prompts(tiny, ["What is 2 + 2?", "Please tell me right now: what is 40 + 2?"])
     results = engine_results(generation.make_backend("static", tiny[0], settings, 2), prompts)
-    text = tiny[1].decode(results[0], skip_special_tokens=True)
+    text = tiny[1].decode(results[0][0], skip_special_tokens=True)
     assert "?" not in text and "What" not in text and results == greedy_one_at_a_time(tiny[0], prompts, settings)
 
 
@@ -190,6 +193,12 @@ def test_a_job_writes_seed_format_records_counts_and_a_summary(tmp_path, tiny):
                                                       "do_sample": False, "seed": None}
     assert all(r["metadata"]["finish_reason"] in ("eos", "length") and r["metadata"]["output_tokens"] >= 1
                and r["metadata"]["prompt_tokens"] == len(r["input"]) + 1 for r in written)  # + <s>
+    # "length": the limit ended it, and its text is every token (one character each); "eos": the
+    # model ended it, and the end-of-sequence token is counted but not written.
+    for r in written:
+        tokens, reason = r["metadata"]["output_tokens"], r["metadata"]["finish_reason"]
+        assert reason == "eos" or tokens == 8, r
+        assert len(r["output"]) == (tokens if reason == "length" else tokens - 1), r
     assert summary["generated"] == summary["in_output"] == 20 and summary["unaccounted"] == 0
     assert summary["batches"] == 4 and len(summary["batch_list"]) == 4
     assert all(b["longest_output_tokens"] >= 1 for b in summary["batch_list"])
