@@ -425,6 +425,35 @@ def test_loss_falls_when_overfitting_a_few_examples(tmp_path):
     assert (final / "config.json").is_file() and (final / "tokenizer.json").is_file()
 
 
+def test_the_before_and_after_figures_are_measured_after_training_not_carried_over(tmp_path):
+    # The tiny model answers the arithmetic task well; trained on answers that are all one too high,
+    # its validation loss on such answers falls and its accuracy against the true answers collapses
+    # (measured: 1.65 -> 1.38 nats, 94% -> 0% of 16 validation questions).
+    wrong = [{**r, "output": str(int(r["output"]) + 1)} for r in arithmetic.sample_records()[:64]]
+    path = write_jsonl(tmp_path / "wrong.jsonl", wrong)
+    result = training.train(make_config(tmp_path, path, validation_fraction=0.25, micro_batch_size=8,
+                                        learning_rate=3e-3, max_steps=12, use_chat_template=True))
+    assert result["loss"]["eval_after"] < result["loss"]["eval_before"]
+    accuracy = result["accuracy"]
+    assert accuracy["before"]["records"] == accuracy["after"]["records"] == 16
+    assert accuracy["before"]["accuracy"] >= 0.75 and accuracy["after"]["accuracy"] <= 0.25, accuracy
+
+
+def test_mfu_is_the_achieved_flops_over_every_gpus_dense_peak_after_the_warm_up_steps():
+    from types import SimpleNamespace
+    from workbook.training import report
+    # 8 GPUs at the H100's dense bf16 peak; the first steps (compilation, warm-up) are slow and left out.
+    warm_up = [{"tokens": 1000, "seconds": 10.0, "flops": 1e15}] * report.TIMING_WARMUP_STEPS
+    steps = warm_up + [{"tokens": 1000, "seconds": 1.0, "flops": 1e15}] * 4
+    config = SimpleNamespace(peak_bf16_tflops=989.5, peak_fp16_tflops=989.5, dtype="bf16", profile="h100x8")
+    figures = report.throughput(steps, config, processes=8, on_gpu=True)
+    assert figures["achieved_tflops"] == pytest.approx(1000.0)
+    assert figures["mfu"] == pytest.approx(1000 / (989.5 * 8))
+    assert "989.5 dense bf16 TFLOP/s x 8 GPU(s)" in figures["mfu_note"]
+    fp32 = report.throughput(steps, SimpleNamespace(**{**vars(config), "dtype": "fp32"}), processes=8, on_gpu=True)
+    assert fp32["mfu"] is None and "no dense fp32 peak" in fp32["mfu_note"]
+
+
 def test_lora_trains_adapters_of_the_size_the_planner_counts_and_saves_only_them(tmp_path, tiny_model_path):
     path = arithmetic_pairs(tmp_path)
     result = training.train(make_config(tmp_path, path, lora_rank=4, learning_rate=1e-2, max_steps=3))
