@@ -265,3 +265,24 @@ def test_forecast_reads_every_training_key_it_pilots_with(capsys):
     assert capsys.readouterr().err == ""
     cli.note_keys_not_read("verify", ["batch_size=8"])
     assert "`workbook verify` does not read it" in capsys.readouterr().err
+
+
+def test_an_output_lost_between_engine_and_file_is_reported_by_id_and_fails_the_job(tmp_path, monkeypatch, capsys):
+    # The audit after the merge is the net under every other guarantee: here a writer that silently
+    # drops one record (a bug of ours it must catch) leaves an id in neither file.
+    from workbook import jsonl
+    prompts, output = tmp_path / "prompts.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "input": f"What is {i} + 1?"}) + "\n" for i in range(4)))
+    write_encodable = jsonl.LineAppender.write_encodable
+
+    def dropping_q2(self, records):
+        return write_encodable(self, [r for r in records if r["metadata"]["example_id"] != "q2"])
+
+    monkeypatch.setattr(jsonl.LineAppender, "write_encodable", dropping_q2)
+    code = cli.main(["generate", "--params", "cpu", "--set", f"prompts_path={prompts}", f"output_path={output}",
+                     "max_new_tokens=4", *GREEDY_SET])
+    printed = capsys.readouterr().out
+    assert code == 1
+    assert "ERROR: 1 examples are neither in the output nor in the failures file, e.g. ['q2']" in printed
+    summary = json.loads(output.with_suffix(".summary.json").read_text())
+    assert summary["unaccounted"] == 1 and summary["unaccounted_ids"] == ["q2"] and summary["in_output"] == 3
