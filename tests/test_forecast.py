@@ -489,7 +489,12 @@ def test_review_collects_forecast_against_measured_and_plots_it(tmp_path):
     points = forecast.forecast_points(tmp_path)
     assert points == [{"run": "20260101-000000-cpu/generations.summary.json", "predicted_seconds": 100.0,
                        "measured_seconds": 90.0, "kind": "generation"}]
-    assert plots.forecast_against_measured(points).axes and plots.forecast_against_measured([]).axes
+    [axis] = plots.forecast_against_measured(points).axes
+    [generation_points, training_points] = axis.collections[:2]
+    assert generation_points.get_offsets().tolist() == [[90.0, 100.0]] and len(training_points.get_offsets()) == 0
+    assert {"forecast = measured", "within 10%"} <= set(axis.get_legend_handles_labels()[1])
+    [empty] = plots.forecast_against_measured([]).axes
+    assert "no run recorded a forecast yet" in empty.texts[0].get_text()
     rows = [{"profile": "cpu", "wall_seconds": 3600.0, "usd": 0.0, "basis": "measured here (pilot)"},
             {"profile": "h100", "wall_seconds": 60.0, "usd": 0.04, "basis": "projected from here"},
             {"profile": "v100", "wall_seconds": None, "usd": None, "basis": "not projected"}]
