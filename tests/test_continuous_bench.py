@@ -1,4 +1,4 @@
-"""The continuous-batching benchmark's CPU path, at a tiny size: the same tokens in every arm, the
+"""The continuous-batching benchmark's CPU path, at a tiny size: the same drawn lengths in every arm, the
 figures the GPU run is for (tokens/s, peak memory, roofline fraction), and its time budget."""
 
 import json
@@ -10,7 +10,7 @@ from workbook.bench import continuous_batching
 TINY_RUN = ["--examples", "6", "--max-new-tokens", "4", "--threads", "1", "--bandwidth-gbs", "10", "--peak-tflops", "1"]
 
 
-def test_every_arm_computes_the_same_tokens_and_the_report_has_the_gpu_figures(tmp_path, tiny_model_path):
+def test_every_arm_generates_the_drawn_lengths_and_the_report_has_the_gpu_figures(tmp_path, tiny_model_path):
     assert continuous_batching.main([*TINY_RUN, "--repeats", "1", "--memory-gib", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "continuous_batching.json").read_text())
     lengths = {"full": [4] * 6, "uneven": continuous_batching.drawn_lengths(6, 4)}
