@@ -327,6 +327,8 @@ def test_held_out_questions_are_read_before_the_model_loads_and_must_be_the_arit
 
     with pytest.raises(training.TrainError, match=r"eval_prompts_path 'nope.jsonl': no such file"):
         training.config_from_params({**profile, "eval_prompts_path": "nope.jsonl"}, tmp_path)
+    with pytest.raises(training.TrainError, match=r"eval_prompts_path '.*': a folder, not a file"):
+        training.config_from_params({**profile, "eval_prompts_path": str(tmp_path)}, tmp_path)
     other_task = write_jsonl(tmp_path / "questions.jsonl", [{"input": "What is 1 + 2?"}, {"input": "Name a colour."}])
     with pytest.raises(training.TrainError, match=r"questions.jsonl:2: eval_prompts_path holds held-out questions"):
         training.prepare_data(dataclasses.replace(config, data_path=arithmetic_pairs(tmp_path),

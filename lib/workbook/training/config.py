@@ -140,7 +140,8 @@ def resolve_eval_path(eval_prompts_path: str) -> str:
         return ""
     path = resolve_input_path(eval_prompts_path)
     if not path.is_file():
-        raise TrainError(f"eval_prompts_path {eval_prompts_path!r}: no such file. Point it at a JSONL file of "
+        what = "a folder, not a file" if path.is_dir() else "no such file"
+        raise TrainError(f"eval_prompts_path {eval_prompts_path!r}: {what}. Point it at a JSONL file of "
                          "arithmetic questions, or set it to '' to score the validation split.")
     return str(path.resolve())  # absolute: launched processes may start elsewhere
 
