@@ -185,8 +185,15 @@ def test_two_nodes_train_as_one_process_with_the_same_global_batch_and_resume_af
         time.sleep(0.01)
     kill(nodes[1])
     kill(nodes[0])
+    # A forecast left in the training folder (as `workbook forecast --mode train` leaves it) is set
+    # beside what the launched run measured, as a one-process run sets it.
+    made = {"predicted_wall_seconds": 30.0, "predicted_wall_seconds_range": [20.0, 40.0],
+            "pilot": {"share_of_job_steps": 0.1}}
+    (tmp_path / "node0" / "run" / "training" / "forecast.json").write_text(json.dumps(made))
     finish(start_nodes(tmp_path, command))
     two = json.loads((tmp_path / "node0" / "run" / "training_metrics.json").read_text())
+    assert two["forecast"]["predicted_wall_seconds"] == 30.0 and two["forecast"]["measured_wall_seconds"] > 0
+    assert "launched: this rank's start" in two["forecast"]["measured"]
     assert 0 < two["steps"]["resumed_from"] < 12 and two["steps"]["reached"] == 12
     assert two["settings"]["processes"] == 2 and two["plan"]["effective_batch_rows"] == one["plan"]["effective_batch_rows"]
     # Steps before the kill come from the checkpoint's history, the rest from the resumed run: one

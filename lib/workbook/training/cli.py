@@ -81,14 +81,22 @@ def _run_and_report(params, run_dir: Path) -> int:
             for line in fit.lines_for_unfit_run(params, error):
                 print(line, file=sys.stderr)
         return 2
-    result["forecast"] = forecast.forecast_beside_measured(  # `workbook forecast --mode train` wrote it there
-        Path(config.output_dir) / "forecast.json", runtime.process_age_seconds(),
-        "this process's start to the end of training (start-up included, as forecast)")
-    (Path(run_dir) / METRICS_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n")
+    write_metrics(result, config, run_dir)
     for line in summary_lines(result):
         print(line)
     print(f"metrics: {Path(run_dir) / METRICS_FILE}")
     return 0
+
+
+def write_metrics(result: dict, config, run_dir: Path) -> None:
+    """The run's metrics file, with the forecast `workbook forecast --mode train` left in the
+    training folder beside what this run measured."""
+    clock = "this process's start to the end of training (start-up included, as forecast)"
+    if runtime.inside_launcher():
+        clock += "; launched: this rank's start, after the launcher's own"
+    result["forecast"] = forecast.forecast_beside_measured(Path(config.output_dir) / "forecast.json",
+                                                           runtime.process_age_seconds(), clock)
+    (Path(run_dir) / METRICS_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir) if args.run_dir else notebook.new_run_dir(params["profile"])
     run_dir.mkdir(parents=True, exist_ok=True)
     try:  # one of the launched processes: the launcher made them, train here
-        result = train(config_from_params(params, run_dir))
+        config = config_from_params(params, run_dir)
+        result = train(config)
     except (TrainError, jsonl.DataError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     if int(os.environ.get("RANK", "0")) == 0:
-        (run_dir / METRICS_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_metrics(result, config, run_dir)
         print("\n".join(summary_lines(result)))
     return 0
