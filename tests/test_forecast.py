@@ -387,6 +387,22 @@ def job_params(prompts_path, output_path, **changes):
     return values
 
 
+def test_the_pilot_writes_a_relative_output_path_where_the_job_will(tmp_path, tiny_model_path, monkeypatch):
+    # A relative prompts path falls back to the repository root; an output path never does: the
+    # pilot must write where the job then resumes, even when the root holds a file of that name.
+    from workbook.generation import files
+    repo, work = tmp_path / "repo", tmp_path / "work"
+    repo.mkdir(), work.mkdir()
+    (repo / "out.jsonl").write_text("")
+    monkeypatch.setattr(files, "REPO_ROOT", repo)
+    monkeypatch.chdir(work)
+    model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 20)
+    pilot.forecast_generation(job_params(prompts, "out.jsonl", batch_size=4, max_new_tokens=4), share=0.2,
+                              log=lambda line: None, model=model, tokenizer=tokenizer)
+    assert len((work / "out.jsonl").read_text().splitlines()) == 4 and (repo / "out.jsonl").read_text() == ""
+
+
 @pytest.mark.parametrize("backend", ["static", "continuous"])
 def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_model_path, backend):
     model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")

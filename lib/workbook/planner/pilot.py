@@ -144,12 +144,12 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     resume skips them. ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests)."""
     from workbook.generation import job
     from workbook.generation.engine import in_batches, sort_longest_first
-    from workbook.generation.files import OutputFiles, lock_output, resolve_input_path
+    from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
     from workbook.generation.inputs import read_inputs
 
     entered = startup.seconds_so_far(clock)
     job.require_keys(params)
-    files = OutputFiles(resolve_input_path(params["output_path"]))
+    files = OutputFiles(resolve_output_path(params["output_path"], None))  # where the job writes
     rank = job.Rank(0, 1, runtime.default_device())
     with lock_output(files):
         inputs = read_inputs(params, files, record_skipped=False)
