@@ -411,10 +411,8 @@ def _output_record(example, completion: Completion, tokenizer, params, teacher, 
                    system_prompt: dict | None) -> dict:
     ids = completion.token_ids[:-1] if completion.finish_reason == FINISH_EOS else completion.token_ids
     text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-    record = records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
-                                   generation_params=generation_params, prompt_tokens=prompt_tokens,
-                                   output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
-                                   settings_fingerprint=settings_fingerprint, sample_index=sample_index)
-    if system_prompt is not None:
-        record["metadata"]["system_prompt"] = system_prompt
-    return record
+    return records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
+                                 generation_params=generation_params, prompt_tokens=prompt_tokens,
+                                 output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
+                                 settings_fingerprint=settings_fingerprint, sample_index=sample_index,
+                                 system_prompt=system_prompt)

@@ -129,7 +129,8 @@ def settings_fingerprint(settings: dict) -> str:
 
 def output_record(example: Example, *, output: str, prompt_field: str, teacher_model: str,
                   generation_params: dict, prompt_tokens: int, output_tokens: int, finish_reason: str,
-                  settings_fingerprint: str, sample_index: int | None = None) -> dict:
+                  settings_fingerprint: str, sample_index: int | None = None,
+                  system_prompt: dict | None = None) -> dict:
     """One output line in seed 000's format, plus what an audit needs.
 
     ``input`` is the prompt as read (before any chat template), ``output`` the generated text;
@@ -140,8 +141,9 @@ def output_record(example: Example, *, output: str, prompt_field: str, teacher_m
     model's context ended it) and ``settings_fingerprint`` (of everything besides the prompt that
     made this output; a resume refuses to mix outputs of different settings in one file). With
     several samples per prompt, ``metadata.sample_index`` (0 to N - 1) says which candidate this is;
-    (example_id, sample_index) is then what a resume and a merge count. Every other input field is
-    carried through at the top level.
+    (example_id, sample_index) is then what a resume and a merge count. With a system prompt (prompt
+    distillation), ``metadata.system_prompt`` records which (its source, length and SHA-256, not its
+    text). Every other input field is carried through at the top level.
     """
     consumed = {prompt_field_of(example.record, prompt_field), "output", "difficulty", "domain"}
     record = {
@@ -159,6 +161,7 @@ def output_record(example: Example, *, output: str, prompt_field: str, teacher_m
             "output_tokens": output_tokens,
             "finish_reason": finish_reason,
             "settings_fingerprint": settings_fingerprint,
+            **({} if system_prompt is None else {"system_prompt": system_prompt}),
         },
     }
     clashing = {}
