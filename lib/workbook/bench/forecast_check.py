@@ -99,7 +99,8 @@ class Session:
 def command(argv: list[str], session: Session) -> tuple[float, float, subprocess.CompletedProcess]:
     """Run ``python <argv>`` in a fresh process: (wall seconds, its CPU seconds (user + system), the
     completed process). Its own process group, so that a stop at the deadline ends its children too.
-    Raises NotFinished at the deadline or when it fails."""
+    Raises NotFinished at the deadline, or when it fails (an exit code besides 0, and 1: a job with
+    failed examples, whose time still counts)."""
     left = session.seconds_left()
     if left is not None and left <= 0:
         raise NotFinished(f"no time left in the budget to start python {' '.join(argv[:3])}")

@@ -33,12 +33,12 @@ from workbook.planner.forward_timer import ForwardTimer
 from workbook.planner.forecast import GenerationTimings, OutputLengths, Phases, Peaks
 
 PARAMS_USED = job_keys.FORECAST
-DEFAULT_SHARE = 0.1
+DEFAULT_SHARE = 0.1  # the pilot runs at most this share of the job's batches (training: steps), at least one
 WARM_UP_NEW_TOKENS = 2  # the warm-up's generation: a prefill and one decode step at the pilot's first shape
 # What the forecast predicts: wall seconds (what a user waits and pays for), or this process's CPU
 # seconds (user + system), which a machine shared with other work does not stretch: with one thread
 # per process (OMP_NUM_THREADS=1) they equal the wall time of the same run on an idle machine.
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # the pilot runs at most this share of the job's batches (training: steps), at least one
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclasses.dataclass

@@ -1,4 +1,4 @@
-"""The training function every process runs: one optimizer step is ~40 lines of ``train``.
+"""The training function every process runs: one optimizer step is ~55 lines of ``train``.
 
 Why a plain accelerate loop and not the Hugging Face Trainer: this workbook exists to measure what
 each speed setting does, so the loop must own every number it reports and be short enough to read.

@@ -75,7 +75,7 @@ def listing(items: list[str], total: int) -> str:
 
 def left_out_lines(prepared: PreparedData) -> list[str]:
     """A console line for each kind of input left out of training: bad lines (on_bad_line: skip)
-    and records without a usable input/output pair. None when nothing was left out."""
+    and records without a usable input/output pair; empty when nothing was left out."""
     lines = []
     if prepared.skipped_lines:
         lines.append(f"skipped {len(prepared.skipped_lines)} bad line(s) (on_bad_line: skip): "
