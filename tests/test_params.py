@@ -65,6 +65,11 @@ def test_every_notebook_default_is_the_cpu_profiles_value():
             default = ast.literal_eval(declared["default"])
             if name != RUN_DIR_PARAMETER and (default, type(default)) != (cpu[name], type(cpu[name])):
                 differing.append(f"{path.name}: {name} = {declared['default']}, params/cpu.yaml: {cpu[name]!r}")
+            # Typed, so `papermill --help-notebook` shows each key's type: the schema's ('auto' besides, if it says so).
+            kind = params.SCHEMA[name].kind.__name__ if name != RUN_DIR_PARAMETER else "str"
+            if declared["inferred_type_name"] != kind or not declared["help"]:
+                differing.append(f"{path.name}: {name} is declared {declared['inferred_type_name']}, "
+                                 f"the schema says {kind}; or it has no comment")
     assert not differing, "\n".join(differing)
 
 
