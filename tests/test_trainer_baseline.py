@@ -49,7 +49,7 @@ def test_the_trainer_sees_the_workbooks_batches_reaches_its_loss_and_the_report_
                                                  "peak memory not measured")
     assert trainer_row["peak memory"] == bench.NOT_MEASURED
     note = bench.baseline_note(report)
-    assert trainer["hardware"] in note and "(CPU)" in note and "fp32" in note and "Still different" in note
+    assert trainer["hardware"] in note and "on CPU: " in note and "fp32" in note and "Still different" in note
     assert f"workbook {workbook['final_loss']:.6g}, HF Trainer {trainer['final_loss']:.6g}" in note
 
     # The tolerance has teeth: the same Trainer run with a learning rate 10% off fails it.

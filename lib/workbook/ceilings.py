@@ -78,7 +78,7 @@ def measure(device: torch.device | str | None = None, *, dtype: torch.dtype | No
     return Ceilings(copy_bytes_per_second=2 * copy_bytes / copy_seconds,
                     matmul_flops_per_second=2 * size ** 3 / matmul_seconds,
                     matmul_dtype=str(dtype).removeprefix("torch."), copy_bytes=copy_bytes, matmul_size=size,
-                    repeats=repeats, device=_device_name(device), runs_per_sample=runs)
+                    repeats=repeats, device=runtime.device_description(device), runs_per_sample=runs)
 
 
 def _best_seconds(work, device: torch.device, repeats: int, runs: int = 1) -> float:
@@ -94,13 +94,6 @@ def _best_seconds(work, device: torch.device, repeats: int, runs: int = 1) -> fl
         runtime.synchronize(device)
         best = min(best, (time.perf_counter() - began) / runs)
     return best
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    facts = gpu.cpu_facts()
-    return f"CPU ({facts.get('model', 'unknown')}, {facts.get('logical_cores', '?')} logical cores)"
 
 
 def against_datasheet(ceilings: Ceilings, params: dict) -> dict:

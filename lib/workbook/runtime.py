@@ -90,6 +90,17 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def device_description(device: torch.device) -> str:
+    """What a measurement ran on, for its report: the GPU's name, or the CPU's model with the
+    threads torch computes with (a CPU figure depends on them as much as on the chip)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from workbook import gpu
+    facts = gpu.cpu_facts()
+    return (f"CPU: {facts.get('model', 'unknown')}, {torch.get_num_threads()} threads "
+            f"({facts.get('usable_cores', '?')} usable of {facts.get('logical_cores', '?')} logical cores)")
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so a timer read next measures it (no-op on CPU)."""
     if device.type == "cuda":

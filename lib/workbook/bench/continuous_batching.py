@@ -318,13 +318,6 @@ def _ratio(median: dict, slower: str, faster: str) -> float | None:
     return round(median[slower] / median[faster], 3) if slower in median and faster in median else None
 
 
-def hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = gpu.cpu_facts()
-    return f"{cpu['model']}, {cpu['usable_cores']} usable of {cpu['logical_cores']} logical cores"
-
-
 def roofline_peaks(device: torch.device, dtype: str, bandwidth_gbs: float | None, peak_tflops: float | None
                    ) -> tuple[tuple[float | None, float | None], str]:
     """(bandwidth GB/s, dense TFLOP/s for ``dtype``) of the roofline, and where they come from: the
@@ -334,7 +327,7 @@ def roofline_peaks(device: torch.device, dtype: str, bandwidth_gbs: float | None
     bandwidth, peak = bandwidth_gbs or (spec and spec.memory_bandwidth_gbs), peak_tflops or table
     if not (bandwidth and peak):
         return (None, None), (f"n/a: no {'bandwidth' if not bandwidth else dtype + ' compute peak'} for "
-                              f"{hardware(device)} (--bandwidth-gbs and --peak-tflops give them)")
+                              f"{runtime.device_description(device)} (--bandwidth-gbs and --peak-tflops give them)")
     sources = [f"{bandwidth:g} GB/s" + (" (--bandwidth-gbs)" if bandwidth_gbs else ""),
                f"{peak:g} TFLOP/s {dtype}" + (" (--peak-tflops)" if peak_tflops else "")]
     if spec and not (bandwidth_gbs and peak_tflops):
@@ -414,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                 "continuous backend vs transformers' continuous batching called directly with the same cache",
         "model": args.model if stopped and not results else loaded.description, "device": str(device),
         "dtype": args.dtype, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "repeats": args.repeats, "hardware": hardware(device),
+        "threads": torch.get_num_threads(), "repeats": args.repeats, "hardware": runtime.device_description(device),
         # Other processes share this machine's cores: its load average says how busy it was.
         "load_average_1min_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "uneven_lengths": f"lognormal(median {max(1, args.max_new_tokens // 8)}, sigma {LOGNORMAL_SIGMA}) capped at "

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from workbook import gpu, runtime
+from workbook import runtime
 from workbook.training.chunked_loss import ChunkedCrossEntropy
 from workbook.training.examples import IGNORE_INDEX
 
@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     device = runtime.default_device()
     shares = [float(share) for share in args.shares.split(",")]
     rows = measure(args.positions, args.hidden_size, args.vocab, args.chunk, shares, args.repeats, device)
-    hardware = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                else f"{gpu.cpu_facts()['model']}, {torch.get_num_threads()} threads (CPU)")
+    hardware = runtime.device_description(device)
     command = "python -m workbook.bench.loss_head " + " ".join(argv if argv is not None else sys.argv[1:])
     what = (f"forward + backward of the training loss from the head's input: {args.positions} positions, hidden "
             f"{args.hidden_size}, vocab {args.vocab:,}, fp32, on {hardware}; median of {args.repeats}; full logits "

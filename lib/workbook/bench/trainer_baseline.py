@@ -26,7 +26,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers import __version__ as TRANSFORMERS_VERSION
 
-from workbook import gpu, models, runtime
+from workbook import models, runtime
 from workbook.training import batches
 from workbook.training.config import ADAM_BETAS, MAX_GRAD_NORM, TIMING_WARMUP_STEPS, TrainConfig, TrainError
 from workbook.training.examples import IGNORE_INDEX
@@ -99,7 +99,7 @@ def measured_training(trainer, seen: list[dict], clock: "StepClock", config: Tra
         "peak_memory_note": None if peak else runtime.NOT_MEASURED_ON_CPU,
         "final_loss": steps[-1]["loss"] if steps else None,
         "step_tokens": [s["tokens"] for s in steps], "step_loss_tokens": [s["loss_tokens"] for s in steps],
-        "step_losses": [s["loss"] for s in steps], "hardware": hardware(device),
+        "step_losses": [s["loss"] for s in steps], "hardware": runtime.device_description(device),
     }
 
 
@@ -120,12 +120,6 @@ def versus(trainer: dict, workbook: dict | None, settings: str = SETTINGS) -> di
             "settings": settings,
             "note": f"workbook / {trainer['loop']} on {settings}" + ("" if memory else
                                                                   f"; peak memory {runtime.NOT_MEASURED_ON_CPU}")}
-
-
-def hardware(device: torch.device) -> str:
-    if device.type == "cuda":
-        return f"{torch.cuda.get_device_name(device)} (1 GPU)"
-    return f"{gpu.cpu_facts()['model']}, {torch.get_num_threads()} threads (CPU)"
 
 
 def how(config: TrainConfig, learning_rate: float, arguments: TrainingArguments, optimizer) -> str:
