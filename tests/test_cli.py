@@ -286,3 +286,15 @@ def test_an_output_lost_between_engine_and_file_is_reported_by_id_and_fails_the_
     assert "ERROR: 1 examples are neither in the output nor in the failures file, e.g. ['q2']" in printed
     summary = json.loads(output.with_suffix(".summary.json").read_text())
     assert summary["unaccounted"] == 1 and summary["unaccounted_ids"] == ["q2"] and summary["in_output"] == 3
+
+
+def test_a_notebook_that_lacks_a_key_its_job_reads_is_told_which_and_where_to_declare_it(tmp_path):
+    from workbook import generation, training
+    from workbook.generation import job
+    cpu = dict(params.load(REPO_ROOT / "params" / "cpu.yaml"))
+    with pytest.raises(generation.GenerationError, match=r"workbook generate needs the parameter\(s\) seed; .*"
+                                                         r"notebooks/02_batched_generation"):
+        job.require_keys({key: value for key, value in cpu.items() if key != "seed"})
+    with pytest.raises(training.TrainError, match=r"workbook train needs the parameter\(s\) epochs, precision; .*"
+                                                  r"notebooks/03_training"):
+        training.config_from_params({k: v for k, v in cpu.items() if k not in ("epochs", "precision")}, tmp_path)

@@ -43,3 +43,15 @@ VERIFY = ("profile", "output_path", "verifier", "max_accepted_per_prompt")
 FORECAST = tuple(dict.fromkeys(GENERATE + TRAIN + ("memory_bandwidth_gbs", "plan_mode", "num_nodes", "seq_len")))
 
 READ_BY = {"generate": GENERATE, "train": TRAIN, "bench": BENCH, "forecast": FORECAST, "verify": VERIFY}
+
+NOTEBOOKS = {"generate": "notebooks/02_batched_generation", "train": "notebooks/03_training",
+             "bench": "notebooks/04_benchmarking"}
+
+
+def missing(params, job: str) -> str | None:
+    """Why ``params`` cannot run ``job`` (the keys it lacks, and where to declare them), or None."""
+    absent = [key for key in READ_BY[job] if key not in params]
+    if not absent:
+        return None
+    return (f"workbook {job} needs the parameter(s) {', '.join(absent)}; a notebook that runs it must declare them "
+            f"in its parameters cell (see {NOTEBOOKS[job]}), or add them to the params file")

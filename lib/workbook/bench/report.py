@@ -38,10 +38,9 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
     """Both sweeps, the claims and the context (params, versions, hardware), as one JSON-ready dict.
     ``on_point(sweep, point)`` gets each point ("generation" or "training") as soon as it is measured;
     the points ``budget`` leaves no time for are marked so, and the report is written all the same."""
-    missing = [key for key in PARAMS_USED if key not in params]
-    if missing:
-        raise BenchError(f"the benchmark needs parameter(s) {', '.join(missing)}; declare them in notebook 04's "
-                         "parameters cell or add them to the params file")
+    problem = job_keys.missing(params, "bench")
+    if problem:
+        raise BenchError(problem)
     check_names(params)
     device = runtime.default_device()
     params = without_absent_peaks(params, device, log)

@@ -380,10 +380,9 @@ def _verifier(params):
 
 
 def require_keys(params) -> None:
-    missing = [key for key in PARAMS_USED if key not in params]
-    if missing:
-        raise GenerationError(f"the generation job needs parameter(s) {', '.join(missing)}; a notebook that runs "
-                              "it must declare them in its parameters cell (see notebooks/02_batched_generation).")
+    problem = job_keys.missing(params, "generate")
+    if problem:
+        raise GenerationError(problem)
 
 
 def _room_check(params, model, examples, token_ids, pending, prompts_path) -> dict[int, int]:

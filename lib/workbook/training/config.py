@@ -101,10 +101,9 @@ def accelerate_mixed_precision(config: TrainConfig) -> str:
 
 def config_from_params(params, run_dir: str | Path) -> TrainConfig:
     """A TrainConfig from a validated params profile (or a notebook's parameters) and the run folder."""
-    missing = [key for key in PARAMS_USED if key not in params]
-    if missing:
-        raise TrainError(f"training needs the parameter(s) {', '.join(missing)}; declare them in the notebook's "
-                         "parameters cell or add them to the params file")
+    problem = job_keys.missing(params, "train")
+    if problem:
+        raise TrainError(problem)
     run_dir = Path(run_dir)
     data_path, description = resolve_data_path(params["train_data_path"], params["output_path"], run_dir,
                                                verified=bool(params["verifier"]))
