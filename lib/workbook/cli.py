@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
                                   "AdamW states; needs --dtype bf16)")
     plan_parser.add_argument("--offload-activations", action="store_true",
                              help="train: saved activations in host memory (about one layer's on the GPU)")
-    plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default 0.05)")
+    plan_parser.add_argument("--safety-margin", type=float, help="fraction of memory kept free (default: the profile's "
+                             "safety_margin)")
     plan_parser.add_argument("--num-nodes", type=int, help="machines of the profile's GPUs (default: the profile's "
                              "num_nodes); the plan says what crosses the network between them")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
