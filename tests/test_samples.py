@@ -6,6 +6,7 @@ import os
 import random
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -116,7 +117,11 @@ def test_a_killed_data_parallel_run_resumes_with_every_id_and_sample_exactly_onc
 
 
 def test_the_planners_batch_counts_sequences_so_n_samples_fill_it_like_n_times_the_prompts(tmp_path,
-                                                                                         tiny_model_path):
+                                                                                         tiny_model_path, monkeypatch):
+    # 6 MiB of "RAM": the planner's batch (about 11 sequences of the tiny model) splits 32 sequences in several.
+    import psutil
+    small = SimpleNamespace(total=6 * 2**20, available=6 * 2**20)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: small)
     quiet = {"show_progress": False, "log": lambda line: None}
     records = arithmetic.sample_records()[:32]
     few = write_prompts(tmp_path / "few.jsonl", records[:8])
@@ -126,4 +131,5 @@ def test_the_planners_batch_counts_sequences_so_n_samples_fill_it_like_n_times_t
     single = generation.run_job(job_params(many, tmp_path / "b.jsonl", batch_size="auto"), tmp_path / "b.jsonl",
                                 **quiet)
     assert sampled["batch_size"] == single["batch_size"]  # the planner's answer, in sequences
+    assert 1 < single["batch_size"] < 16 and len(single["batch_list"]) >= 3
     assert [b["examples"] for b in sampled["batch_list"]] == [b["examples"] for b in single["batch_list"]]
