@@ -591,6 +591,21 @@ def test_the_loss_head_benchmark_records_each_share_of_loss_positions(tmp_path):
     assert "vocab 100" in record["what"] and "| 25% (16) |" in (tmp_path / "loss_head.md").read_text()
 
 
+def test_the_engine_overhead_benchmark_times_bare_engine_and_sorted_runs_of_both_datasets(tmp_path, tiny_model_path):
+    from workbook.bench import engine_overhead
+    assert engine_overhead.main(["--examples", "8", "--batch-size", "4", "--max-new-tokens", "4", "--repeats", "1",
+                                 "--threads", "1", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "generate_bench.json").read_text())
+    assert [row["dataset"] for row in record["results"]] == ["sample", "mixed"]
+    for row in record["results"]:
+        median = row["median_seconds"]
+        assert set(median) == {"bare", "engine", "sorted"} and min(median.values()) > 0
+        assert row["engine_overhead_vs_bare"] == pytest.approx(median["engine"] / median["bare"] - 1, abs=0.05)  # medians rounded to ms
+        # Length-sorted batches of mixed prompt lengths pad less than the file's order.
+        assert row["padding_waste"]["sorted"] <= row["padding_waste"]["engine"]
+    assert "| mixed | 8 |" in (tmp_path / "generate_bench.md").read_text()
+
+
 def test_vllms_published_step_times_become_fractions_of_the_same_roofline():
     from workbook.bench import published
     light_load, v1 = published.vllm_decode_fractions()

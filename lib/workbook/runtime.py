@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import socket
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -105,6 +106,16 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so a timer read next measures it (no-op on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, run: Callable[[], Any]) -> tuple[float, Any]:
+    """(wall seconds, result) of ``run()``, the device synchronized before and after: a GPU runs
+    kernels asynchronously, so a clock read without the synchronize times their launch, not them."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = run()
+    synchronize(device)
+    return time.perf_counter() - started, result
 
 
 def set_tf32(enabled: bool) -> None:

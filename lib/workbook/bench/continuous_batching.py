@@ -63,7 +63,7 @@ from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_mod
 from workbook.bench.budget import TimeBudget
 from workbook.bench.counting import pass_cost
 from workbook.bench.continuous_report import ARMS, markdown
-from workbook.bench.engine_overhead import sample_prompts, timed
+from workbook.bench.engine_overhead import sample_prompts
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.generation.continuous import ContinuousBackend, stop_manager
 from workbook.generation.engine import in_batches
@@ -115,7 +115,7 @@ def end_processor_seconds(prompts, batch_size: int, vocab_size: int, device, eos
     ids = torch.zeros(len(rows), 2, dtype=torch.long, device=device)
     scores = torch.zeros(len(rows), vocab_size, device=device)  # generate's scores are fp32
     processor(ids, scores)  # first call: the lengths move to the device
-    elapsed, _ = timed(device, lambda: [processor(ids, scores) for _ in range(calls)])
+    elapsed, _ = runtime.timed(device, lambda: [processor(ids, scores) for _ in range(calls)])
     return elapsed / calls / len(rows) * row_steps
 
 
@@ -243,9 +243,9 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
                 runtime.reset_peak_memory(device)
                 with ResidentPeak() as peak:
                     if arm == "direct":
-                        elapsed, result = timed(device, lambda: direct_arm(model, continuous, prompts, name == "uneven"))
+                        elapsed, result = runtime.timed(device, lambda: direct_arm(model, continuous, prompts, name == "uneven"))
                     else:
-                        elapsed, result = timed(device, lambda: engine_arm(
+                        elapsed, result = runtime.timed(device, lambda: engine_arm(
                             static if arm == "static-sorted" else continuous, prompts, folder, device))
                 seconds[arm].append(elapsed)
                 starts[arm].append(result["start_seconds"] or 0.0)

@@ -67,14 +67,6 @@ def engine_run(model, prompts, settings, batch_size: int, sort_by_length: bool, 
     return generation.summarize(batches, seconds=sum(b.seconds for b in batches))
 
 
-def timed(device: torch.device, run) -> tuple[float, object]:
-    runtime.synchronize(device)
-    started = time.perf_counter()
-    result = run()
-    runtime.synchronize(device)
-    return time.perf_counter() - started, result
-
-
 def sample_prompts(tokenizer, count: int, max_new_tokens: int) -> list[generation.Prompt]:
     texts = [record["input"] for record in arithmetic.sample_records()[:count]]
     ids = generation.tokenize_prompts(tokenizer, texts, use_chat_template=True)
@@ -89,10 +81,10 @@ def run_dataset(name, model, prompts, settings, batch_size: int, repeats: int, f
     for repeat in range(repeats):
         for arm in ARMS:
             if arm == "bare":
-                elapsed, output_tokens = timed(device, lambda: bare_loop(model, prompts, settings, batch_size))
+                elapsed, output_tokens = runtime.timed(device, lambda: bare_loop(model, prompts, settings, batch_size))
                 details[arm] = {"output_tokens": output_tokens}
             else:
-                elapsed, summary = timed(device, lambda: engine_run(model, prompts, settings, batch_size,
+                elapsed, summary = runtime.timed(device, lambda: engine_run(model, prompts, settings, batch_size,
                                                                     arm == "sorted", folder))
                 details[arm] = {key: summary[key] for key in ("output_tokens", "padding_waste", "batches")}
             seconds[arm].append(elapsed)

@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -25,14 +24,11 @@ from workbook.training.examples import IGNORE_INDEX
 
 
 def timed(loss_fn, hidden, weight, targets, repeats: int, device: torch.device) -> float:
+    """Median seconds of the loss's forward and backward over ``repeats`` runs."""
     runs = []
     for _ in range(repeats):
         hidden.grad = weight.grad = None
-        runtime.synchronize(device)
-        start = time.perf_counter()
-        loss_fn(hidden, weight, targets).backward()
-        runtime.synchronize(device)
-        runs.append(time.perf_counter() - start)
+        runs.append(runtime.timed(device, lambda: loss_fn(hidden, weight, targets).backward())[0])
     return statistics.median(runs)
 
 
