@@ -732,6 +732,36 @@ def test_resuming_a_run_whose_data_changed_is_refused_before_the_model_loads(tmp
     assert f"move {run / 'training'} away" in error and (run / "training" / "checkpoints").is_dir()  # nothing lost
 
 
+@pytest.mark.parametrize("change", [dict(seed=1), dict(padding="length_grouped"), dict(max_steps=3),
+                                    dict(warmup_steps=1), dict(micro_batch_size=3), dict(learning_rate=2e-3),
+                                    dict(lora_rank=4), dict(optimizer="adamw-8bit"), dict(data="same lengths, other tokens")])
+def test_a_checkpoint_is_resumed_only_by_the_settings_and_data_it_was_saved_with(tmp_path, change):
+    """The fingerprint is the only guard of a resume into the same folder: each setting that changes
+    which examples a step sees or where the schedule is, and the data's tokens (not only their
+    lengths), must stop it by name."""
+    config = make_config(tmp_path, arithmetic_pairs(tmp_path), max_steps=2)
+    prepared = training.prepare_data(config)
+    saved = checkpoints.fingerprint(config, prepared, training.plan_run(config, prepared))
+    checkpoint = tmp_path / "step-00000001"
+    checkpoint.mkdir()
+    (checkpoint / checkpoints.STATE_FILE).write_text(json.dumps({"step": 1, "fingerprint": saved, "history": [],
+                                                                 "eval_history": []}))
+    if "data" in change:  # one answer changed for another of the same length: 3 -> 4
+        records = [json.loads(line) for line in (tmp_path / "pairs.jsonl").read_text().splitlines()]
+        records[1]["output"] = "4"
+        config = dataclasses.replace(config, data_path=str(write_jsonl(tmp_path / "edited.jsonl", records)))
+        key = "data"
+    else:
+        config = dataclasses.replace(config, **change)
+        key = next(iter(change))
+    now = training.prepare_data(config)
+    now_fingerprint = checkpoints.fingerprint(config, now, training.plan_run(config, now))
+    assert [len(e.input_ids) for e in now.train] == [len(e.input_ids) for e in prepared.train] or key != "data"
+    key = {"max_steps": "total_steps", "learning_rate": "learning_rate"}.get(key, key)
+    with pytest.raises(training.TrainError, match=rf"saved by a run with other settings or data: .*\b{key} "):
+        checkpoints.resumable_state(checkpoint, now_fingerprint)
+
+
 def test_an_unwritable_outputs_folder_is_one_error_line_before_any_model_loads(tmp_path, monkeypatch, capsys):
     (tmp_path / "a-file").write_text("")
     monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path / "a-file" / "outputs")
