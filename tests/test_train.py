@@ -797,6 +797,14 @@ def test_a_stalled_step_is_named_beside_the_steady_state_figure_and_a_cpu_run_ha
     assert report.cost_text({"gpus": 2, "usd_per_gpu_hour": 3.5, "cost_usd": 0.7}) == "$0.70 (2 GPU(s) x $3.5/GPU-hour)"
 
 
+def test_the_learning_rate_warms_up_linearly_then_decays_by_cosine_over_the_steps_after_the_warm_up():
+    rate = lambda step: run_plan.learning_rate_at(step, 1.0, warmup_steps=10, total_steps=110)
+    assert [rate(0), rate(4), rate(9)] == pytest.approx([0.1, 0.5, 1.0])
+    assert rate(10) == pytest.approx(1.0)  # the first step after the warm-up is at the peak
+    assert rate(60) == pytest.approx((1 + run_plan.MIN_LR_FRACTION) / 2)  # half-way through the decay
+    assert rate(110) == pytest.approx(run_plan.MIN_LR_FRACTION) == rate(500)
+
+
 def test_an_auto_micro_batch_leaves_the_run_its_warm_up(tmp_path, tiny_model_path):
     # The tiny model fits thousands of rows: 'auto' once took them all, one optimizer step, and a run whose
     # learning rate never left its warm-up (warmup_steps 20 on the GPU profiles).
@@ -807,6 +815,9 @@ def test_an_auto_micro_batch_leaves_the_run_its_warm_up(tmp_path, tiny_model_pat
     run = training.plan_run(config, prepared)
     assert (run.micro_batch_size, run.steps_per_epoch, run.total_steps) == (12, 5, 10)
     assert "capped at 12 so that the 2 epoch(s) of 60 rows give at least warmup_steps + 1 = 10" in run.micro_batch_rule
+    # One epoch and warm-up 4: five steps, the warm-up's four and one at the peak (not four).
+    one_epoch = training.plan_run(dataclasses.replace(config, epochs=1, warmup_steps=4), prepared)
+    assert (one_epoch.micro_batch_size, one_epoch.steps_per_epoch, one_epoch.total_steps) == (12, 5, 5)
     # A run max_steps decides needs one step an epoch (the loader goes round again).
     fixed = training.plan_run(dataclasses.replace(config, max_steps=3), prepared)
     assert fixed.micro_batch_size == 60 and "an epoch (60 rows) has an optimizer step" in fixed.micro_batch_rule
