@@ -268,6 +268,9 @@ def test_packing_and_length_grouping_use_every_example_once_and_report_their_pad
     batches = sft_batches.epoch_micro_batches(rows, lengths, "packing", micro_batch_size=8, seed=0, epoch=1)
     assert sorted(row for batch in batches for row in batch) == sorted(rows)
     assert sft_batches.padding_fraction(batches, lengths, "packing", 64) == pytest.approx(1 - sum(lengths) / (len(rows) * 64))
+    # Each epoch has its own order, the same again for the same seed and epoch (a resume rebuilds it).
+    again = lambda epoch: sft_batches.epoch_micro_batches(rows, lengths, "packing", micro_batch_size=8, seed=0, epoch=epoch)
+    assert again(1) == batches and again(2) != batches
 
     single = sft_batches.plan_rows(lengths, "length_grouped", 64)
     grouped = sft_batches.epoch_micro_batches(single, lengths, "length_grouped", micro_batch_size=8, seed=0, epoch=0)
