@@ -31,6 +31,12 @@ def test_the_summary_reads_each_goal_from_its_file_and_says_which(tmp_path):
         row = table[f"forecast from a pilot within 10% of the measured wall time: {case['case']}"]
         assert row["measured"].startswith(f"{case['wall']['median_error']:+.1%}")
         assert row["met"] == ("yes" if abs(case["wall"]["median_error"]) <= 0.10 else "no")
+    # Too slow or too fast by 30% misses the goal alike; 5% either way meets it.
+    made_up = {"cases": [{"case": name, "wall": {"median_error": error, "errors": [error]}}
+                         for name, error in (("slow", 0.3), ("fast", -0.3), ("close", -0.05))]}
+    judged = {row["goal"].rsplit(": ", 1)[1]: row["met"] for row in gpu_summary.rows({
+        **gpu_summary.found(folder), "forecast.json": [("forecast.json", made_up)]}) if row["goal"].startswith("forecast")}
+    assert judged == {"slow": "no", "fast": "no", "close": "yes"}
     uneven = table["continuous >= 1.5x static-sorted at the same memory (uneven outputs)"]
     ratio = next(r["continuous_vs_static"] for r in json.loads((folder / "continuous_batching.json").read_text())["results"]
                  if r["workload"] == "uneven")
