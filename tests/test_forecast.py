@@ -52,6 +52,10 @@ def test_simulation_adds_up_the_engines_batches_on_synthetic_timings():
     # The KV cache the decode steps read: each row its context at each of the 3 steps.
     contexts = lambda longest: sum(longest + step for step in (1, 2, 3))
     assert result.decode_context_positions == 2 * contexts(50) + 2 * contexts(30) + contexts(10)
+    # Two processes take every other prompt ([50, 30, 10] and [40, 20]); the job ends with the slower.
+    split = forecast.simulate_generation(lengths, prompts_per_call=2, max_new_tokens=8, timings=known,
+                                         outputs=OutputLengths([(30, [4])]), include_startup=False, processes=2)
+    assert split.batch_seconds == pytest.approx([by_hand(2, 50), by_hand(1, 10)])
 
 
 def test_the_decode_phase_counts_the_kv_cache_it_reads_beside_the_weights(tiny_model_path):
