@@ -601,6 +601,9 @@ def test_a_training_setting_that_does_not_fit_lists_planned_changes_cheapest_fir
     chunked = profile.plan(settings, mode="train", batch_size=16, loss_chunk_tokens=1024)
     assert options[2]["peak_bytes"] == chunked.total_bytes and options[2]["max_batch_size"] == chunked.max_batch_size
     assert options[3]["fits"] and options[3]["peak_bytes"] == profile.plan(settings, mode="train", batch_size=6).total_bytes
+    # FSDP is planned on the GPUs it names: each holds half the states, and less than one GPU alone does.
+    fsdp = profile.plan(settings, mode="train", batch_size=16, sharding="fsdp", gpu_count=2)
+    assert options[-1]["peak_bytes"] == fsdp.total_bytes < profile.plan(settings, mode="train", batch_size=16).total_bytes
     lines = fit.ways_to_fit_lines(options)
     assert lines[0].startswith("changes that would make it fit") and "loss_chunk_tokens 1024" in lines[3]
     # A change already in effect is not offered again.
