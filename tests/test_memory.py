@@ -381,7 +381,11 @@ def test_fsdp_divides_states_by_gpu_count():
     for name in ("weights", "gradients", "optimizer_states"):
         assert term_bytes(sharded, name) == -(-term_bytes(single, name) // 8)
     assert term_bytes(sharded, "activations") == term_bytes(single, "activations")
-    assert "fsdp_gathered_parameters" in [term.name for term in sharded.terms]
+    # Counted by hand: the root unit (untied embedding and lm_head, final norm), two decoder layers
+    # (attention, MLP, two norms) gathered at once, and the root unit's full gradient, in bf16.
+    layer = 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096
+    root = 2 * 128_256 * 4096 + 4096
+    assert term_bytes(sharded, "fsdp_gathered_parameters") == (root + 2 * layer + root) * 2
 
 
 # ---------------------------------------------------------------------------------------------
