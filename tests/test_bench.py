@@ -473,6 +473,23 @@ def test_an_output_continuous_batching_ended_at_eos_is_compared_up_to_its_eos():
     assert not bench.same_greedy_tokens(None, forced)
 
 
+def test_a_points_figures_come_from_its_median_run(tiny_model_path, tmp_path, monkeypatch):
+    from workbook import notebook
+    from workbook.bench import report
+    monkeypatch.setattr(notebook, "new_run_dir", lambda name: (tmp_path / name).mkdir() or tmp_path / name)
+    report.cli_main("cpu", ["bench_strategies=static-sorted,continuous", "bench_batch_sizes=4", "bench_examples=6",
+                            "bench_repeats=3", "bench_train_micro_batches=2", "bench_train_steps=1",
+                            "bench_train_baselines=none"])
+    points = [json.loads(line) for line in (tmp_path / "bench-cpu" / report.POINTS_FILE).read_text().splitlines()]
+    generation_points = [point for point in points if point["sweep"] == "generation"]
+    assert [point["strategy"] for point in generation_points] == ["static-sorted", "continuous"]
+    for point in generation_points:
+        runs = point["seconds"]["runs"]
+        assert len(runs) == 3 and point["seconds"]["median"] == sorted(runs)[1]
+        # Examples per minute (and the roofline fraction, from the same run) are the median run's, not the fastest's.
+        assert point["examples_per_minute"] == pytest.approx(60 * point["examples"] / sorted(runs)[1])
+
+
 def test_a_benchmark_stopped_part_way_keeps_every_point_it_finished(tiny_model_path, tmp_path, monkeypatch):
     # A lent GPU's call stops a step at its time limit: the points measured before it must be on disk.
     import importlib
