@@ -257,3 +257,6 @@ def test_a_column_na_in_every_row_is_named_under_the_table_instead_of_filling_it
     assert text.splitlines()[0] == "| strategy | tok/s |" and "| skipped |  |" in text
     assert text.endswith("n/a or empty in every row, so not shown: of roofline")
     assert "of roofline" in notebook.markdown_table(rows[:1])  # one row: its n/a is the answer
+    # A cell's own '|' or newline (a message, a command) stays in its cell.
+    piped = notebook.markdown_table([{"command": "a | b", "note": "two\nlines"}])
+    assert piped.splitlines()[2] == "| a \\| b | two lines |"
