@@ -119,6 +119,38 @@ def test_generate_caches_all_but_the_last_new_token():
         config, "fp32", batch_size=2, tokens=6 + 5 - 1)
 
 
+def test_the_planned_cache_holds_the_last_steps_append_with_its_old_copy(monkeypatch):
+    """DynamicLayer.update appends a token with torch.cat: the old keys (then the old values) live
+    beside the longer copy. The largest cache bytes alive at once during generate() must be within
+    the plan's kv_cache term, which counts one whole layer's old keys and values (the caching
+    allocator on a GPU keeps the freed keys' block, too small for the longer values, reserved)."""
+    from transformers.cache_utils import DynamicLayer
+    config = small_llama(3)
+    model = LlamaForCausalLM(config).eval()
+    held, peak, update = {}, [0], DynamicLayer.update
+
+    def measured(layer, keys, values, *args, **kwargs):
+        old_keys = layer.keys.nbytes if layer.is_initialized else 0
+        old_values = layer.values.nbytes if layer.is_initialized else 0
+        result = update(layer, keys, values, *args, **kwargs)
+        others = sum(size for key, size in held.items() if key != id(layer))
+        new_keys, new_values = layer.keys.nbytes, layer.values.nbytes
+        peak[0] = max(peak[0], others + max(old_keys + new_keys + old_values, new_keys + old_values + new_values))
+        held[id(layer)] = new_keys + new_values
+        return result
+
+    monkeypatch.setattr(DynamicLayer, "update", measured)
+    batch, prompt_len, new_tokens = 2, 6, 40  # long enough that the last decode step is the plan's peak
+    generate_cache(model, batch=batch, prompt_len=prompt_len, new_tokens=new_tokens)
+    plan = plan_generate(config, batch_size=batch, prompt_len=prompt_len, new_tokens=new_tokens,
+                         gpu_memory_bytes=GiB, dtype="fp32")
+    [term] = [term for term in plan.terms if term.name == "kv_cache"]
+    planned = term.bytes
+    assert term.explanation.startswith("last decode step")
+    one_layer = kv_cache_bytes(config, "fp32", batch_size=batch, tokens=prompt_len + new_tokens - 1) // 3
+    assert peak[0] <= planned <= peak[0] + one_layer
+
+
 def sliding_mistral(window=5) -> MistralConfig:
     return MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, sliding_window=window)
