@@ -223,9 +223,20 @@ def _kill_tree(pid: int) -> None:
     import psutil  # a dependency of the benchmarks; imported here, where it is needed
     try:
         parent = psutil.Process(pid)
-        family = [*parent.children(recursive=True), parent]  # listed before any dies and is reparented away
     except psutil.NoSuchProcess:
         return
+    # Stopped first, so that none starts another child between the listing and the kill (one forked
+    # in that gap survived under load); listed again once all are stopped, before any dies and is
+    # reparented away.
+    family = {parent}
+    for _ in range(3):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            family |= set(parent.children(recursive=True))
+        for process in family:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.suspend()
+    with contextlib.suppress(psutil.NoSuchProcess):
+        family |= set(parent.children(recursive=True))
     for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
