@@ -240,6 +240,13 @@ def _kill_tree(pid: int) -> None:
     for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
+    # Gone before the next step starts: a kill is delivered when the process next runs, which on a
+    # busy machine is later, and until then it still holds what it held (on the device, GPU memory).
+    deadline = time.monotonic() + 30
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            while process.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:  # dead, unreaped
+                time.sleep(0.02)
 
 
 def _run_folders(outputs: Path) -> set[Path]:
