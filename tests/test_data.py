@@ -189,3 +189,26 @@ def test_outputs_left_in_parts_are_read_with_the_output(tmp_path):
     write_lines(tmp_path / "out.failures.part-0.jsonl", '{"n": 3}')
     assert [r["n"] for r in generation_files.read_outputs(tmp_path / "out.jsonl")] == [1, 2]
     assert [r["n"] for r in generation_files.read_outputs(tmp_path / "out.failures.jsonl")] == [3]
+
+
+def test_a_merge_that_cannot_replace_the_output_keeps_every_part(tmp_path, monkeypatch):
+    # A full disk (or a kill) during the merge of a data-parallel run must lose none of the parts' records.
+    import errno
+    target, part = tmp_path / "out.jsonl", tmp_path / "out.part-0.jsonl"
+    target.write_text('{"id": "b"}\n')
+    part.write_text('{"id": "a"}\n')
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jsonl, "_replace_atomically", full)
+    with pytest.raises(OSError):
+        jsonl.merge_parts(target, [part], id_of=lambda r: r["id"], order={"a": 0, "b": 1})
+    assert part.read_text() == '{"id": "a"}\n' and target.read_text() == '{"id": "b"}\n'
+
+
+def test_a_boolean_id_is_refused_by_line_not_read_as_1(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"id": "x", "input": "a"}\n{"id": true, "input": "b"}\n')
+    with pytest.raises(jsonl.DataError, match=r"in.jsonl:2: 'id' is True; expected a string or an integer"):
+        records.load_examples(path)

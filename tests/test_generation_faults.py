@@ -278,12 +278,13 @@ def test_output_path_naming_the_prompts_or_another_file_is_refused_by_name(tmp_p
     accepted = write_prompts(tmp_path / "out.accepted.jsonl", arithmetic.sample_records()[:3])
     before = accepted.read_text()
     with pytest.raises(generation.GenerationError, match=r"as out.accepted.jsonl, a file this job writes"):
-        generation.run_job(job_params(accepted, tmp_path / "out.jsonl"), accepted, **QUIET)
+        generation.run_job(job_params(accepted, tmp_path / "out.jsonl"), tmp_path / "out.jsonl", **QUIET)
     assert accepted.read_text() == before
     summary = tmp_path / "run.summary.json"
     summary.write_text(before)
     with pytest.raises(generation.GenerationError, match=r"as run.summary.json"):
-        generation.run_job(job_params(summary, tmp_path / "run.json"), summary, **QUIET)
+        generation.run_job(job_params(summary, tmp_path / "run.json"), tmp_path / "run.json", **QUIET)
+    assert summary.read_text() == before
 
 
 def test_a_full_disk_stops_the_run_with_what_is_safe_and_a_rerun_finishes_it(tmp_path, tiny, small_disk):

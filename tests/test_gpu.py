@@ -200,3 +200,11 @@ def test_tf32_is_set_and_read_through_the_api_transformers_uses_without_mixing_t
         assert runtime.tf32_enabled()
     finally:
         torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before
+
+
+def test_a_turing_gpu_under_auto_takes_the_nearest_profile_in_fp16(monkeypatch):
+    # A Quadro RTX 8000 (48 GB, no bf16) lands on the a6000 profile, which runs bf16: auto switches to fp16.
+    from workbook import runner
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": fake_gpus("Quadro RTX 8000", 1, 48000, capability=(7, 5))})
+    loaded = runner.resolve_params("auto", [], log=lambda line: None)[0]
+    assert loaded["profile"] == "a6000" and loaded["dtype"] == "fp16" and not loaded["supports_bf16"]

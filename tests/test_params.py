@@ -218,3 +218,7 @@ def test_nan_passed_with_papermill_p_is_refused_by_the_notebook(tmp_path):
     exec(injected, namespace)
     with pytest.raises(params.ParamsError, match=r"notebook 02_test parameters: 'top_p' is nan; expected a finite"):
         notebook.start(namespace, "02_test")
+
+
+def test_a_key_set_twice_takes_its_last_value():
+    assert params.parse_overrides(["seed=1", "seed=2"]) == {"seed": 2}

@@ -116,3 +116,8 @@ def test_notebooks_run_their_kernel_over_unix_sockets_where_the_path_fits(monkey
     assert runner._ipc_kernel_manager()(kernel_name="python3").transport == "ipc"
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / ("x" * 80)))  # a socket path past 108 bytes
     assert runner._ipc_kernel_manager()(kernel_name="python3").transport == "tcp"
+
+
+def test_only_runs_notebooks_in_their_own_order_whatever_the_order_typed():
+    first, second = runner.list_notebooks(NOTEBOOKS_DIR)[:2]
+    assert runner.select_notebooks([second.stem[:2], first.stem[:2]], NOTEBOOKS_DIR) == [first, second]

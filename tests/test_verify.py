@@ -142,3 +142,28 @@ def test_training_takes_the_accepted_outputs_when_notebook_02_verified(tmp_path)
     verify_output(tmp_path / "generations.jsonl", "final_number")
     path, description = resolve_data_path("", "", tmp_path, verified=True)
     assert path == str(tmp_path / "generations.accepted.jsonl") and "verifier accepted" in description
+
+
+def test_final_number_keeps_the_sign_and_the_decimals_and_exact_match_the_punctuation():
+    # A wrong-sign or wrong-decimal answer accepted would become training data.
+    assert not final_number_matches(candidate("n", " 5", reference="-5"))
+    assert final_number_matches(candidate("m", "so the answer is -5.", reference="#### -5"))
+    assert not final_number_matches(candidate("x", " 2.5", reference="3.5"))
+    assert final_number_matches(candidate("y", " 0.50", reference="0.5"))
+    assert exact_match(candidate("d", ' "Paris!"', reference="Paris"))
+
+
+def test_a_verifier_that_returns_neither_a_bool_nor_a_number_is_an_error_not_a_rejection():
+    # A user's verifier that forgets its return would otherwise reject every output, silently.
+    with pytest.raises(VerifyError, match="must return True/False or a number, got NoneType"):
+        select([candidate("a", " 4", "4")], lambda record: None)
+
+
+def test_a_verifier_module_in_the_working_directory_is_found_without_it_on_the_path(tmp_path, monkeypatch):
+    # The `workbook` console script does not put the working directory on sys.path; the loader must.
+    import sys
+    (tmp_path / "cwd_checks.py").write_text("def ok(record):\n    return True\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "cwd_checks", raising=False)
+    assert load_verifier("cwd_checks:ok")({}) is True
