@@ -291,3 +291,13 @@ def test_fsdp_without_a_gpu_stops_before_training_instead_of_silently_training_d
     with pytest.raises(TrainError, match=r"FSDP was asked for .* no GPU: .* launch without --use_fsdp"):
         train(config)
     assert not any(tmp_path.iterdir())  # stopped before anything was written
+
+
+def test_what_any_node_wrote_is_skipped_by_every_node():
+    # Each node sees only its own disk: the union of what all of them wrote is what a rerun skips.
+    from types import SimpleNamespace
+    from workbook.generation import nodes
+    alone = SimpleNamespace(count=1)
+    assert nodes.written_anywhere({("a", 0)}, alone) == {("a", 0)}
+    two = SimpleNamespace(count=2, gather=lambda done: [done, {("b", 0)}])
+    assert nodes.written_anywhere({("a", 0)}, two) == {("a", 0), ("b", 0)}
