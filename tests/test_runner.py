@@ -121,3 +121,9 @@ def test_notebooks_run_their_kernel_over_unix_sockets_where_the_path_fits(monkey
 def test_only_runs_notebooks_in_their_own_order_whatever_the_order_typed():
     first, second = runner.list_notebooks(NOTEBOOKS_DIR)[:2]
     assert runner.select_notebooks([second.stem[:2], first.stem[:2]], NOTEBOOKS_DIR) == [first, second]
+
+
+def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
+    from workbook import notebook
+    first, second = notebook.new_run_dir("cpu", tmp_path), notebook.new_run_dir("cpu", tmp_path)
+    assert first != second and first.is_dir() and second.is_dir()
