@@ -335,6 +335,15 @@ def test_bad_lines_and_long_prompts_follow_their_policies(tmp_path, tiny):
     assert summary["unaccounted"] == 0 and summary["bad_input_lines"] == 2 and summary["too_long"] == 1
 
 
+def test_a_prompt_that_fills_the_context_exactly_leaves_no_room_and_follows_the_policy(tmp_path, tiny):
+    full = "What is 2 + 2?" + " " * 241  # 256 tokens with <s>: the tiny model's whole context
+    prompts = write_prompts(tmp_path / "in.jsonl", [{"id": "full", "input": full}])
+    output = tmp_path / "out.jsonl"
+    with pytest.raises(jsonl.DataError, match=r"in.jsonl:1: prompt of 256 tokens leaves no room.*256"):
+        generation.run_job(job_params(prompts, output), output, model=tiny[0], tokenizer=tiny[1],
+                           log=lambda line: None, show_progress=False)
+
+
 def test_sampling_is_recorded_and_repeats_with_the_same_seed(tmp_path, tiny):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:8])
     run = dict(model=tiny[0], tokenizer=tiny[1], log=lambda line: None, show_progress=False)
