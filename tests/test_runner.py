@@ -127,3 +127,18 @@ def test_two_runs_started_in_the_same_second_get_their_own_folders(tmp_path):
     from workbook import notebook
     first, second = notebook.new_run_dir("cpu", tmp_path), notebook.new_run_dir("cpu", tmp_path)
     assert first != second and first.is_dir() and second.is_dir()
+
+
+def test_a_resumed_run_keeps_every_start_and_its_folder_even_when_it_fails_before_writing(tmp_path, monkeypatch):
+    from workbook import gpu
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": []})
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    folder = tmp_path / "resumed"
+    folder.mkdir()
+    assert runner.finish_job(runner.start_job(folder, "generate", cpu, "cpu", []), 0) == 0
+    for _ in range(2):
+        resumed = runner.start_job(folder, "generate", cpu, "cpu", ["seed=1"])
+    assert runner.finish_job(resumed, 2, "stopped before writing") == 2
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert len(manifest["resumed_at"]) == 2 and manifest["status"] == "failed"
+    assert manifest["error"] == "stopped before writing"
