@@ -167,3 +167,20 @@ def test_a_verifier_module_in_the_working_directory_is_found_without_it_on_the_p
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "cwd_checks", raising=False)
     assert load_verifier("cwd_checks:ok")({}) is True
+
+
+def test_verifying_again_replaces_the_accepted_records_and_clears_the_errors_of_the_last_verify(tmp_path):
+    output = tmp_path / "out.jsonl"
+    output.write_text("".join(json.dumps(r) + "\n" for r in [candidate("a", " 4", "4"), candidate("b", "boom", "4")]))
+
+    def raises_on_boom(record):
+        if record["output"] == "boom":
+            raise RuntimeError("cannot judge this one")
+        return True
+
+    first = verify_output(output, "test", verifier=raises_on_boom)
+    errors = tmp_path / "out.verify_errors.jsonl"
+    assert first["verify_errors_path"] == str(errors) and errors.read_text().count("\n") == 1
+    second = verify_output(output, "final_number")
+    assert second["verify_errors_path"] is None and not errors.exists()  # no stale errors beside a clean verify
+    assert [json.loads(line)["metadata"]["example_id"] for line in (tmp_path / "out.accepted.jsonl").open()] == ["a"]
