@@ -650,3 +650,17 @@ def test_a_range_widened_by_an_error_over_100_percent_stays_positive():
     low, high = forecast.widened(100.0, 120.0, 10.67)
     assert 0 < low < 100.0 < 120.0 < high and low == pytest.approx(100.0 / 11.67)
     assert forecast.widened(100.0, 100.0, 0.03) == pytest.approx((97.09, 103.0), abs=0.01)
+
+
+def test_the_range_always_holds_the_forecast_itself():
+    # Resampled output lengths can all fall on one side of the pilot's own (a skewed few): the range
+    # must still hold the point forecast it is printed beside.
+    from types import SimpleNamespace
+    observed = OutputLengths([(10, [4, 4, 4, 8])])
+
+    def simulate(prompt_lengths, *, outputs, **job):
+        return SimpleNamespace(seconds=100.0 if outputs is observed else 50.0)
+
+    low, high = forecast.generation_range([10] * 8, prompts_per_call=4, max_new_tokens=8, timings=timings(),
+                                          outputs=observed, simulate=simulate)
+    assert low < 50.0 and 100.0 < high
