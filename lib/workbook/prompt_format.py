@@ -20,8 +20,18 @@ def prompt_token_ids(tokenizer, prompts: list[str], *, use_chat_template: bool,
         raise DataError(f"use_chat_template is true but the tokenizer ({tokenizer.name_or_path}) has no chat "
                         "template; set use_chat_template: false (plain prompts, e.g. for a base model) or use an "
                         "instruct model's tokenizer.")
-    system = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    texts = [tokenizer.apply_chat_template(system + [{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True) for prompt in prompts]
+    texts = [chat_prompt_text(tokenizer, prompt, system_prompt) for prompt in prompts]
     # The rendered template already holds BOS and the other special tokens.
     return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def chat_messages(prompt: str, system_prompt: str = "") -> list[dict]:
+    """The conversation a prompt is: its system turn (if any), then the prompt as the user's turn."""
+    return ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+        {"role": "user", "content": prompt}]
+
+
+def chat_prompt_text(tokenizer, prompt: str, system_prompt: str = "") -> str:
+    """The prompt rendered by the chat template, ending with the generation prompt the reply follows."""
+    return tokenizer.apply_chat_template(chat_messages(prompt, system_prompt), tokenize=False,
+                                         add_generation_prompt=True)

@@ -112,15 +112,14 @@ def refuse_models_over_ram(params, device: torch.device) -> None:
     if device.type != "cpu":
         return
     import psutil
-    from workbook.planner import plan_generate
+    from workbook.planner import weights_bytes
     available = psutil.virtual_memory().available
     swept = [("bench_generate_model", 1, "fp32 weights")]
     if params["bench_train_steps"]:
         swept.append(("bench_train_model", 4, "fp32 weights, gradients and AdamW states"))
     for key, copies, held in swept:
         try:
-            weights = plan_generate(params[key], batch_size=1, prompt_len=1, new_tokens=1, gpu_memory_bytes=available,
-                                    dtype="fp32").weights_bytes
+            weights = weights_bytes(params[key], "fp32")
         except (ValueError, OSError):  # a model the planner cannot read: the sweep's own loading says why
             continue
         if weights * copies > available:

@@ -19,7 +19,6 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-
 from workbook import gpu
 from workbook.paths import REFERENCE_DIR, REPO_ROOT
 

@@ -152,11 +152,10 @@ def _chat_replies(tokenizer, prompts, responses, sources) -> list[str]:
     """Each reply's text as the chat template renders it after its prompt's generation prompt."""
     response_texts = []
     for prompt, response, source in zip(prompts, responses, sources):
-        user = {"role": "user", "content": prompt}
         # Reply content is stripped, as Llama-3's template does (`| trim`): the template places it.
         assistant = {"role": "assistant", "content": response.strip()}
-        prompt_text = tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
-        full_text = tokenizer.apply_chat_template([user, assistant], tokenize=False)
+        prompt_text = prompt_format.chat_prompt_text(tokenizer, prompt)
+        full_text = tokenizer.apply_chat_template(prompt_format.chat_messages(prompt) + [assistant], tokenize=False)
         if not full_text.startswith(prompt_text):
             raise DataError(f"{source}: the chat template renders the prompt differently once the reply follows "
                             "it, so the response tokens cannot be separated exactly; use use_chat_template: false.")
