@@ -1,6 +1,7 @@
 """The benchmark's counting (bytes, FLOPs, rooflines, cost), its NVML sampler without NVML, the seed
 claims table, and notebook 05's loading of run folders, broken ones included. Fast: no model runs."""
 
+import dataclasses
 import importlib
 import json
 import os
@@ -207,6 +208,39 @@ def test_an_auto_micro_batch_runs_each_memory_setting_at_the_largest_the_planner
     too_big = training_sweep.training_points({**params, "bench_train_model": "Llama-3.1-70B", "bench_train_settings": "",
                                               "bench_train_micro_batches": "auto"}, torch.device("cuda"))
     assert too_big[0]["micro_batch_size"] == "auto" and "not even micro-batch 1 fits" in too_big[0]["skipped"]
+
+
+def test_a_training_point_trains_with_the_profiles_optimizer_lora_targets_and_data_loading(monkeypatch):
+    """A bench point measures the profile's training job: the optimizer (whose state the planned
+    micro-batch follows), the LoRA targets and the DataLoader settings are the profile's, and the
+    Trainer/TRL baselines load their batches with the same workers, prefetch and pinning."""
+    import types
+    import torch
+    from workbook import params as params_module
+    from workbook.bench import trainer_baseline
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")
+    monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))
+    h100 = {**params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+            "bench_train_settings": "", "bench_train_micro_batches": "auto"}
+    assert (h100["dataloader_workers"], h100["pin_memory"]) == (4, True)  # what the GPU profiles train with
+    eight_bit = {**h100, "optimizer": "adamw-8bit", "prefetch_factor": 3}
+    point = training_sweep.training_points(eight_bit, torch.device("cuda"))[0]
+    config = training_sweep.point_config(eight_bit, point, Path("unused"))
+    assert (config.optimizer, config.dataloader_workers, config.pin_memory, config.prefetch_factor) == \
+        ("adamw-8bit", 4, True, 3)
+    # 8-bit states (2 B/param instead of 8) leave room for a larger planned micro-batch than AdamW's.
+    assert point["micro_batch_size"] > training_sweep.training_points(h100, torch.device("cuda"))[0]["micro_batch_size"]
+    lora = training_sweep.point_config({**h100, "lora_rank": 8, "lora_targets": "q_proj,v_proj"}, point, Path("unused"))
+    assert (lora.lora_rank, lora.lora_targets) == (8, "q_proj,v_proj")
+
+    run = types.SimpleNamespace(total_steps=4, micro_batch_size=point["micro_batch_size"], learning_rate=1e-4)
+    values = trainer_baseline.argument_values(config, run, "unused", torch.device("cuda"))
+    assert (values["dataloader_num_workers"], values["dataloader_pin_memory"], values["dataloader_prefetch_factor"],
+            values["optim"]) == (4, True, 3, "adamw_bnb_8bit")
+    on_cpu = trainer_baseline.argument_values(dataclasses.replace(config, optimizer="adamw", dataloader_workers=0),
+                                              run, "unused", torch.device("cpu"))
+    assert (on_cpu["dataloader_num_workers"], on_cpu["dataloader_pin_memory"], on_cpu["dataloader_prefetch_factor"]) \
+        == (0, False, None) and "optim" not in on_cpu  # the Trainer's default AdamW
 
 
 class NoNvml:

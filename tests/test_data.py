@@ -114,6 +114,34 @@ def test_appender_writes_whole_lines_and_cuts_a_torn_tail(tmp_path):
     assert path.read_text() == '{"n": 1}\n{"n": 2}\n{"n": 3}\n'
 
 
+def test_the_appender_syncs_every_write_or_by_count_and_time_and_always_on_close(tmp_path, monkeypatch):
+    """What a power loss can take: nothing the batch path wrote (each write synced), at most
+    fsync_every's lines or seconds of the continuous path's, and nothing once the appender is closed."""
+    synced, clock = [], [0.0]
+    monkeypatch.setattr(jsonl.os, "fsync", lambda fd: synced.append(fd))
+    monkeypatch.setattr(jsonl.time, "monotonic", lambda: clock[0])
+    with jsonl.LineAppender(tmp_path / "batches.jsonl") as appender:
+        appender.write([{"n": 1}, {"n": 2}])
+        appender.write([{"n": 3}])
+        assert len(synced) == 2  # one per write, before it returns
+    assert len(synced) == 2  # nothing left unsynced to close with
+
+    synced.clear()
+    with jsonl.LineAppender(tmp_path / "lines.jsonl", fsync_every=(3, 10.0)) as appender:
+        appender.write([{"n": 1}]); appender.write([{"n": 2}])
+        assert synced == []  # 2 lines, 0 s: not yet due
+        appender.write([{"n": 3}])
+        assert len(synced) == 1  # the third line
+        appender.write([{"n": 4}])
+        clock[0] = 10.0
+        appender.write([{"n": 5}])
+        assert len(synced) == 2  # 2 lines, but 10 s since the last sync
+        appender.write([{"n": 6}])
+        assert len(synced) == 2
+    assert len(synced) == 3  # closing syncs the line still unsynced
+    assert [json.loads(line)["n"] for line in (tmp_path / "lines.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_whole_last_record_without_its_newline_is_kept_not_cut(tmp_path):
     # A hand edit or another tool's writer: the record is whole, so it counts and is never generated again.
     path = tmp_path / "out.jsonl"

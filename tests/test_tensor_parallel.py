@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -46,6 +47,35 @@ def test_a_larger_tensor_parallel_size_fits_a_larger_batch_per_gpu():
     batches = [profile.plan(h100x8(tensor_parallel_size=size), mode="generate", model="llama-3.1-70b",
                             batch_size=1).max_batch_size for size in (1, 2, 4, 8)]
     assert batches[0] == 0 and batches == sorted(batches) and batches[-1] > batches[1]
+
+
+def test_auto_takes_the_smallest_t_whose_batch_per_gpu_reaches_the_useful_batch():
+    useful = layout.USEFUL_BATCH_SIZE
+
+    def choose(batches: dict, key_value_heads=8, gpu_count=8):
+        def make(size):
+            if batches[size] is None:
+                raise layout.LayoutError("experts sharded in a style the planner does not model")
+            return types.SimpleNamespace(max_batch_size=batches[size])
+        return layout.choose_tensor_parallel_size(make, key_value_heads, gpu_count)
+
+    # The boundary: a batch of exactly the useful size is enough, one less is not.
+    assert choose({1: useful, 2: 99})[0] == 1
+    chosen, why = choose({1: useful - 1, 2: useful, 4: 99})
+    assert chosen == 2 and why.startswith("layout T=2 x D=4 (tensor_parallel_size auto): the smallest T")
+    assert f"T=1: largest batch {useful - 1}; T=2: largest batch {useful}" in why and "T=4" not in why
+    # T divides the key/value heads as well as the GPUs: 2 heads on 8 GPUs never tries T=4.
+    chosen, why = choose({1: 1, 2: 3, 4: 99}, key_value_heads=2)
+    assert chosen == 2 and "no T planned reaches" in why and "T=4:" not in why
+    # None reaches it: the largest batch wins, not the largest T.
+    assert choose({1: 0, 2: 5, 4: 4, 8: 3})[0] == 2
+    chosen, why = choose({1: 0, 2: 0, 4: 0, 8: 0})
+    assert chosen == 1 and "no T planned fits even batch 1" in why
+    # A T the planner cannot model stops the search and is said to be unplanned, not too small.
+    chosen, why = choose({1: 0, 2: 3, 4: None, 8: 99})
+    assert chosen == 2 and "cannot plan T >= 4" in why and "T=4: not planned" in why
+    # One GPU or none: T=1 whatever it holds.
+    assert choose({1: 0}, gpu_count=0)[0] == choose({1: 0}, gpu_count=1)[0] == 1
 
 
 def test_plan_cli_prints_and_records_the_layout(capsys):

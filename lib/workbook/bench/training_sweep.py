@@ -139,7 +139,10 @@ def point_config(params, point: dict, output_dir: Path) -> training.TrainConfig:
         micro_batch_size=point["micro_batch_size"], max_steps=steps, warmup_steps=0,
         dtype=run_dtype(params, device), tf32=device.type == "cuda",
         grad_checkpointing=point["grad_checkpointing"], torch_compile=point["torch_compile"],
-        lora_rank=params["lora_rank"], profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
+        lora_rank=params["lora_rank"], lora_targets=params["lora_targets"], optimizer=params["optimizer"],
+        # The profile's data loading, so a point's tokens/s is what the profile's training job would see.
+        dataloader_workers=params["dataloader_workers"], pin_memory=params["pin_memory"],
+        prefetch_factor=params["prefetch_factor"], profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
         peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
         budget=Budget.from_params(params),
         # The profile's attention (e.g. eager, if flex attention fails on a GPU), unless the point sets its own.

@@ -311,9 +311,15 @@ def _epoch_loader(config, prepared, rows, run, collator, epoch, first_step, rank
     micro_batches = batches.epoch_micro_batches(rows, lengths, config.padding, micro_batch_size=run.micro_batch_size,
                                                  seed=config.seed, epoch=epoch)
     sampler = _RankBatches(micro_batches, first_step, run.steps_per_epoch, run.gradient_accumulation_steps, rank, world)
+    return data_loader(prepared, sampler, collator, config, device)
+
+
+def data_loader(prepared, batch_sampler, collator, config, device) -> torch.utils.data.DataLoader:
+    """The prepared examples served in ``batch_sampler``'s micro-batches with ``config``'s workers,
+    prefetch and pinned memory (pinning only where there is a GPU to copy to)."""
     workers = config.dataloader_workers
     return torch.utils.data.DataLoader(
-        batches.SftDataset(prepared.train), batch_sampler=sampler, collate_fn=collator, num_workers=workers,
+        batches.SftDataset(prepared.train), batch_sampler=batch_sampler, collate_fn=collator, num_workers=workers,
         pin_memory=config.pin_memory and device.type == "cuda",
         prefetch_factor=config.prefetch_factor if workers > 0 else None)
 
