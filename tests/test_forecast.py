@@ -435,10 +435,17 @@ def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_mod
     assert sorted(ids) == sorted(f"q{i}" for i in range(40))  # each once
 
 
-def test_forecast_cli_refuses_a_bad_pilot_share(capsys):
+def test_forecast_cli_refuses_a_bad_pilot_share_and_defaults_to_the_pilots_share(capsys):
     assert cli.main(["forecast", "--params", "cpu", "--pilot-share", "2"]) == 2
     error = capsys.readouterr().err.strip().splitlines()
     assert error[-1].startswith("error: --pilot-share 2")
+    # The command's default is the pilot's own (the parser cannot import it: the pilot imports torch).
+    from workbook.planner import pilot
+    forecast = cli.build_parser().parse_args(["forecast", "--params", "cpu"])
+    assert forecast.pilot_share == pilot.DEFAULT_SHARE
+    with pytest.raises(SystemExit):
+        cli.main(["forecast", "--help"])
+    assert f"default {pilot.DEFAULT_SHARE:g}" in " ".join(capsys.readouterr().out.split())
 
 
 def test_the_jobs_eta_uses_the_forecasts_timings(tmp_path):

@@ -280,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "forecast":
             job.add_argument("--mode", choices=params_module.PLAN_MODES, help="default: the profile's plan_mode")
             job.add_argument("--json", action="store_true", help="print the forecast as JSON")
-            job.add_argument("--pilot-share", type=float, default=0.1,
+            job.add_argument("--pilot-share", type=float, default=0.1,  # pilot.DEFAULT_SHARE (a test holds them equal)
                              help="the pilot runs at most this share of the job's batches (training: steps), "
                                   "at least one; default 0.1")
             job.add_argument("--pilot-seconds", type=float,
