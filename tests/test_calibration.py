@@ -266,3 +266,102 @@ def test_a_grid_cut_part_way_keeps_every_case_it_measured(tmp_path, monkeypatch)
     written = json.loads((tmp_path / calibration.RESULT_FILE).read_text())
     assert [case["case"]["name"] for case in written["cases"]] == measured and written["cases_planned"] == 3
     assert written["summary"]["measured"] == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The numbers a calibration record carries, the goal it claims, and measure_case's outcomes (its
+# CUDA calls stood in for).
+
+
+def test_compare_divides_by_the_measured_peak_and_signs_the_tensor_error_by_what_the_allocator_held():
+    case = next(case for case in calibration_grid("h200") if case.model == "llama-3.1-8b")
+    plan = plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=500 * MiB)
+    tensors = plan.total_bytes - sum(term.bytes for term in plan.terms
+                                     if term.name in ("cuda_context", "allocator_fragmentation"))
+    peak = round(plan.total_bytes / 1.1)  # the planner 10% over the device's peak
+    allocated = peak - 500 * MiB - 200 * MiB  # 500 MiB outside PyTorch, 200 MiB reserved but not allocated
+    record = compare(plan, gpu_like_measurement(reserved=peak - 500 * MiB, allocated=allocated, non_pytorch=500 * MiB))
+    assert record["relative_error"] == pytest.approx(0.1, rel=1e-6)  # of the measured peak, not of the plan
+    assert record["tensor_relative_error"] == pytest.approx((tensors - allocated) / allocated)
+    assert record["measured_fragmentation_bytes"] == 200 * MiB and record["measured_overhead_bytes"] == 500 * MiB
+
+
+def test_one_case_far_off_fails_the_goal_even_when_the_median_meets_it():
+    records = [record("a", "measured", 0.01), record("b", "measured", -0.01), record("c", "measured", 0.005),
+               record("d", "measured", 0.10)]
+    summary = summarize(records)
+    assert summary["median_abs_relative_error"] <= calibration.GOAL_MEDIAN_ABS_RELATIVE_ERROR
+    assert summary["max_abs_relative_error"] == pytest.approx(0.10) and not summary["meets_goal"]
+
+
+def test_a_grid_cut_part_way_is_written_as_not_meeting_the_goal(tmp_path, monkeypatch):
+    # Two of three cases measured, both well within the goal: the third was never checked.
+    cases, measured = calibration_grid("h100")[:3], []
+
+    def cut_at_the_third(case, overhead_bytes=None):
+        if len(measured) == 2:
+            raise KeyboardInterrupt
+        measured.append(case.name)
+        return {**record(case.name, "measured", 0.001), "predicted_bytes": GiB, "measured_bytes": GiB}
+    monkeypatch.setattr(calibration.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(calibration, "measure_case", cut_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        calibration.run_calibration(tmp_path, "h100", cases, log=None)
+    summary = json.loads((tmp_path / calibration.RESULT_FILE).read_text())["summary"]
+    assert summary["measured"] == 2 and summary["max_abs_relative_error"] < 0.01 and not summary["meets_goal"]
+
+
+def test_a_grid_with_no_case_is_refused_by_name_not_written_as_a_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(calibration.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="profile cpu: no calibration case to measure"):
+        calibration.run_calibration(tmp_path, "cpu", [], log=None)
+    assert not (tmp_path / calibration.RESULT_FILE).exists()
+
+
+def test_only_measures_the_first_case_each_beginning_matches_in_the_order_given():
+    # The smoke pass: the first (smallest) case of each kind named, not the last.
+    chosen = calibration.chosen_cases(calibration_grid("h200"), ["llama-3.2-1b/train", " llama-3.2-1b/generate"])
+    assert [case.name for case in chosen] == ["llama-3.2-1b/train/b4-s1024", "llama-3.2-1b/generate/b16-p512-n256"]
+
+
+def a_gpu_here(monkeypatch, probe):
+    """measure_case's CUDA calls stood in for (an H200's memory), ``probe`` run instead of the model."""
+    monkeypatch.setattr(calibration.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(calibration.torch.cuda, "mem_get_info", lambda device: (0, H200_BYTES))
+    monkeypatch.setattr(calibration, "clear_device_cache", lambda garbage_collection: None)
+    monkeypatch.setattr(calibration, "run_case_probe", lambda case, device: probe())
+
+
+def test_measure_case_plans_with_the_probes_constant_when_given_else_with_the_cases_own_context(monkeypatch):
+    case = next(case for case in calibration_grid("h200") if case.name.startswith("llama-3.1-8b/generate"))
+    planned = lambda overhead: plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=overhead).total_bytes
+    a_gpu_here(monkeypatch, lambda: gpu_like_measurement(reserved=planned(0), allocated=planned(0) // 2,
+                                                         non_pytorch=700 * MiB))
+    assert measure_case(case, overhead_bytes=500 * MiB)["predicted_bytes"] == planned(500 * MiB)
+    assert measure_case(case)["predicted_bytes"] == planned(700 * MiB)  # what this run measured outside PyTorch
+
+
+def test_a_case_out_of_memory_is_recorded_with_its_plan_and_any_other_failure_with_its_reason(monkeypatch):
+    case = next(case for case in calibration_grid("h200") if case.name.startswith("llama-3.1-8b/generate"))
+
+    def out_of_memory():
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    a_gpu_here(monkeypatch, out_of_memory)
+    oom = measure_case(case, overhead_bytes=500 * MiB)
+    # The planner said it fits and the GPU disagreed: the plan it made, with the probe's constant.
+    assert oom["status"] == "oom" and "out of memory" in oom["error"]
+    assert oom["predicted_bytes"] == plan_for_case(case, gpu_memory_bytes=H200_BYTES, overhead_bytes=500 * MiB).total_bytes
+
+    def broken():
+        raise ValueError("a shape mismatch")
+    a_gpu_here(monkeypatch, broken)
+    failed = measure_case(case)
+    assert failed["status"] == "failed" and "a shape mismatch" in failed["reason"]
+
+
+def test_a_case_is_kept_only_within_the_grid_fraction_of_a_budget_in_gib():
+    # The 8B model's largest generate case plans 31.2 GiB. A 42 GiB GPU's budget (0.95 of it: 39.9 GiB)
+    # holds it within 0.8; a 36 GiB one's (34.2 GiB) would hold it, but too close to measure it safely.
+    name = "llama-3.1-8b/generate/b64-p1024-n512"
+    assert name in {case.name for case in calibration_grid({"gpu_memory_gib": 42.0})}
+    assert name not in {case.name for case in calibration_grid({"gpu_memory_gib": 36.0})}

@@ -671,3 +671,120 @@ def test_the_range_always_holds_the_forecast_itself():
     low, high = forecast.generation_range([10] * 8, prompts_per_call=4, max_new_tokens=8, timings=timings(),
                                           outputs=observed, simulate=simulate)
     assert low < 50.0 and 100.0 < high
+
+
+# ---------------------------------------------------------------------------------------------
+# The ETA's plan and pace, the fits and the stream's model on the cases a user meets (a short last
+# batch, mixed new-token limits, a split job, a model with sliding-window layers).
+
+
+def test_the_eta_paces_by_the_last_quarter_of_the_batches_done_not_a_larger_share():
+    # 20 batches done: the pace is that of the last 5. The 15th batch was slow (7 s on a 1 s plan);
+    # a window of 6 would take it in and double the ETA of a run now back at its plan.
+    planned = [1.0] * 40
+    finished = [float(i + 1) for i in range(14)] + [21.0 + i for i in range(6)]
+    assert eta.remaining_seconds(planned, finished) == pytest.approx(20 * 1.0)
+
+
+def test_an_eta_with_no_planned_time_in_its_recent_batches_keeps_the_plan_left_not_zero():
+    # No pace can be taken from batches planned at 0 s: the ETA is the plan left as it stands.
+    assert eta.remaining_seconds([0.0, 0.0, 0.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == pytest.approx(5.0)
+
+
+def test_a_runs_batches_without_a_rank_are_checked_as_a_single_process():
+    # Summaries of a single process may leave the rank out: its batches are rank 0's, not nobody's.
+    batches = [{"planned": plan, "finished_at_seconds": at} for plan, at in zip([4, 2, 2, 1, 1], [8, 12, 16, 17, 18])]
+    assert [check["after_batches"] for check in eta.eta_errors(batches)] == [1, 1, 2, 3]
+
+
+def test_a_static_batchs_eta_decodes_until_the_largest_new_token_limit_among_its_rows(tmp_path):
+    # A prompt near the model's context gets a smaller max_new_tokens (2); its batch still decodes
+    # until the other row's 6 tokens (the pilot's outputs, under that row's limit of 8).
+    known = timings()
+    made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[50, [6, 6]]]}}
+    (tmp_path / "out.forecast.json").write_text(json.dumps(made))
+    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
+    batch = [generation.Prompt(0, [1] * 50, 8), generation.Prompt(1, [1] * 40, 2)]
+    assert planned([batch]) == [pytest.approx(sum(forecast.batch_seconds(2, 50, 6, known)))]
+
+
+def test_a_streams_eta_plans_one_entry_per_batch_when_the_last_batch_is_short(tmp_path):
+    # 14 requests in groups of 4: the progress closes 4 groups (the last of 2), so the plan has 4
+    # entries, each a group of batch_size completions, not of the short last batch's size.
+    made = {"mode": "generate", "timings": stream_timings().to_dict(), "pilot": {"output_lengths": [[50, [3]]]}}
+    (tmp_path / "out.forecast.json").write_text(json.dumps(made))
+    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
+    prompts = [generation.Prompt(i, [1] * 50, 8) for i in range(14)]
+    seconds = planned([prompts[start:start + 4] for start in range(0, 14, 4)])
+    whole = stream_forecast.simulate_stream([50] * 14, prompts_per_call=4, max_new_tokens=8, timings=stream_timings(),
+                                            outputs=OutputLengths([(50, [3])]), include_startup=False)
+    assert len(seconds) == 4 and sum(seconds) == pytest.approx(whole.seconds)
+
+
+def test_without_a_forecast_a_batch_costs_its_rows_times_its_longest_prompt_and_new_token_limit():
+    # The ETA's plan without a pilot: positions computed. A batch allowed 100 new tokens is dearer
+    # than one of the same prompts allowed 10: its decode runs longer.
+    first = [generation.Prompt(0, [1] * 50, 10), generation.Prompt(1, [1] * 40, 10)]
+    second = [generation.Prompt(2, [1] * 30, 100)]
+    assert eta.positions_cost([first, second]) == [2 * (50 + 10), 1 * (30 + 100)]
+
+
+def test_a_pilot_of_one_length_prices_its_prefill_per_token_and_its_steps_as_fixed():
+    # One distinct x cannot separate a fixed cost from a per-unit one: a prefill's time scales with its
+    # tokens (a line through 0), a decode step's is fixed (reading the weights).
+    assert regression.fit_line([100, 100], [2.0, 3.0]) == pytest.approx((0.0, 0.025))
+    assert regression.fit_line([100, 100], [2.0, 3.0], single="intercept") == pytest.approx((2.5, 0.0))
+
+
+def test_the_nonnegative_fit_recovers_costs_that_need_every_column():
+    # Fixed, per-token and per-pair costs all positive: only the full set of columns fits them exactly.
+    xs = [1.0, 2.0, 3.0, 4.0, 5.0]
+    columns = [[1.0] * 5, xs, [x * x for x in xs]]
+    ys = [0.5 + 0.2 * x + 0.03 * x * x for x in xs]
+    assert regression.fit_nonnegative(columns, ys) == pytest.approx([0.5, 0.2, 0.03], rel=1e-6)
+
+
+def test_a_streams_requests_take_the_outputs_seen_nearest_their_groups_longest_prompt_capped_at_the_limit():
+    # The pilot saw 50-token answers to 100-token prompts and 2-token answers to 10-token ones: a group
+    # led by a 100-token prompt answers at length, whatever its shortest prompt; a job allowed 40 new
+    # tokens caps the long answers at 40.
+    seen = OutputLengths([(100, [50]), (10, [2])])
+    requests = stream_forecast.queue_outputs([10, 100, 20, 90, 10, 12, 11, 9], 4, 64, seen)
+    assert requests == [(100, 50), (90, 50), (20, 50), (12, 50), (11, 2), (10, 2), (10, 2), (9, 2)]
+    assert [output for _, output in stream_forecast.queue_outputs([100] * 4, 4, 40, seen)] == [40] * 4
+
+
+def test_a_streams_forecast_with_startup_adds_the_jobs_start_and_exit():
+    known = dataclasses.replace(stream_timings(), startup_seconds=3.0, exit_seconds=1.0)
+    job = dict(prompts_per_call=4, max_new_tokens=8, timings=known, outputs=OutputLengths([(50, [3])]))
+    without = stream_forecast.simulate_stream([50] * 8, include_startup=False, **job)
+    assert stream_forecast.simulate_stream([50] * 8, **job).seconds == pytest.approx(without.seconds + 3.0 + 1.0)
+
+
+def test_a_split_streams_forecast_is_the_slowest_processs():
+    # Two processes take every other prompt of the sorted list: [100, 10] and [10]; the job ends with the first.
+    job = dict(prompts_per_call=2, max_new_tokens=8, timings=stream_timings(), outputs=OutputLengths([(50, [3])]))
+    split = stream_forecast.simulate_stream([10, 100, 10], processes=2, **job)
+    assert split.seconds == pytest.approx(stream_forecast.simulate_stream([100, 10], **job).seconds)
+    assert split.seconds > stream_forecast.simulate_stream([10], **job).seconds
+
+
+def test_a_streams_batch_shares_weigh_prompt_and_output_tokens():
+    # Each group's share of the stream's stepping: its prompts' and outputs' tokens over the whole's.
+    outputs = OutputLengths([(50, [30]), (10, [2])])
+    result = stream_forecast.simulate_stream([50, 50, 10, 10], prompts_per_call=2, max_new_tokens=32,
+                                             timings=stream_timings(), outputs=outputs, include_startup=False)
+    stepping = result.prefill_seconds + result.decode_seconds
+    assert result.batch_seconds == pytest.approx([stepping * 160 / 184, stepping * 24 / 184])
+
+
+def test_a_streams_step_is_described_by_its_sequences_queries_keys_and_mask():
+    # One step of transformers' manager: a 5-token prompt chunk and two decoding requests (10 and 20
+    # keys), a padded slot with no query; per layer type, the full-attention layers' keys and mask count.
+    full_keys, window_keys = torch.tensor([0, 5, 15, 35, 35]), torch.tensor([0, 5, 9, 13, 13])
+    kwargs = {"input_ids": torch.zeros(1, 7, dtype=torch.long), "cu_seq_lens_q": torch.tensor([0, 5, 6, 7, 7]),
+              "cu_seq_lens_k": {"sliding_attention": window_keys, "full_attention": full_keys},
+              "attention_mask": {"sliding_attention": torch.zeros(1, 1, 7, 13), "full_attention": torch.zeros(1, 1, 7, 35)}}
+    (work,) = stream_forecast.step_work((), kwargs)
+    assert work == stream_forecast.StepWork(steps=1, tokens=7, sequences=3, prefill_pairs=5 * 5, decode_keys=10 + 20,
+                                            mask_pairs=7 * 35)

@@ -4,6 +4,7 @@ lands in the profile."""
 import json
 import shutil
 
+import pytest
 import torch
 
 from workbook import params
@@ -40,3 +41,35 @@ def test_without_a_gpu_the_probe_says_where_to_run_it(tmp_path, capsys):
     assert overhead_probe.main(["--profile", "h100", "--out", str(tmp_path)]) == 2
     assert "run it on the GPU the profile describes" in capsys.readouterr().err
     assert not (tmp_path / overhead_probe.RESULT_FILE).exists()
+
+
+def test_the_constant_is_the_largest_reading_even_when_a_later_stage_reads_less():
+    # A stage may free a workspace it held; the job still reaches the peak: the largest reading, not the last.
+    readings = iter([1 * GiB, 2 * GiB, 4 * GiB, 3 * GiB, 3 * GiB])
+    measured = overhead_probe.measure("tiny", torch.device("cpu"), read=lambda device: next(readings))
+    assert measured["overhead_bytes"] == 4 * GiB
+
+
+def measured_result(tmp_path, overhead_bytes):
+    result = {"profile": "h100", "overhead_bytes": overhead_bytes, "hardware_name": "NVIDIA H100 80GB HBM3",
+              "date": "2026-11-24", "torch": "2.11.0+cu130"}
+    (tmp_path / "cuda_overhead.json").write_text(json.dumps(result))
+    return tmp_path / "cuda_overhead.json"
+
+
+def test_apply_refuses_a_profile_with_two_cuda_overhead_lines_and_leaves_it_as_it_was(tmp_path):
+    # Which line would the planner read? Neither is rewritten; the error says why.
+    text = (PARAMS_DIR / "h100.yaml").read_text() + "cuda_overhead_gib: 0.6\n"
+    (tmp_path / "h100.yaml").write_text(text)
+    with pytest.raises(ValueError, match="expected one 'cuda_overhead_gib:' line, found 2"):
+        overhead_probe.apply(measured_result(tmp_path, int(0.73 * GiB)), params_dir=tmp_path)
+    assert (tmp_path / "h100.yaml").read_text() == text
+
+
+def test_apply_names_the_profiles_line_when_the_constant_it_writes_is_invalid_and_keeps_the_old_one(tmp_path):
+    # A probe's reading gone negative (a stand-in's bug, a corrupted file) is no CUDA overhead.
+    shutil.copy(PARAMS_DIR / "h100.yaml", tmp_path / "h100.yaml")
+    with pytest.raises(params.ParamsError, match=r"h100.yaml:\d+: 'cuda_overhead_gib' is -0.5"):
+        overhead_probe.apply(measured_result(tmp_path, -GiB // 2), params_dir=tmp_path)
+    # ... and leaves the profile as it was, so it still loads.
+    assert (tmp_path / "h100.yaml").read_text() == (PARAMS_DIR / "h100.yaml").read_text()

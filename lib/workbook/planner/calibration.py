@@ -290,6 +290,9 @@ def run_calibration(out_dir: str | Path, profile_name: str, cases: list[Calibrat
             f"`{command_line(out_dir, profile_name)}` on the GPU the profile describes"
         )
     cases = calibration_grid(profile_name) if cases is None else cases
+    if not cases:
+        raise ValueError(f"profile {profile_name}: no calibration case to measure (its grid is empty: the cpu "
+                         "profile has none); give the profile of the GPU at hand")
     say = log or (lambda line: None)
     started, records = time.perf_counter(), []
     out_dir = Path(out_dir)
@@ -396,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu_checks["gpu_calibration"] = (
         {"status": "run", "file": RESULT_FILE} if has_gpu else
         {"status": "pending",
-         "reason": "the GPU calibration needs a CUDA GPU; none was found on this machine",
+         "reason": ("the GPU calibration needs a CUDA GPU; none was found on this machine"
+                    if not torch.cuda.is_available() else
+                    f"profile {args.profile} has no calibration grid; give the profile of the GPU at hand"),
          "to_run": f"{command}  (on the GPU the profile describes)"}
     )
     (out_dir / exact_checks.CPU_CHECKS_FILE).write_text(json.dumps(cpu_checks, indent=2) + "\n")

@@ -108,7 +108,11 @@ def apply(result_path: str | Path, params_dir: Path = PARAMS_DIR) -> Path:
     if count != 1:
         raise ValueError(f"{path}: expected one 'cuda_overhead_gib:' line, found {count}")
     path.write_text(updated)
-    params.load(path)  # still a valid profile, or the error names the line
+    try:
+        params.load(path)  # still a valid profile, or the error names the line
+    except params.ParamsError:
+        path.write_text(text)  # a bad constant never stays in the profile
+        raise
     return path
 
 
