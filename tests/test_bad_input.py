@@ -27,6 +27,15 @@ def test_jsonl_with_a_byte_order_mark_reads_and_utf16_or_a_folder_is_named(tmp_p
         jsonl.existing_file(tmp_path)
 
 
+def test_utf16_of_either_byte_order_is_named_not_read_as_bad_lines(tmp_path):
+    # Windows tools write little-endian UTF-16, others big-endian: both must get the one line saying how to fix it.
+    for encoding in ("utf-16-le", "utf-16-be"):
+        wide = tmp_path / f"{encoding}.jsonl"
+        wide.write_bytes("\ufeff".encode(encoding) + '{"input": "x"}\n'.encode(encoding))
+        with pytest.raises(jsonl.DataError, match=rf"{encoding}.jsonl: UTF-16 text .* save the file as UTF-8"):
+            list(jsonl.iter_jsonl(wide))
+
+
 def test_a_params_file_that_is_not_utf8_is_named_with_its_line(tmp_path):
     latin = tmp_path / "cpu.yaml"
     latin.write_bytes((PARAMS_DIR / "cpu.yaml").read_bytes().replace(b"Profile 'cpu'", b"Profil\xe9 'cpu'", 1))

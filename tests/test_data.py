@@ -1,7 +1,9 @@
 """JSON-lines handling: bad lines by policy, stable ids, the output format, torn lines, merges."""
 
 import json
+import os
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -30,7 +32,8 @@ def test_ids_are_the_given_id_or_the_line_number_and_other_fields_are_kept(tmp_p
 
 
 BAD_LINES = [
-    ('{"input": "What is 1 + 1?"', "not valid JSON"),
+    ('{"input": "What is 1 + 1?"', "not valid JSON (Expecting ',' delimiter at column 27)"),  # cut short: its end
+    ('{"input": nope}', "not valid JSON (Expecting value at column 11)"),  # the column an editor shows
     ('["a list"]', "a JSON list, not an object"),
     ('{"text": "no prompt here"}', "no prompt field (input or prompt or question)"),
     ('{"input": "   "}', "'input' is empty"),
@@ -240,3 +243,173 @@ def test_a_boolean_id_is_refused_by_line_not_read_as_1(tmp_path):
     path.write_text('{"id": "x", "input": "a"}\n{"id": true, "input": "b"}\n')
     with pytest.raises(jsonl.DataError, match=r"in.jsonl:2: 'id' is True; expected a string or an integer"):
         records.load_examples(path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Mutation audit of the durability layer: what a kill, a merge or a damaged file must not lose.
+
+
+def test_a_torn_line_exactly_one_read_chunk_long_is_cut_and_the_record_before_it_kept(tmp_path):
+    # The newline that ends the last whole record then lies just before the chunk read last: the
+    # next chunk must start right there, or the cut takes that record with the torn line.
+    path = tmp_path / "out.jsonl"
+    path.write_text('{"n": 1}\n' + "x" * jsonl.TAIL_CHUNK_BYTES)
+    assert jsonl.repair_torn_tail(path) == jsonl.TAIL_CHUNK_BYTES
+    assert path.read_text() == '{"n": 1}\n'
+
+
+def test_a_complete_output_line_that_is_not_utf8_is_an_error_naming_the_line(tmp_path):
+    # A resume must stop by name (not with a UnicodeDecodeError) rather than guess past a damaged line.
+    path = tmp_path / "out.jsonl"
+    path.write_bytes(b'{"n": 1}\n{"n": "caf\xe9"}\n{"n": 3}\n')
+    with pytest.raises(jsonl.DataError, match=r"out.jsonl:2: not a JSON object.*Remove that line"):
+        jsonl.scan_ids([path], lambda r: r["n"])
+
+
+def test_a_merge_keeps_the_first_record_of_an_id_that_the_output_itself_repeats(tmp_path):
+    target = write_lines(tmp_path / "out.jsonl", '{"id": "a", "v": 1}', '{"id": "a", "v": 2}', '{"id": "b", "v": 1}')
+    assert jsonl.merge_parts(target, [], id_of=lambda r: r["id"], order={"a": 0, "b": 1}) == 2
+    assert target.read_text() == '{"id": "a", "v": 1}\n{"id": "b", "v": 1}\n'
+
+
+def test_a_merge_puts_ids_the_order_lacks_after_every_ordered_one(tmp_path):
+    # "zz" is read first (from the output) but is no input position: it goes after all of them.
+    target = write_lines(tmp_path / "out.jsonl", '{"id": "zz"}', '{"id": "b"}')
+    part = write_lines(tmp_path / "out.part-0.jsonl", '{"id": "a"}')
+    jsonl.merge_parts(target, [part], id_of=lambda r: r["id"], order={"a": 0, "b": 1})
+    assert target.read_text() == '{"id": "a"}\n{"id": "b"}\n{"id": "zz"}\n'
+    # Orders need not count from 0 (the failures merge orders by line x samples + sample): still last.
+    part = write_lines(tmp_path / "out.part-0.jsonl", '{"id": "c"}')
+    jsonl.merge_parts(target, [part], id_of=lambda r: r["id"], order={"a": 1, "b": 5, "c": 10})
+    assert target.read_text() == '{"id": "a"}\n{"id": "b"}\n{"id": "c"}\n{"id": "zz"}\n'
+
+
+def test_a_merge_given_its_target_among_the_parts_keeps_the_target(tmp_path):
+    # Parts are deleted after a merge: the target listed as one must not be deleted with them.
+    target = write_lines(tmp_path / "out.jsonl", '{"id": "b"}')
+    part = write_lines(tmp_path / "out.part-0.jsonl", '{"id": "a"}')
+    assert jsonl.merge_parts(target, [part, tmp_path / "out.jsonl"], id_of=lambda r: r["id"],
+                             order={"a": 0, "b": 1}) == 2
+    assert target.read_text() == '{"id": "a"}\n{"id": "b"}\n' and not part.exists()
+
+
+def test_a_merge_syncs_the_new_file_before_it_replaces_the_old_and_the_folder_after(tmp_path, monkeypatch):
+    # Without both, a power loss right after the merge can leave an empty output or the old one
+    # with its parts already deleted.
+    events = []
+    real_fsync, real_replace = jsonl.os.fsync, jsonl.os.replace
+    monkeypatch.setattr(jsonl.os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                       real_fsync(fd)))
+    monkeypatch.setattr(jsonl.os, "replace", lambda old, new: (events.append(("replace", str(old))),
+                                                                real_replace(old, new)))
+    target = write_lines(tmp_path / "out.jsonl", '{"id": "b"}')
+    part = write_lines(tmp_path / "out.part-0.jsonl", '{"id": "a"}')
+    jsonl.merge_parts(target, [part], id_of=lambda r: r["id"], order={"a": 0, "b": 1})
+    temporary = str(tmp_path / "out.jsonl.merging")
+    assert events == [("fsync", temporary), ("replace", temporary), ("fsync", str(tmp_path))]
+    assert target.read_text() == '{"id": "a"}\n{"id": "b"}\n'
+
+
+def test_one_process_writes_the_output_itself_and_each_of_several_its_own_parts(tmp_path):
+    files = generation_files.OutputFiles(tmp_path / "out.jsonl")
+    alone, first, second = (SimpleNamespace(index=0, count=1), SimpleNamespace(index=0, count=2),
+                            SimpleNamespace(index=1, count=2))
+    assert (files.output_part(alone), files.failures_part(alone)) == (files.output, files.failures)
+    # The first of several too: otherwise it would append to the output while a merge rewrites it.
+    assert [files.output_part(first).name, files.output_part(second).name] == ["out.part-0.jsonl", "out.part-1.jsonl"]
+    assert [files.failures_part(first).name, files.failures_part(second).name] == [
+        "out.failures.part-0.jsonl", "out.failures.part-1.jsonl"]
+
+
+def output_line(example_id, sample=0, fingerprint="f"):
+    return json.dumps({"input": f"prompt {example_id}", "output": "x", "metadata": {
+        "example_id": example_id, "sample_index": sample, "settings_fingerprint": fingerprint}})
+
+
+def failure_line(example_id, line, error, sample=0):
+    return json.dumps(records.failure_record(example_id=example_id, line=line, stage="generation", error=error,
+                                             sample_index=sample))
+
+
+def test_a_resume_counts_outputs_left_in_part_files_as_written(tmp_path):
+    # A killed data-parallel run leaves its outputs in parts: a rerun must not generate them again.
+    write_lines(tmp_path / "out.jsonl", output_line("a"))
+    write_lines(tmp_path / "out.part-1.jsonl", output_line("b"))
+    written = generation_files.written_outputs(generation_files.OutputFiles(tmp_path / "out.jsonl"))
+    assert set(written) == {("a", 0), ("b", 0)}
+
+
+NO_BATCHES = {"seconds": 0.0, "batch_list": [], "too_long": 0, "setup_seconds": 0.0}
+
+
+def examples_on_lines(*lines):
+    return [records.Example(f"q{line}", line, f"prompt q{line}", {}) for line in lines]
+
+
+def test_the_failures_merge_keeps_the_latest_error_of_each_candidate_in_line_and_sample_order(tmp_path):
+    files = generation_files.OutputFiles(tmp_path / "out.jsonl")
+    write_lines(files.output, output_line("q1", 0))
+    write_lines(files.failures, failure_line("q2", 2, "old error", sample=0))
+    # A later run failed again (the newer error is the one to read) and failed another sample of line 1.
+    write_lines(tmp_path / "out.failures.part-0.jsonl", failure_line("q2", 2, "new error", sample=0),
+                failure_line("q1", 1, "its own error", sample=1))
+    write_lines(tmp_path / "out.part-0.jsonl", output_line("q2", 1))
+    summary = generation_files.merge_and_audit(files, examples_on_lines(1, 2), [], [NO_BATCHES], samples=2,
+                                               log=lambda line: None)
+    failures = [json.loads(line) for line in files.failures.read_text().splitlines()]
+    assert [(f["line"], f["sample_index"], f["error"]) for f in failures] == [(1, 1, "its own error"),
+                                                                            (2, 0, "new error")]
+    assert summary["in_output"] == 2 and summary["in_failures"] == 2 and summary["unaccounted"] == 0
+
+
+def test_a_merge_the_disk_has_no_room_for_still_counts_every_record_in_the_parts(tmp_path, monkeypatch):
+    # The outputs stay in their parts; the audit must read them there, and a failure since
+    # retried with success must not count as failed.
+    import errno
+    files = generation_files.OutputFiles(tmp_path / "out.jsonl")
+    write_lines(files.output, output_line("q1"))
+    write_lines(tmp_path / "out.part-0.jsonl", output_line("q2"))
+    write_lines(tmp_path / "out.failures.part-0.jsonl", failure_line("q2", 2, "failed before"),
+                failure_line("q3", 3, "still failing"))
+
+    def full(path, text):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(jsonl, "_replace_atomically", full)
+    said = []
+    summary = generation_files.merge_and_audit(files, examples_on_lines(1, 2, 3), [], [NO_BATCHES], log=said.append)
+    assert summary["merged"] is False and any("the disk is full" in line for line in said)
+    assert summary["in_output"] == 2 and summary["in_failures"] == 1 and summary["unaccounted"] == 0
+
+
+def test_a_failure_whose_error_quotes_text_that_is_not_unicode_can_still_be_written(tmp_path):
+    # The failures file is written strictly: a lone surrogate in the error would fail the whole write.
+    record = records.failure_record(example_id="q1", line=1, stage="generation", error="bad token \udc80 here")
+    with jsonl.LineAppender(tmp_path / "out.failures.jsonl") as appender:
+        appender.write([record])
+    written, = jsonl.read_complete_lines(tmp_path / "out.failures.jsonl")
+    assert written[2]["error"] == "bad token \\udc80 here"
+
+
+def test_the_settings_fingerprint_does_not_depend_on_the_order_of_the_settings():
+    # A resume compares fingerprints: the same settings listed in another order must still match.
+    settings = {"teacher_model": "tiny", "dtype": "fp32", "generation_params": {"temperature": 1.0, "top_p": 0.9}}
+    reordered = {"generation_params": {"top_p": 0.9, "temperature": 1.0}, "dtype": "fp32", "teacher_model": "tiny"}
+    assert records.settings_fingerprint(settings) == records.settings_fingerprint(reordered)
+    assert records.settings_fingerprint(settings) != records.settings_fingerprint({**settings, "dtype": "bf16"})
+
+
+def test_a_summary_the_disk_cuts_short_is_removed_not_left_half_written(tmp_path, monkeypatch):
+    # A half-written summary would mislead whoever reads it; the outputs are safe without one.
+    import errno
+    files = generation_files.OutputFiles(tmp_path / "out.jsonl")
+
+    def half_then_full(self, text):
+        with open(self, "w") as handle:
+            handle.write(text[:len(text) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(generation_files.Path, "write_text", half_then_full)
+    said = []
+    generation_files.write_summary(files, {"in_output": 3, "unaccounted": 0}, log=said.append)
+    assert not files.summary.exists() and any("was not written; the outputs are safe" in line for line in said)

@@ -6,7 +6,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -301,3 +303,88 @@ def test_what_any_node_wrote_is_skipped_by_every_node():
     assert nodes.written_anywhere({("a", 0)}, alone) == {("a", 0)}
     two = SimpleNamespace(count=2, gather=lambda done: [done, {("b", 0)}])
     assert nodes.written_anywhere({("a", 0)}, two) == {("a", 0), ("b", 0)}
+
+
+# ----------------------------------------------------------------------------------------------
+# Bringing a node's parts to the first one, in one process: two threads stand for the two nodes,
+# each with its own folder, and a barrier stands for the process group's collectives.
+
+
+class ThreadGroup:
+    """The collectives bring_parts_to_first uses (gather to all, gather to the first), over threads."""
+
+    def __init__(self, count):
+        self.count, self.slots = count, [None] * count
+        self.barrier = threading.Barrier(count, timeout=20)
+
+    def rank(self, index):
+        return SimpleNamespace(index=index, count=self.count, gather=lambda value: self.gather(index, value))
+
+    def gather(self, index, value):
+        self.slots[index] = value
+        self.barrier.wait()
+        values = list(self.slots)
+        self.barrier.wait()  # nobody overwrites a slot before every thread has read them all
+        return values
+
+
+def bring_parts_over_threads(tmp_path, monkeypatch):
+    """Run nodes.bring_parts_to_first on node 0 and node 1 (whose folder node 0 cannot see); returns
+    each node's OutputFiles and what each call returned or raised."""
+    from workbook.generation import nodes
+    from workbook.generation.files import OutputFiles
+    group = ThreadGroup(2)
+
+    def gather_to_first(message, rank):
+        received = rank.gather(message)  # every thread takes part, as in the collective
+        return received if rank.index == 0 else None
+
+    monkeypatch.setattr(nodes, "_gather_to_first", gather_to_first)
+    files = [OutputFiles(tmp_path / f"node{node}" / "out.jsonl") for node in (0, 1)]
+    outcomes = [None, None]
+
+    def node(index):
+        try:
+            outcomes[index] = nodes.bring_parts_to_first(files[index], group.rank(index), [True, False])
+        except Exception as error:  # noqa: BLE001 - handed to the test thread
+            outcomes[index] = error
+
+    threads = [threading.Thread(target=node, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return files, outcomes
+
+
+def test_a_node_without_the_shared_disk_sends_every_record_over_in_several_messages(tmp_path, monkeypatch):
+    from workbook.generation import nodes
+    monkeypatch.setattr(nodes, "RECORDS_PER_MESSAGE", 2)  # 5 outputs: 3 messages, the last one short
+    sender = tmp_path / "node1"
+    sender.mkdir(parents=True)
+    (sender / "out.part-1.jsonl").write_text("".join(json.dumps({"n": n}) + "\n" for n in range(5)))
+    (sender / "out.failures.part-1.jsonl").write_text(json.dumps({"line": 9}) + "\n")
+    files, outcomes = bring_parts_over_threads(tmp_path, monkeypatch)
+    assert outcomes == [[1], [1]]
+    first = files[0].output.parent
+    assert [json.loads(line)["n"] for line in (first / "out.part-1.jsonl").read_text().splitlines()] == [0, 1, 2, 3, 4]
+    assert (first / "out.failures.part-1.jsonl").read_text() == '{"line": 9}\n'
+    assert not any(sender.iterdir())  # the sender's copies go once the first node has them on disk
+
+
+def test_a_node_keeps_its_parts_when_the_first_node_cannot_store_them(tmp_path, monkeypatch):
+    # The first node's disk is full: the records' only copy is the sender's, which a rerun reads.
+    import errno
+    from workbook import jsonl
+
+    def full(self, records):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+
+    monkeypatch.setattr(jsonl.LineAppender, "write", full)
+    sender = tmp_path / "node1"
+    sender.mkdir(parents=True)
+    (sender / "out.part-1.jsonl").write_text('{"n": 0}\n{"n": 1}\n')
+    files, outcomes = bring_parts_over_threads(tmp_path, monkeypatch)
+    assert isinstance(outcomes[0], OSError) and outcomes[0].errno == errno.ENOSPC
+    assert outcomes[1] == [1]
+    assert (sender / "out.part-1.jsonl").read_text() == '{"n": 0}\n{"n": 1}\n'

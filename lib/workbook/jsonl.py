@@ -68,7 +68,8 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[int, dict | BadLine]]:
             if not line.strip():
                 continue
             try:
-                value = json.loads(line, parse_constant=_refuse_constant)
+                # Without its newline: a line cut short is then "expecting ..." at its end, not column 1 of the next.
+                value = json.loads(line.rstrip("\r\n"), parse_constant=_refuse_constant)
             except json.JSONDecodeError as error:
                 yield number, BadLine(str(path), number, f"not valid JSON ({error.msg} at column {error.colno})",
                                       number)
@@ -365,7 +366,7 @@ def merge_parts(target: str | Path, parts: Iterable[str | Path], *, id_of: Calla
                 continue
             sequence += 1
             chosen[record_id] = (sequence, line)
-    unknown = len(order) + 1
+    unknown = max(order.values(), default=-1) + 1  # after every ordered id, whatever numbers the order uses
     lines = [line for record_id, (sequence, line) in
              sorted(chosen.items(), key=lambda item: (order.get(item[0], unknown), item[1][0]))]
     if lines and lines == target_lines:
