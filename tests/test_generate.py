@@ -1,6 +1,7 @@
 """The generation engine: batched equals one-at-a-time, nothing lost to a kill, an OOM or a bad line."""
 
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -411,10 +412,158 @@ def test_a_request_out_of_memory_alone_in_flight_is_recorded_and_the_rest_go_on(
     assert summary["failed"] == 6 and summary["in_output"] == 0 and summary["unaccounted"] == 0
     assert sorted(f["line"] for f in failures) == [1, 2, 3, 4, 5, 6]
     assert all(f["stage"] == "generation" and "CUDA out of memory" in f["error"] for f in failures)
+    # Named as the static path names it: transformers reports text, the record keeps the error's type.
+    assert all(f["error"].startswith("OutOfMemoryError: CUDA out of memory") for f in failures)
     monkeypatch.undo()
     rerun = generation.run_job(job_params(prompts, output, batch_size=4, backend="continuous"), output,
                                model=tiny[0], **run)
     assert rerun["in_output"] == 6 and not (tmp_path / "out.failures.jsonl").exists()
+
+
+class FailsInFlight:
+    """Replaces the model's forward: the forward passes numbered in ``failing`` (1-based), and every
+    one that reads the token ``poison`` (a prompt that breaks the model), raise ``error``."""
+
+    def __init__(self, forward, error, failing=(), poison=None):
+        self.forward, self.error, self.failing, self.poison, self.calls = forward, error, set(failing), poison, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.calls in self.failing or (self.poison is not None and bool((input_ids == self.poison).any())):
+            raise self.error
+        return self.forward(*args, **kwargs)
+
+
+def manager_limits(model, monkeypatch):
+    """The in-flight limit of each continuous-batching manager started on ``model``, in order."""
+    start = model.init_continuous_batching
+
+    @functools.wraps(start)  # the backend reads its signature
+    def recording(*args, **kwargs):
+        limits.append(kwargs["continuous_batching_config"].max_requests_per_batch)
+        return start(*args, **kwargs)
+
+    limits = []
+    monkeypatch.setattr(model, "init_continuous_batching", recording)
+    return limits
+
+
+def stream_outcomes(backend, prompts):
+    """{index: (tokens, finish reason)} of the completed prompts and {index: error} of the failed ones."""
+    completed, failed = {}, {}
+
+    def write(outcome):
+        completed.update({p.index: (c.token_ids, c.finish_reason) for p, c in outcome.completed})
+        failed.update({p.index: error for p, error in outcome.failed})
+
+    generation.run_batches(backend, prompts, write=write, log=lambda line: None)
+    return completed, failed
+
+
+@pytest.mark.parametrize("error, limits", [
+    # Another error: its requests are retried at 2 in flight, then the rest runs at the full 4 again.
+    (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED"), [4, 2, 4]),
+    # Out of memory: 2 in flight for the rest of the run, no manager started again.
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB."), [4, 2]),
+])
+def test_an_error_in_flight_retries_its_requests_first_at_half_the_limit(tiny, varied, monkeypatch, error, limits):
+    prompts, settings, reference = varied
+    backend = generation.make_backend("continuous", tiny[0], settings, 4)
+    started = manager_limits(tiny[0], monkeypatch)
+    monkeypatch.setattr(tiny[0], "forward", FailsInFlight(tiny[0].forward, error, failing={3}))
+    assert engine_results(backend, prompts[:12]) == {p.index: reference[p.index] for p in prompts[:12]}
+    assert started == limits
+
+
+def test_a_prompt_that_breaks_the_model_fails_alone_and_the_requests_beside_it_are_generated(tiny, varied,
+                                                                                               monkeypatch):
+    prompts, settings, reference = varied
+    poison, broken = 127, {1, 7, 13}  # three prompts apart in the queue, each with a token that breaks a forward
+    assert not any(poison in p.token_ids for p in prompts)
+    prompts = [dataclasses.replace(p, token_ids=[*p.token_ids, poison]) if p.index in broken else p
+               for p in prompts[:16]]
+    monkeypatch.setattr(tiny[0], "forward", FailsInFlight(tiny[0].forward, RuntimeError("an illegal instruction"),
+                                                          poison=poison))
+    completed, failed = stream_outcomes(generation.make_backend("continuous", tiny[0], settings, 4), prompts)
+    # Each broken prompt is recorded once, alone; successes between them keep the run going.
+    assert sorted(failed) == sorted(broken) and set(failed.values()) == {"RuntimeError: an illegal instruction"}
+    assert completed == {p.index: reference[p.index] for p in prompts if p.index not in broken}
+
+
+def test_a_model_that_fails_every_step_stops_the_stream_after_three_lone_failures(tiny, varied, monkeypatch):
+    prompts, settings, _ = varied
+    monkeypatch.setattr(tiny[0], "forward", FailsInFlight(tiny[0].forward, RuntimeError("CUDA error: device lost"),
+                                                          failing=range(1, 1000)))
+    failed = []
+    # Not one bad example but a broken setup: the run stops rather than record every prompt as failed.
+    with pytest.raises(generation.GenerationError, match=r"^3 examples in a row failed alone with: RuntimeError: "
+                                                         r"CUDA error: device lost\. That is not one bad example"):
+        generation.run_batches(generation.make_backend("continuous", tiny[0], settings, 4), prompts[:8],
+                               write=lambda outcome: failed.extend(outcome.failed), log=lambda line: None)
+    assert len(failed) == 3  # each written before the stop
+
+
+def test_a_stream_queues_its_longest_prompts_first(tiny, varied):
+    prompts, settings, _ = varied
+    backend = generation.make_backend("continuous", tiny[0], settings, 1)  # one in flight: they end in queue order
+    finished = []
+    backend.stream(prompts[:8], write=lambda outcome: finished.extend(p for p, _ in outcome.completed),
+                   log=lambda line: None)
+    assert finished == generation.sort_longest_first(prompts[:8])
+
+
+class FirstResultFails:
+    """Wraps a continuous-batching manager: the first request it finishes comes back failed instead,
+    as when transformers fails one request on its own while the others in flight run on."""
+
+    def __init__(self, manager):
+        self.manager, self.failed = manager, None
+
+    def get_result(self, *args, **kwargs):
+        result = self.manager.get_result(*args, **kwargs)
+        if result is not None and self.failed is None:
+            self.failed = result.request_id
+            result = dataclasses.replace(result, error="RuntimeError: this request's own error")
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self.manager, name)
+
+
+def test_requests_that_finish_beside_a_failed_one_are_written_once_and_only_it_is_retried(tiny, varied,
+                                                                                           monkeypatch):
+    prompts, settings, reference = varied
+    start, limits = tiny[0].init_continuous_batching, []
+
+    @functools.wraps(start)  # the backend reads its signature
+    def first_manager_fails_a_request(*args, **kwargs):
+        limits.append(kwargs["continuous_batching_config"].max_requests_per_batch)
+        manager = start(*args, **kwargs)
+        return FirstResultFails(manager) if len(limits) == 1 else manager
+
+    monkeypatch.setattr(tiny[0], "init_continuous_batching", first_manager_fails_a_request)
+    written = []
+    generation.run_batches(generation.make_backend("continuous", tiny[0], settings, 4), prompts[:8],
+                           write=lambda outcome: written.extend(outcome.completed), log=lambda line: None)
+    # The three beside it finish as the manager stops and are written then: each prompt exactly once.
+    assert sorted(prompt.index for prompt, _ in written) == [p.index for p in prompts[:8]]
+    assert {p.index: (c.token_ids, c.finish_reason) for p, c in written} == {p.index: reference[p.index]
+                                                                           for p in prompts[:8]}
+    assert limits == [4, 1, 4]  # the failed request alone, then the rest at the full limit
+
+
+def test_a_streams_statistics_count_each_group_of_finished_requests_once(tiny, varied):
+    prompts, settings, reference = varied
+    backend = generation.make_backend("continuous", tiny[0], settings, 4)
+    stats = generation.run_batches(backend, prompts[:10], write=lambda outcome: None, log=lambda line: None)
+    # One group per 4 finished requests, the last one partial, as a summary's batch list shows them.
+    assert [(s.index, s.examples, s.failed) for s in stats] == [(1, 4, 0), (2, 4, 0), (3, 2, 0)]
+    assert sum(s.output_tokens for s in stats) == sum(len(reference[p.index][0]) for p in prompts[:10])
+    assert sum(s.prompt_tokens for s in stats) == sum(len(p.token_ids) for p in prompts[:10])
+    # Each group's seconds are its own (they add up to the stream's); the first result is the first group's.
+    assert sum(s.seconds for s in stats) == pytest.approx(stats[-1].finished_at_seconds)
+    assert stats[0].first_result_seconds is not None and [s.first_result_seconds for s in stats[1:]] == [None, None]
 
 
 def test_continuous_backend_says_clearly_when_transformers_lacks_it(tiny):
