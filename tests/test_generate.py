@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from workbook import arithmetic, cli, generation, jsonl, models, params
+from workbook.generation import engine
 from workbook.paths import PARAMS_DIR, REPO_ROOT
 
 
@@ -489,6 +490,21 @@ def test_a_prompt_that_breaks_the_model_fails_alone_and_the_requests_beside_it_a
     # Each broken prompt is recorded once, alone; successes between them keep the run going.
     assert sorted(failed) == sorted(broken) and set(failed.values()) == {"RuntimeError: an illegal instruction"}
     assert completed == {p.index: reference[p.index] for p in prompts if p.index not in broken}
+
+
+def test_one_continuous_call_with_a_broken_prompt_raises_with_what_it_completed(tiny, varied, monkeypatch):
+    # generate() (the benchmark's call): the caller gets the completed rows and the failure's own error,
+    # never a result with a row missing.
+    prompts, settings, reference = varied
+    poison = 127
+    prompts = [dataclasses.replace(p, token_ids=[*p.token_ids, poison]) if p.index == 2 else p for p in prompts[:6]]
+    monkeypatch.setattr(tiny[0], "forward", FailsInFlight(tiny[0].forward, RuntimeError("an illegal instruction"),
+                                                          poison=poison))
+    with pytest.raises(engine.PartialFailure) as raised:
+        generation.make_backend("continuous", tiny[0], settings, 4).generate(prompts)
+    assert sorted(raised.value.completed) == [0, 1, 3, 4, 5]  # positions in the call's list
+    assert raised.value.completed[0].token_ids == reference[prompts[0].index][0]
+    assert "an illegal instruction" in str(raised.value.error)
 
 
 def test_a_model_that_fails_every_step_stops_the_stream_after_three_lone_failures(tiny, varied, monkeypatch):
