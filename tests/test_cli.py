@@ -298,3 +298,27 @@ def test_a_notebook_that_lacks_a_key_its_job_reads_is_told_which_and_where_to_de
     with pytest.raises(training.TrainError, match=r"workbook train needs the parameter\(s\) epochs, precision; .*"
                                                   r"notebooks/03_training"):
         training.config_from_params({k: v for k, v in cpu.items() if k not in ("epochs", "precision")}, tmp_path)
+
+
+def test_no_key_a_jobs_notebook_declares_is_noted_as_changing_nothing(capsys):
+    # The notebook's parameters cell lists what the job reads: a --set of any of them counts.
+    import papermill
+    from workbook import job_keys
+    for job, path in job_keys.NOTEBOOKS.items():
+        declared = set(papermill.inspect_notebook(str(REPO_ROOT / f"{path}.ipynb"))) - {notebook.RUN_DIR_PARAMETER}
+        cli.note_keys_not_read(job, [f"{key}=1" for key in declared])
+        assert capsys.readouterr().err == "", job
+    # verify caps the accepted outputs; forecast plans in plan_mode over num_nodes at the profile's bandwidth.
+    cli.note_keys_not_read("verify", ["max_accepted_per_prompt=2", "verifier=exact_match"])
+    cli.note_keys_not_read("forecast", ["plan_mode=train", "num_nodes=2", "memory_bandwidth_gbs=1", "seq_len=64"])
+    assert capsys.readouterr().err == ""
+
+
+def test_a_job_refuses_params_lacking_any_key_it_reads_and_names_it():
+    from workbook import job_keys
+    cpu = dict(params.load(REPO_ROOT / "params" / "cpu.yaml"))
+    for job in job_keys.READ_BY:  # generate, train and bench (each a notebook's), forecast and verify
+        assert job_keys.missing(cpu, job) is None, job
+        for key in job_keys.READ_BY[job]:
+            problem = job_keys.missing({k: v for k, v in cpu.items() if k != key}, job)
+            assert problem and f"needs the parameter(s) {key};" in problem, (job, key)

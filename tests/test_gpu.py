@@ -208,3 +208,13 @@ def test_a_turing_gpu_under_auto_takes_the_nearest_profile_in_fp16(monkeypatch):
     monkeypatch.setattr(gpu, "detect", lambda: {"gpus": fake_gpus("Quadro RTX 8000", 1, 48000, capability=(7, 5))})
     loaded = runner.resolve_params("auto", [], log=lambda line: None)[0]
     assert loaded["profile"] == "a6000" and loaded["dtype"] == "fp16" and not loaded["supports_bf16"]
+
+
+def test_an_exact_match_runs_its_profile_as_written_even_when_the_driver_reads_a_little_less_memory(monkeypatch):
+    # Within 10% is the same GPU (drivers and ECC report a little less); the profile's figures are the reference.
+    from workbook import runner
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": fake_gpus("NVIDIA H100 80GB HBM3", 1, 78000)})
+    said = []
+    loaded = runner.resolve_params("auto", [], log=said.append)[0]
+    assert loaded == params.load(PARAMS_DIR / "h100.yaml")
+    assert said[0].startswith("profile: ") and not any("hardware figures" in line for line in said)

@@ -2,6 +2,7 @@
 
 import ast
 import re
+from pathlib import Path
 
 import papermill
 import pytest
@@ -80,12 +81,33 @@ def test_unknown_key_names_file_line_and_suggests_the_right_one(tmp_path):
         params.load(path)
 
 
+@pytest.mark.parametrize("typed", ["no", "on", "12"])
+def test_a_key_yaml_reads_as_a_bool_or_a_number_is_named_as_typed_with_its_line(tmp_path, typed):
+    path = write_profile(tmp_path, dtype=f"dtype: fp32\n{typed}: 0")
+    line = path.read_text().splitlines().index(f"{typed}: 0") + 1
+    with pytest.raises(params.ParamsError, match=rf"cpu.yaml:{line}: unknown parameter '{typed}'"):
+        params.load(path)
+    # Two spellings of one YAML value are refused, not merged into one key.
+    both = write_profile(tmp_path, dtype="dtype: fp32\nno: 0\nfalse: 1")
+    with pytest.raises(params.ParamsError, match="two keys YAML reads as the same value"):
+        params.load(both)
+
+
 @pytest.mark.parametrize("line, message", [
     ("gpu_count: eight", r"'gpu_count' is 'eight'; expected an integer"),
     ("gpu_count: true", r"'gpu_count' is True; expected an integer"),
     ("gpu_count: -1", r"'gpu_count' is -1; expected an integer >= 0"),
     ("dtype: float64", r"'dtype' is 'float64'; expected one of 'fp32', 'bf16', 'fp16'"),
     ("supports_bf16: maybe", r"'supports_bf16' is 'maybe'; expected true or false"),
+    # bool is an int in Python: `true` must not pass as 1.0 for a number key either.
+    ("temperature: true", r"'temperature' is True; expected a finite number >= 0"),
+    # 'auto' is for the keys the planner chooses; elsewhere it is a mistake.
+    ("gpu_count: auto", r"'gpu_count' is 'auto'; expected an integer >= 0 \("),
+    ("seed: auto", r"'seed' is 'auto'; expected an integer >= 0 \("),
+    # Blank is no model, and no baseline list is not 'none'.
+    ('model: "  "', r"'model' is '  '; expected a non-empty string"),
+    ('bench_train_baselines: ""', r"'bench_train_baselines' is ''; expected comma-separated names"),
+    ('gpu_name_pattern: "H100("', r"'gpu_name_pattern' is not a valid regular expression"),
 ])
 def test_wrong_values_are_rejected_with_key_and_expectation(tmp_path, line, message):
     key = line.split(":")[0]
@@ -222,3 +244,52 @@ def test_nan_passed_with_papermill_p_is_refused_by_the_notebook(tmp_path):
 
 def test_a_key_set_twice_takes_its_last_value():
     assert params.parse_overrides(["seed=1", "seed=2"]) == {"seed": 2}
+
+
+def test_every_key_left_out_of_a_file_is_named_as_missing(tmp_path):
+    # A key missing from a profile would otherwise surface as a KeyError deep inside a notebook.
+    for key in params.SCHEMA:
+        with pytest.raises(params.ParamsError, match=rf"missing parameter\(s\) {key}\. '{key}': "):
+            params.load(write_profile(tmp_path, **{key: ""}))
+
+
+def test_a_key_given_twice_names_both_lines(tmp_path):
+    path = tmp_path / "cpu.yaml"
+    path.write_text((PARAMS_DIR / "cpu.yaml").read_text() + "dtype: bf16\n")
+    lines = path.read_text().splitlines()
+    first = next(number for number, line in enumerate(lines, 1) if line.startswith("dtype:"))
+    second = len(lines)  # the appended line
+    with pytest.raises(params.ParamsError,
+                       match=rf"cpu.yaml:{second}: key 'dtype' appears twice \(first on line {first}\)"):
+        params.load(path)
+
+
+def test_a_profile_name_that_disagrees_with_its_file_names_the_line(tmp_path):
+    path = write_profile(tmp_path, name="mine")
+    line = path.read_text().splitlines().index("profile: cpu") + 1
+    with pytest.raises(params.ParamsError, match=rf"mine.yaml:{line}: 'profile' is 'cpu' but the file is mine.yaml"):
+        params.load(path)
+
+
+def test_a_single_batch_size_in_a_file_reads_as_a_list_of_one(tmp_path):
+    # YAML reads `bench_batch_sizes: 8` as an integer; it means the one batch size 8.
+    path = write_profile(tmp_path, bench_batch_sizes="bench_batch_sizes: 8",
+                         bench_train_micro_batches="bench_train_micro_batches: 4")
+    loaded = params.load(path)
+    assert (loaded.bench_batch_sizes, loaded.bench_train_micro_batches) == ("8", "4")
+
+
+def test_batch_size_lists_may_have_spaces_after_the_commas():
+    assert params.parse_overrides(["bench_batch_sizes=8, 32, auto"])["bench_batch_sizes"] == "8, 32, auto"
+
+
+def test_the_cpu_profiles_own_override_example_dtype_bf16_is_accepted():
+    # params/cpu.yaml's header suggests `--set dtype=bf16`; the no-bf16 rule is for GPUs only.
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    assert not cpu.supports_bf16
+    assert params.apply_overrides(cpu, params.parse_overrides(["dtype=bf16"])).dtype == "bf16"
+
+
+def test_a_yml_file_given_as_params_is_a_path_not_a_profile_name():
+    assert params.profile_path("mine.yml") == Path("mine.yml")
+    assert params.profile_path("h200") == PARAMS_DIR / "h200.yaml"

@@ -142,3 +142,79 @@ def test_a_resumed_run_keeps_every_start_and_its_folder_even_when_it_fails_befor
     manifest = json.loads((folder / "manifest.json").read_text())
     assert len(manifest["resumed_at"]) == 2 and manifest["status"] == "failed"
     assert manifest["error"] == "stopped before writing"
+
+
+@pytest.mark.notebook
+def test_a_run_that_passes_records_ok_per_notebook_with_its_seconds_and_the_sets_it_ran_with(
+        tmp_path, monkeypatch, capsys):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    make_notebook(notebooks / "00_first.ipynb", "x = 1")
+    make_notebook(notebooks / "01_second.ipynb", "y = 2")
+    monkeypatch.setattr(runner, "NOTEBOOKS_DIR", notebooks)
+    monkeypatch.setattr(runner, "OUTPUTS_DIR", tmp_path / "outputs")
+
+    assert cli.main(["run", "--params", "cpu", "--set", "seed=3"]) == 0
+
+    run_dir = next((tmp_path / "outputs").iterdir())
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    # Notebook 05 tells a finished run from one still running (or dead) by this status.
+    assert manifest["status"] == "ok" and manifest["finished_at"]
+    assert [(e["name"], e["status"]) for e in manifest["notebooks"]] == [("00_first", "ok"), ("01_second", "ok")]
+    for entry in manifest["notebooks"]:
+        assert entry["seconds"] >= 0 and entry["executed_notebook"] == str(run_dir / f"{entry['name']}.ipynb")
+    # The record says how to reproduce the run: the --set given and the values it produced.
+    assert manifest["overrides"] == ["seed=3"] and manifest["params"]["seed"] == 3
+    assert "done: 2 notebook(s)" in capsys.readouterr().out
+
+
+def test_a_notebook_that_fails_before_any_cell_runs_is_reported_so_with_its_seconds(tmp_path, monkeypatch, capsys):
+    # A notebook file that is not JSON fails before its kernel starts: no cell to name.
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    (notebooks / "00_unreadable.ipynb").write_text("not a notebook")
+    monkeypatch.setattr(runner, "NOTEBOOKS_DIR", notebooks)
+    monkeypatch.setattr(runner, "OUTPUTS_DIR", tmp_path / "outputs")
+
+    assert cli.main(["run", "--params", "cpu"]) == 1
+
+    run_dir = next((tmp_path / "outputs").iterdir())
+    [entry] = json.loads((run_dir / "manifest.json").read_text())["notebooks"]
+    assert entry["status"] == "failed" and entry["seconds"] >= 0
+    assert entry["executed_notebook"] == str(run_dir / "00_unreadable.ipynb")
+    out = capsys.readouterr().out
+    assert "FAILED: 00_unreadable before any cell ran: " in out and "NotJSONError" in out
+
+
+def test_only_with_a_partial_number_names_no_notebook():
+    # '--only 0' must not quietly run every notebook numbered 0x.
+    with pytest.raises(runner.RunError, match=r"--only 0: no such notebook"):
+        runner.select_notebooks(["0"], NOTEBOOKS_DIR)
+
+
+def test_a_job_that_ends_ok_or_incomplete_keeps_its_folder_even_with_only_its_manifest(tmp_path, monkeypatch):
+    # Only a job that failed outright leaves no folder; an incomplete one says where its work failed.
+    from workbook import gpu
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": []})
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    for code, status in ((0, "ok"), (1, "incomplete")):
+        folder = tmp_path / status
+        folder.mkdir()
+        assert runner.finish_job(runner.start_job(folder, "generate", cpu, "cpu", []), code) == code
+        assert json.loads((folder / "manifest.json").read_text())["status"] == status
+
+
+def test_a_resumed_run_keeps_its_first_start_time_and_lists_each_resumption(tmp_path, monkeypatch):
+    # A clock that ticks on every reading: the first start must survive the later ones.
+    from workbook import gpu
+    monkeypatch.setattr(gpu, "detect", lambda: {"gpus": []})
+    ticks = iter(f"2026-01-01T00:00:{second:02d}+00:00" for second in range(60))
+    monkeypatch.setattr(runner, "now", lambda: next(ticks))
+    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+    first = runner.start_job(tmp_path, "generate", cpu, "cpu", [])
+    runner.finish_job(first, 1)
+    runner.start_job(tmp_path, "generate", cpu, "cpu", [])
+    runner.finish_job(runner.start_job(tmp_path, "generate", cpu, "cpu", []), 0)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["started_at"] == first.manifest["started_at"] == "2026-01-01T00:00:00+00:00"
+    assert len(manifest["resumed_at"]) == 2 and first.manifest["started_at"] not in manifest["resumed_at"]

@@ -54,5 +54,6 @@ def missing(params, job: str) -> str | None:
     absent = [key for key in READ_BY[job] if key not in params]
     if not absent:
         return None
+    where = f" (see {NOTEBOOKS[job]})" if job in NOTEBOOKS else ""  # forecast and verify have no notebook of their own
     return (f"workbook {job} needs the parameter(s) {', '.join(absent)}; a notebook that runs it must declare them "
-            f"in its parameters cell (see {NOTEBOOKS[job]}), or add them to the params file")
+            f"in its parameters cell{where}, or add them to the params file")

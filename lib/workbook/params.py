@@ -301,7 +301,11 @@ def _read_yaml_mapping(path: Path) -> tuple[dict, dict[str, int]]:
             raise ParamsError(f"{path}:{key_node.start_mark.line + 1}: key '{key}' appears twice "
                               f"(first on line {lines[key]}).")
         lines[key] = key_node.start_mark.line + 1
-    return data, lines
+    if len(data) != len(lines):  # e.g. 'no:' and 'false:', two keys YAML reads as one value
+        raise ParamsError(f"{path}: two keys YAML reads as the same value among lines "
+                          f"{', '.join(map(str, lines.values()))}; parameter names are plain words.")
+    # Keyed as typed: YAML reads 'no:' or '12:' as False or 12, which would hide the key and its line.
+    return dict(zip(lines, data.values())), lines
 
 
 def load(path: str | Path) -> Params:

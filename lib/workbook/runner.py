@@ -307,11 +307,11 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
     _write_manifest(run_dir, manifest)
     if failed:
         entry = failed[0]
-        where = (f"cell In [{entry['cell']}]" if entry.get("cell") is not None else
-                 f"cell {entry['cell_index'] + 1} (papermill's 'Executing Cell {entry['cell_index'] + 1}')"
+        where = (f"at cell In [{entry['cell']}]" if entry.get("cell") is not None else
+                 f"at cell {entry['cell_index'] + 1} (papermill's 'Executing Cell {entry['cell_index'] + 1}')"
                  if entry.get("cell_index") is not None else
                  "before any cell ran")
-        log(f"FAILED: {entry['name']} at {where}: {entry['error']}\n"
+        log(f"FAILED: {entry['name']} {where}: {entry['error']}\n"
             f"  open the executed notebook to see the traceback: {entry['executed_notebook']}\n"
             f"  run folder: {run_dir}")
     else:
