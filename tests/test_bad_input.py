@@ -308,3 +308,11 @@ def test_a_gpu_profiles_bench_on_a_cpu_refuses_a_model_the_ram_cannot_hold(capsy
     code, err = run_cli(capsys, "bench", "--params", "h200")
     assert code == 2 and "error: bench_generate_model Llama-3.1-8B: its fp32 weights (29.9 GiB) are over the " \
                          "20.0 GiB of RAM free on this CPU" in err and "set bench_generate_model=tiny" in err
+
+
+def test_did_you_mean_ignores_case_names_every_choice_a_prefix_starts_and_catches_a_near_miss():
+    from workbook.suggest import did_you_mean
+    assert did_you_mean("LLAMA-3.1-8", ["Llama-3.1-8B", "Llama-3.1-70B"]) == " Did you mean 'Llama-3.1-8B'?"
+    assert did_you_mean("h", ["cpu", "h100", "h100x8", "h200"]) == " Did you mean 'h100' or 'h100x8' or 'h200'?"
+    assert did_you_mean("sequence_len", ["seq_len", "dtype"]) == " Did you mean 'seq_len'?"
+    assert did_you_mean("zzz", ["seq_len", "dtype"]) == ""

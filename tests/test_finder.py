@@ -221,3 +221,62 @@ def test_training_probe_leaves_the_model_unchanged(tiny):
 
     training_probe(model, seq_len=16)(1)  # the default optimizer (AdamW, lr=0)
     assert all(torch.equal(before[name], model.state_dict()[name]) for name in before)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the finder records and says, with stand-in probes.
+
+
+def test_a_measured_peak_is_the_reserved_peak_plus_the_memory_outside_pytorch():
+    # On a GPU the attempt and the result carry what the device really needed: the allocator's reserved
+    # peak plus the CUDA context and any other process, not the reserved peak alone.
+    def probe_on_a_gpu(batch):
+        return ProbeMeasurement(batch_size=batch, device="cuda:0", seconds=0.1, peak_reserved_bytes=30 * 2**30,
+                                peak_allocated_bytes=28 * 2**30, non_pytorch_bytes=2**30, sequence_tokens=16)
+
+    result = find_batch_size(4, probe_on_a_gpu, log=None)
+    assert result.attempts[0].peak_bytes == result.measured_peak_bytes == 31 * 2**30
+    assert result.to_dict()["measurement"]["peak_bytes"] == 31 * 2**30
+
+
+def test_when_nothing_fits_the_message_gives_batch_ones_prediction_and_every_batch_tried():
+    with pytest.raises(NoBatchFitsError) as raised:
+        find_batch_size(3, probe_failing_above(0, cuda_out_of_memory, []),
+                        predicted_bytes=lambda batch: batch * 2**30, log=None)
+    message = str(raised.value)
+    assert "(the planner predicted 1.00 GiB for it)" in message  # batch 1's figure, not batch 3's
+    assert "tried batch sizes 3, 2, 1." in message
+
+
+def test_a_start_at_batch_one_that_runs_out_of_memory_stops_at_once():
+    calls = []
+
+    def probe(batch):
+        calls.append(batch)
+        if len(calls) > 1:  # a finder that retried batch 1 would loop for ever
+            raise AssertionError(f"batch 1 retried: {calls}")
+        raise cuda_out_of_memory()
+
+    with pytest.raises(NoBatchFitsError, match="tried batch sizes 1[.]"):
+        find_batch_size(1, probe, log=None)
+    assert calls == [1]
+
+
+def test_memory_is_freed_before_the_first_attempt_and_before_every_retry(monkeypatch):
+    # The failed attempt's cached blocks must go back to the device before the smaller batch runs, or
+    # the retry can run out of memory on memory nothing uses any more.
+    from workbook.planner import finder
+    events = []
+    monkeypatch.setattr(finder, "clear_device_cache",
+                        lambda garbage_collection=False: events.append(("free", garbage_collection)))
+    find_batch_size(4, probe_failing_above(2, cuda_out_of_memory, events), log=None)
+    assert events == [("free", True), 4, ("free", True), 3, ("free", True), 2]
+
+
+def test_a_long_out_of_memory_message_is_cut_to_the_record_limit():
+    from workbook.planner.finder import ERROR_TEXT_LIMIT
+    result = find_batch_size(2, probe_failing_above(
+        1, lambda: torch.cuda.OutOfMemoryError("CUDA out of memory. " + "x" * 1000), []), log=None)
+    error = result.attempts[0].error
+    assert len(error) == ERROR_TEXT_LIMIT and error.endswith("...")
+    assert error.startswith("OutOfMemoryError: CUDA out of memory. xxx")

@@ -575,6 +575,7 @@ def test_plans_accept_preset_names():
     (dict(gpu_memory_bytes=0), "gpu_memory_bytes"),
     (dict(attn_implementation="flash"), "attn_implementation"),
     (dict(safety_margin=1.5), "safety_margin"),
+    (dict(safety_margin=1.0), "safety_margin"),  # a margin of the whole GPU would fit nothing
 ])
 def test_generate_validation_names_the_argument(overrides, named):
     values = dict(batch_size=1, prompt_len=8, new_tokens=8, gpu_memory_bytes=GiB)
@@ -737,3 +738,100 @@ def test_flex_attention_is_planned_with_keys_and_values_repeated_where_transform
         document = attention_core_bytes_per_token(shape, 2, "document_sdpa", 2048) - 2 * shape.query_width
         extra = 2 * 2 * (shape.query_width - shape.key_value_width) if repeated else 0
         assert flex - document == extra
+
+
+@pytest.mark.parametrize("budget, largest", [(9, 0), (10, 1), (19, 1), (20, 2), (60, 6), (79, 7), (80, 8), (129, 12)])
+def test_the_largest_batch_is_the_last_whose_bytes_are_at_most_the_budget(budget, largest):
+    # 10 bytes a sequence: a budget met to the byte still fits, as a plan fits at total <= budget.
+    assert planner.max_batch_size(lambda batch: 10 * batch, budget) == largest
+
+
+def test_the_largest_batch_never_passes_the_search_limit():
+    assert planner.max_batch_size(lambda batch: batch, 14, limit=12) == 12
+
+
+def test_a_plan_whose_total_meets_the_budget_to_the_byte_fits():
+    total = generate_8b(batch_size=1).total_bytes
+    exact = generate_8b(batch_size=1, gpu_memory_bytes=total, safety_margin=0)
+    assert exact.fits and exact.max_batch_size == 1
+    assert not generate_8b(batch_size=1, gpu_memory_bytes=total - 1, safety_margin=0).fits
+
+
+def test_advice_compares_the_need_with_the_budget_after_the_margin_not_the_whole_gpu():
+    plan = generate_8b(batch_size=generate_8b(batch_size=1).max_batch_size + 1)
+    # 140.4 GiB less the 5% margin: the figure the plan was judged against.
+    assert f"but {plan.budget_bytes / GiB:.1f} GiB is available" in plan.advice()
+    assert f"{H200_BYTES / GiB:.1f} GiB is available" not in plan.advice()
+
+
+def test_ways_to_fit_leave_out_lora_pure_bf16_offloading_and_8_bit_adam_already_in_use():
+    from workbook import params
+    from workbook.planner import fit
+    settings = {**params.load_all()["h100"], "model": "llama-3.1-8b", "dtype": "bf16", "seq_len": 2048,
+                "lora_rank": 16, "offload_activations": True, "optimizer": "adamw-8bit"}
+    # Pure bf16 is not offered with LoRA: the adapters train in mixed precision.
+    assert [option["change"] for option in fit.ways_to_fit(settings, batch_size=16)] == [
+        "loss_chunk_tokens 1024", "micro_batch_size 14", "grad_checkpointing true", "FSDP over 2 GPUs"]
+
+
+def test_each_way_to_fit_is_planned_with_its_change_even_over_a_setting_given_explicitly():
+    # `workbook plan --optimizer adamw --precision mixed` passes the current settings as overrides:
+    # the 8-bit Adam and pure bf16 options must still be planned with 8-bit Adam and pure bf16.
+    from workbook import params
+    from workbook.planner import fit, profile
+    settings = {**params.load_all()["h100"], "model": "llama-3.2-1b", "dtype": "bf16", "seq_len": 2048}
+    options = {option["change"]: option for option in
+               fit.ways_to_fit(settings, batch_size=16, optimizer="adamw", precision="mixed")}
+    eight_bit = profile.plan(settings, mode="train", batch_size=16, optimizer="adamw-8bit")
+    pure_bf16 = profile.plan(settings, mode="train", batch_size=16, precision="bf16")
+    assert options["optimizer adamw-8bit"]["peak_bytes"] == eight_bit.total_bytes
+    assert options["precision bf16"]["peak_bytes"] == pure_bf16.total_bytes
+
+
+def test_an_auto_micro_batch_that_fits_nothing_is_offered_the_changes_at_batch_1():
+    from workbook import params
+    from workbook.planner import fit, profile
+    settings = {**params.load_all()["h100"], "model": "llama-3.1-8b"}
+    assert settings["micro_batch_size"] == "auto" and profile.plan(settings, mode="train", batch_size=1).max_batch_size == 0
+    lora = next(option for option in fit.ways_to_fit(settings) if option["change"] == "lora_rank 16")
+    assert lora["peak_bytes"] == profile.plan(settings, mode="train", batch_size=1, lora_rank=16).total_bytes
+
+
+def test_the_ways_to_fit_an_unfit_run_are_planned_at_the_runs_own_sequence_length():
+    # The training job plans at its max_seq_length, not the profile's seq_len (notebook 01's key).
+    from workbook import params
+    from workbook.planner import fit, profile
+    from workbook.units import format_bytes
+    settings = {**params.load_all()["h100"], "model": "llama-3.1-8b", "seq_len": 64}
+    run = profile.plan(settings, mode="train", batch_size=1, seq_len=8192)
+    lines = fit.lines_for_unfit_run(settings, DoesNotFitError(run.advice(), run))
+    lora = profile.plan(settings, mode="train", batch_size=1, seq_len=8192, lora_rank=16)
+    lora_line = next(line for line in lines if line.strip().startswith("lora_rank 16"))
+    assert f"{format_bytes(lora.total_bytes)}, largest micro-batch" in lora_line
+
+
+def test_the_chunked_loss_option_states_the_output_projections_share_of_the_flops():
+    # Llama 3.2 1B: 2 x 128256 x 2048 head FLOPs per token against 6 x 1.24B: +7%, why it ranks third.
+    from workbook import params
+    from workbook.planner import fit
+    settings = {**params.load_all()["h100"], "model": "llama-3.2-1b", "dtype": "bf16", "seq_len": 2048}
+    chunked = next(option for option in fit.ways_to_fit(settings, batch_size=16)
+                   if option["change"] == "loss_chunk_tokens 1024")
+    assert chunked["throughput_cost"].startswith("+7% FLOPs where every token carries loss")
+
+
+def test_advice_for_a_plan_that_fits_nothing_leaves_out_what_is_already_in_use():
+    # QLoRA with 8-bit Adam already: the advice must not send the user back to int4, LoRA or adamw-8bit.
+    qlora = plan_train(load_config("Llama-3.1-70B"), micro_batch_size=1, seq_len=2048, gpu_memory_bytes=16 * GiB,
+                       dtype="int4", lora_rank=16, optimizer="adamw-8bit")
+    assert qlora.max_batch_size == 0
+    assert "QLoRA" not in qlora.advice() and "LoRA" not in qlora.advice() and "adamw-8bit" not in qlora.advice()
+    assert "grad_checkpointing=True" in qlora.advice()
+
+
+def test_advice_for_generation_in_ram_offers_no_quantized_weights():
+    # On the cpu profile int8/int4 weights would need bitsandbytes on CUDA: only shorter lengths help bf16.
+    in_ram = generate_8b(gpu_memory_bytes=GiB, dtype="bf16")
+    in_ram.in_ram = True  # as the cpu profile marks its plans
+    assert in_ram.max_batch_size == 0
+    assert "quantized" not in in_ram.advice() and "shorter prompt_len or new_tokens" in in_ram.advice()
