@@ -85,6 +85,17 @@ def test_a_pass_beside_its_roofline_counts_prefill_at_the_compute_peak_and_decod
     assert none["fraction_of_peak"] == {"bandwidth": None, "compute": None}
 
 
+def test_the_roofline_takes_each_phase_at_its_binding_peak_even_against_the_usual_one():
+    # A prefill of one short prompt is bound by reading the weights, not by compute; a decode of huge
+    # batches by compute, not the bandwidth: the least time is whichever peak takes longer, phase by phase.
+    cost = bench.PassCost(prefill_flops=10**12, prefill_bytes=10**11, decode_flops=10**14, decode_bytes=10**11,
+                          decode_steps=100)
+    roof = cost.roofline_seconds(bandwidth_gbs=1000.0, peak_tflops_value=100.0)
+    assert roof["prefill"] == pytest.approx(0.1)  # 100 GB at 1000 GB/s, not 1 TFLOP at 100 TFLOP/s (0.01 s)
+    assert roof["decode"] == pytest.approx(1.0)  # 100 TFLOP at 100 TFLOP/s, not 100 GB at 1000 GB/s (0.1 s)
+    assert roof["total"] == pytest.approx(1.1)
+
+
 def test_cost_per_examples_and_tokens_and_none_without_a_price():
     figures = bench.cost_figures(seconds=3600, examples=2000, output_tokens=4_000_000, usd_per_gpu_hour=3.5)
     assert figures["usd_per_1000_examples"] == pytest.approx(1.75)
@@ -93,12 +104,35 @@ def test_cost_per_examples_and_tokens_and_none_without_a_price():
     assert free["usd_per_1000_examples"] is None and free["note"].startswith("n/a")
 
 
+def test_the_cost_counts_every_gpu_and_has_no_figure_where_nothing_was_counted():
+    # Half an hour of 8 GPUs at $2/GPU-hour: $8, for 4,000 examples and 2 million tokens.
+    figures = bench.cost_figures(seconds=1800, examples=4000, output_tokens=2_000_000, usd_per_gpu_hour=2.0, gpus=8)
+    assert figures["usd_per_1000_examples"] == pytest.approx(2.0)
+    assert figures["usd_per_million_tokens"] == pytest.approx(4.0)
+    assert figures["note"] == "8 GPU(s) x $2/GPU-hour"
+    # No example finished: a price per example is not $0, it does not exist.
+    nothing = bench.cost_figures(seconds=60, examples=0, output_tokens=0, usd_per_gpu_hour=2.0)
+    assert nothing["usd_per_1000_examples"] is None and nothing["usd_per_million_tokens"] is None
+
+
 def test_lists_in_params_are_parsed_with_errors_that_name_the_key():
     assert bench.parse_int_list("1, 8,32", "bench_batch_sizes") == [1, 8, 32]
     with pytest.raises(bench.BenchError, match="bench_batch_sizes"):
         bench.parse_int_list("8,x", "bench_batch_sizes")
     with pytest.raises(bench.BenchError, match="static-sorted"):
         bench.parse_strategies("static,continuous")
+
+
+def test_a_batch_of_zero_an_empty_list_or_no_strategy_is_refused_and_cpu_runs_in_fp32():
+    import torch
+    for text in ("0,8", "", ","):  # a batch of nothing cannot be timed; an empty list would run no point
+        with pytest.raises(bench.BenchError, match="bench_batch_sizes"):
+            bench.parse_int_list(text, "bench_batch_sizes")
+    with pytest.raises(bench.BenchError, match="bench_strategies"):
+        bench.parse_strategies(" , ")
+    # bf16 matmuls are emulated on a CPU: the profile's dtype applies on a GPU only.
+    assert bench.run_dtype({"dtype": "bf16"}, torch.device("cpu")) == "fp32"
+    assert bench.run_dtype({"dtype": "bf16"}, torch.device("cuda")) == "bf16"
 
 
 def test_static_compiled_and_training_compile_are_skipped_with_a_reason_on_cpu():
@@ -154,6 +188,15 @@ def test_a_point_whose_runs_spread_far_apart_is_marked_noisy_where_it_is_shown()
         "tokens_per_second": 160.0, "timed_step_tokens_per_second": [99.0, 8000.0], "mfu": None, "mfu_note": "n/a",
         "peak_memory_bytes": None, "cost": {"usd_per_million_tokens": None}}]}})
     assert rows[0]["tokens/s"].startswith("160 (noisy: its runs spread 80.8x")
+
+
+def test_a_points_figure_is_the_median_of_its_runs_and_a_spread_of_exactly_the_limit_is_noisy():
+    from workbook.bench import counting
+    # One slow run of three must not drag the figure: the median, not the mean.
+    assert counting.spread([100.0, 300.0, 110.0]) == {"median": 110.0, "min": 100.0, "max": 300.0,
+                                                       "runs": [100.0, 300.0, 110.0]}
+    # The limit is "fastest at least 1.5x the slowest".
+    assert bench.noise_note([100.0, 150.0]).startswith("noisy: its runs spread 1.5x")
 
 
 class FakeMemory:
@@ -333,6 +376,28 @@ def test_claims_table_lists_every_seed_claim_with_a_figure_or_why_not():
         assert plan(largest).fits and not plan(largest + 1).fits and largest > seed_batch
 
 
+def test_the_claims_count_lost_examples_apart_from_failed_ones_and_show_ranges_from_low_to_high():
+    # Two points of 10 examples: one finished 8 and failed 2 alone (none lost), on a machine with NVML.
+    nvml = lambda mean, high: {"available": True, "kernel_time_percent": {"mean": mean, "max": high}}
+    after = fake_point("seed-after", 32, 500.0, examples=8, failed=2, nvml=nvml(60.0, 95.0),
+                       peak_memory_bytes=3 * 10**6, predicted_peak_bytes=2 * 10**6)
+    after["fraction_of_roofline"] = {"datasheet": 0.4, "measured_ceilings": None}
+    sorted_ = fake_point("static-sorted", 64, 900.0, nvml=nvml(80.0, 99.0))
+    sorted_["fraction_of_roofline"] = {"datasheet": 0.5, "measured_ceilings": None}
+    generation = {"model": "8b", "model_name": "Llama-3.1-8B", "examples": 10, "max_new_tokens": 16,
+                  "points": [after, sorted_]}
+    rows = bench.claims_table(generation, {"points": [{"mfu": 0.2}, {"mfu": 0.4}]}, None, on_gpu=False)
+    text = {row["claim"]: row["measured"] for row in rows}
+    assert text["a failed batch counts all its examples as lost"] == "0 examples lost, 2 failed alone, over 2 points"
+    # The kernel-time figure is each point's mean over its samples, not its highest sample.
+    assert text["GPU utilization 85-95% (nvidia-smi)"].startswith(
+        "NVML kernel time 60-80% of the time while the points reached 40%-50% of their roofline")
+    assert text["memory figures per batch size"] == "measured peak / planner: seed-after b32 1.50"
+    assert text["bf16 + compile + flash attention make a 1B fine-tune fast"] == "MFU 20.0%-40.0% over the training points"
+    # The 8B's examples/minute on a CPU is not the seed's claim measured: it says so.
+    assert text["~300-400 examples/minute, 8B model, batch 32, 2048 new tokens"].startswith("not measurable")
+
+
 def test_auto_batch_is_the_planners_point_and_named_as_such():
     import torch
     assert bench.parse_int_list("8,auto", "bench_batch_sizes", auto=64) == [8, 64]
@@ -378,6 +443,25 @@ def test_goals_are_judged_at_the_planners_batch_and_say_by_how_much_they_miss():
     assert none[bench.GOALS[2]]["met"] == "n/a"
 
 
+def test_a_goal_reached_exactly_is_met_and_is_judged_on_the_fastest_workbook_point_and_best_mfu():
+    def planned(strategy, batch, tokens_per_second, fraction, speedup):
+        point = fake_point(strategy, batch, tokens_per_second, planner_batch=f"the planner's largest: {batch}",
+                           speedup_over_seed_after=speedup)
+        point["fraction_of_roofline"] = {"datasheet": fraction, "measured_ceilings": None}
+        return point
+    # At the planner's batch: the fastest workbook strategy is right at the goals; a slower one and the
+    # hf-pipeline (faster, but not the workbook's engine) must not be the one judged.
+    generation = {"device": "cuda:0", "points": [
+        planned("static-compiled", 256, 3000.0, 0.30, 5.0), planned("continuous", 256, 5000.0, 0.60, 10.0),
+        planned("hf-pipeline", 256, 9000.0, 0.90, 20.0)]}
+    table = bench.goals_table(generation, {"points": [{"mfu": 0.30}, {"mfu": 0.45}, {"mfu": None}]})
+    bandwidth, speedup, mfu = ({row["goal"]: row for row in table}[goal] for goal in bench.GOALS[:3])
+    assert bandwidth["measured"].startswith("60.0% of the roofline") and "(continuous, batch 256" in bandwidth["measured"]
+    assert speedup["measured"].startswith("10.0x (continuous, batch 256")
+    assert mfu["measured"] == "45.0% (best training point)"
+    assert [bandwidth["met"], speedup["met"], mfu["met"]] == ["yes", "yes", "yes"]
+
+
 def train_point(micro, tokens_per_second, **changes):
     return {"micro_batch_size": micro, "grad_checkpointing": False, "torch_compile": False, "padding": "packing",
             "micro_batch_rule": "auto: the planner's largest for these settings", "tokens_per_second": tokens_per_second,
@@ -394,6 +478,8 @@ def test_the_memory_setting_goal_compares_each_setting_at_its_planned_batch_with
     assert met["met"] == "yes" and "checkpointing: micro-batch x2.00, tokens/s x0.80" in met["measured"]
     assert "chunked loss: micro-batch x2.00, tokens/s x1.03" in met["measured"]
     slower = goal([plain, checkpointed])
+    # "No loss of tokens/s": the same rate at twice the batch meets the goal.
+    assert goal([plain, train_point(12, 30000.0, grad_checkpointing=True)])["met"] == "yes"
     assert slower["met"] == "no: the best at twice the batch trains at 0.80x"
     short = goal([plain, train_point(9, 33000.0, precision="bf16")])
     assert short["met"] == "no: no setting fits twice the plain micro-batch"

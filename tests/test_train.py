@@ -795,9 +795,84 @@ def test_a_stalled_step_is_named_beside_the_steady_state_figure_and_a_cpu_run_ha
     assert figures["tokens_per_second_median_step"] == 4000.0 and figures["tokens_per_second"] < 1500
     assert figures["stalls"].startswith("1 step(s) ran under 1/3 of the median step's rate (step 8 (4.00 s)")
     assert figures["stalls"].endswith("the median step ran at 4,000 tokens/s")
+    assert "73% of the steady-state seconds" in figures["stalls"]  # 4 of the 5.5 s after the 2 warm-up steps
     assert report.throughput(steps[:7], config, 1, on_gpu=False)["stalls"] == ""
     assert report.cost_text({"gpus": 0, "usd_per_gpu_hour": 0.0, "cost_usd": 0.0}) == "n/a: a CPU run (no GPU-hours)"
     assert report.cost_text({"gpus": 2, "usd_per_gpu_hour": 3.5, "cost_usd": 0.7}) == "$0.70 (2 GPU(s) x $3.5/GPU-hour)"
+
+
+def test_the_overall_rate_keeps_the_warm_up_steps_and_the_per_process_rate_divides_by_the_processes():
+    from types import SimpleNamespace
+    from workbook.training import report
+    config = SimpleNamespace(peak_bf16_tflops=0.0, peak_fp16_tflops=0.0, dtype="fp32", profile="cpu")
+    # Two slow warm-up steps (compilation), then 3 steps of 1,000 tokens in 0.5 s, over 4 processes.
+    steps = [{"tokens": 1000, "seconds": 5.0, "flops": 1e9}] * 2 + [{"tokens": 1000, "seconds": 0.5, "flops": 1e9}] * 3
+    figures = report.throughput(steps, config, processes=4, on_gpu=False)
+    assert figures["tokens_per_second"] == pytest.approx(2000.0)
+    assert figures["tokens_per_second_overall"] == pytest.approx(5000 / 11.5)  # every step, warm-up included
+    assert figures["tokens_per_second_per_process"] == pytest.approx(500.0)
+
+
+def test_the_training_cost_is_counted_in_gpu_hours_of_every_gpu_and_a_cpu_run_has_none(tmp_path):
+    from types import SimpleNamespace
+    from workbook.training import report
+    config = make_config(tmp_path, usd_per_gpu_hour=4.0)
+    run = SimpleNamespace(micro_batch_size=2, steps_per_epoch=2, total_steps=4, gradient_accumulation_steps=1,
+                          learning_rate=1e-3, learning_rate_rule="given", to_dict=lambda: {})
+    prepared = SimpleNamespace(max_seq_length=64, summary=lambda: {})
+    history = [{"step": i, "loss": 1.0, "tokens": 100, "seconds": 1.0, "flops": 1e9} for i in range(1, 5)]
+
+    def result(device, processes):
+        accelerator = SimpleNamespace(num_processes=processes, device=torch.device(device),
+                                      distributed_type=SimpleNamespace(value="MULTI_GPU"))
+        return report.result(config, prepared, run, accelerator, history, [], 0, 4, True, "tiny", 10, 10, "AdamW",
+                             False, {"peak_bytes": None, "note": "n/a"}, None, None, wall_seconds=1800.0,
+                             final_dir=None, fsdp=False)
+    # 30 minutes of 2 GPUs: one GPU-hour, $4.
+    time_ = result("cuda", 2)["time"]
+    assert time_["gpus"] == 2 and time_["gpu_hours"] == pytest.approx(1.0) and time_["cost_usd"] == pytest.approx(4.0)
+    # A CPU run spends no GPU-hours: its cost is n/a, not the profile's price.
+    on_cpu = result("cpu", 1)["time"]
+    assert on_cpu["gpus"] == 0 and on_cpu["cost_usd"] == 0 and report.cost_text(on_cpu) == "n/a: a CPU run (no GPU-hours)"
+
+
+def test_the_run_summary_says_not_measured_instead_of_a_zero_and_compares_the_first_epoch_with_the_last():
+    from workbook.training import report
+    result = {
+        "status": "finished", "steps": {"reached": 6, "total": 6}, "model_description": "tiny",
+        "throughput": {"tokens_per_second": 2000.0, "tokens_per_second_overall": 400.0,
+                       "tokens_per_second_median_step": 2100.0, "stalls": "", "achieved_tflops": None,
+                       "mfu": None, "mfu_note": "n/a: CPU run (no GPU peak to measure against)"},
+        "loss": {"epoch_means": [2.0, 1.5, 1.0], "eval_before": None, "eval_after": None},
+        "memory": {"measured": {"peak_bytes": None, "note": "not measured: no GPU"}, "predicted_peak_bytes": 2**30},
+        "time": {"wall_seconds": 12.0, "training_seconds": 10.0, "gpus": 1, "usd_per_gpu_hour": 0.0, "cost_usd": 0.0},
+        "accuracy": {"before": None, "after": None}, "output": {"final_model_dir": None}}
+    lines = report.summary_lines(result)
+    # No GPU peak: MFU is named n/a with the reason, never printed as 0.0%.
+    assert lines[2] == "tokens/s 2,000 (non-padding, steady state); MFU n/a: CPU run (no GPU peak to measure against)"
+    # A GPU profile without a price: the cost is n/a, not $0.00.
+    assert lines[3] == "wall 12.0 s, cost n/a: the profile has no price per GPU-hour"
+    rows = {row["measurement"]: row["value"] for row in report.measurement_rows(result)}
+    assert rows["tokens/s (steady state)"] == "2,000" and rows["tokens/s (every step)"] == "400"
+    assert rows["peak memory per GPU (measured)"] == "not measured: no GPU"
+    assert rows["MFU"] == "n/a: CPU run (no GPU peak to measure against)"
+    first_last = report.before_after_rows(result)[0]
+    assert (first_last["start"], first_last["end"]) == ("2.0000", "1.0000")
+
+
+def test_the_measured_peak_memory_is_the_largest_processs_not_their_sum(monkeypatch):
+    from types import SimpleNamespace
+    from workbook import runtime
+    from workbook.training import report
+    monkeypatch.setattr(runtime, "peak_memory", lambda device: SimpleNamespace(total_bytes=6e9, allocated_bytes=4e9))
+
+    class TwoProcesses:  # rank 0 measured 6 GB, the other process 8 GB (5 GB allocated)
+        def reduce(self, tensor, reduction):
+            both = torch.stack([tensor, torch.tensor([8e9, 5e9], dtype=torch.float64)])
+            return both.amax(0) if reduction == "max" else both.sum(0)
+    measured = report.measured_peak_memory(torch.device("cpu"), TwoProcesses())
+    assert measured["peak_bytes"] == 8 * 10**9 and measured["peak_allocated_bytes"] == 5 * 10**9
+    assert measured["rank0_peak_bytes"] == 6 * 10**9
 
 
 def test_the_learning_rate_warms_up_linearly_then_decays_by_cosine_over_the_steps_after_the_warm_up():
