@@ -223,6 +223,21 @@ def test_offloaded_activations_are_capped_by_the_host_memory_they_are_pinned_in(
     assert "capped at" in offloaded[0]["micro_batch_rule"] and "by host memory" in offloaded[0]["micro_batch_rule"]
 
 
+def test_a_host_with_almost_no_free_memory_still_gets_a_micro_batch_of_one_row(monkeypatch):
+    # Pinned offload copies are capped by the host, but never to 0 rows: a plan of 0 would train nothing.
+    import torch
+    from workbook import params as params_module
+    training_sweep = importlib.import_module("workbook.bench.training_sweep")
+    monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))
+    monkeypatch.setattr(run_plan.psutil, "virtual_memory", lambda: FakeMemory(2**20))
+    params = {**params_module.load_all()["h200"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+              "bench_train_settings": "offload_activations", "bench_train_micro_batches": "auto"}
+    offloaded = [p for p in training_sweep.training_points(params, torch.device("cuda")) if p.get("offload_activations")]
+    config = training_sweep.point_config(params, offloaded[0], Path("unused"))
+    fits, rule = run_plan.largest_micro_batch(config, 2048)
+    assert fits == 1 and "capped at 1 by host memory" in rule
+
+
 def test_an_auto_micro_batch_runs_each_memory_setting_at_the_largest_the_planner_fits_for_it(monkeypatch):
     import importlib
     import torch

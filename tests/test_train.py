@@ -282,6 +282,66 @@ def test_packing_and_length_grouping_use_every_example_once_and_report_their_pad
     assert comparison["packing"] < comparison["pad_to_max_seq_length"]
 
 
+def test_truncation_keeps_the_prompt_cuts_the_end_of_the_response_and_drops_examples_left_without_one():
+    example = lambda prompt, response, source: sft_examples.TokenizedExample(
+        list(range(prompt + response)), [IGNORE] * prompt + list(range(prompt, prompt + response)), source)
+    long_answer, exact, no_answer_left = example(6, 4, "a"), example(5, 3, "b"), example(9, 2, "c")
+    kept, report = sft_examples.truncate([long_answer, exact, no_answer_left], 8)
+    # The model still sees the whole question and learns the start of the answer, not its end.
+    assert kept[0].input_ids == list(range(8)) and kept[0].labels == [IGNORE] * 6 + [6, 7]
+    assert kept[1] is exact  # exactly max_seq_length tokens: untouched, not counted as truncated
+    # Cut inside the prompt, "c" has no loss token left: it is removed, and the report says so.
+    assert [e.source for e in kept] == ["a", "b"]
+    assert report.to_dict() == {"max_seq_length": 8, "truncated": 2, "dropped": 1, "tokens_cut": 2 + 3}
+
+
+def test_length_statistics_use_nearest_rank_percentiles_that_cover_the_examples():
+    lengths = list(range(1, 11))
+    # p95 of ten examples is the longest one: nine of them (90%) do not reach 95%.
+    assert [sft_examples.length_percentile(lengths, p) for p in (10, 50, 95, 100)] == [1, 5, 10, 10]
+    stats = sft_examples.length_statistics([10, 10, 40])
+    assert (stats["min"], stats["median"], stats["max"], stats["mean"], stats["total_tokens"]) == (10, 10, 40, 20, 60)
+
+
+def test_a_validation_split_holds_out_at_least_one_example_and_leaves_at_least_one_to_train_on():
+    train, validation = sft_examples.split_validation(5, 0.05, seed=0)  # 5% of 5 rounds to 0: one is held out anyway
+    assert len(validation) == 1 and sorted(train + validation) == list(range(5))
+    train, validation = sft_examples.split_validation(3, 0.9, seed=0)
+    assert (len(train), len(validation)) == (1, 2)
+    assert sft_examples.split_validation(5, 0.0, seed=0) == (list(range(5)), [])
+
+
+def test_first_fit_packing_fills_a_row_exactly_and_takes_an_example_of_exactly_max_seq_length():
+    # Longest first: 64 fills a row alone; 24 completes the 40's row exactly rather than opening the 30's.
+    assert sft_batches.plan_rows([40, 24, 64, 30], "packing", 64) == [(2,), (0, 1), (3,)]
+    with pytest.raises(jsonl.DataError, match="longer than max_seq_length=64"):
+        sft_batches.plan_rows([65], "packing", 64)
+
+
+@pytest.mark.parametrize("padding", sft_batches.PADDINGS)
+def test_the_last_partial_micro_batch_of_an_epoch_is_trained_on_not_dropped(padding):
+    lengths = [10 + i for i in range(21)]
+    rows = sft_batches.plan_rows(lengths, padding, 30)
+    batches = sft_batches.epoch_micro_batches(rows, lengths, padding, micro_batch_size=len(rows) // 3 + 1, seed=0, epoch=0)
+    assert sorted(row for batch in batches for row in batch) == sorted(rows)  # each row once, the remainder too
+
+
+def test_the_collator_pads_each_row_to_the_longest_and_positions_padding_as_the_docstring_says():
+    short = sft_examples.TokenizedExample([5, 6, 7], [IGNORE, 6, 7], "short")
+    long = sft_examples.TokenizedExample([5, 6, 7, 8, 9], [IGNORE, IGNORE, 7, 8, 9], "long")
+    # Length grouping: the micro-batch is as wide as its longest row, whichever row that is.
+    grouped = sft_batches.Collator("length_grouped", 64, PAD_ID)([[short], [long]])
+    assert grouped["input_ids"].tolist() == [[5, 6, 7, PAD_ID, PAD_ID], [5, 6, 7, 8, 9]]
+    assert grouped["position_ids"][0].tolist() == [0, 1, 2, 3, 4]  # an unpacked row keeps plain causal positions
+    assert grouped["targets"][0].tolist() == [6, 7, IGNORE, IGNORE, IGNORE]
+    # Packing: padding is one more sequence of its own, its positions restarting at 0.
+    packed = sft_batches.Collator("packing", 10, PAD_ID)([[short, long]])
+    assert packed["position_ids"][0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
+    # The attention-FLOPs term counts each example's own length squared, never the row's or the padding's.
+    assert int(packed["length_squares"]) == int(grouped["length_squares"]) == 3 * 3 + 5 * 5
+    assert int(packed["tokens"]) == 8
+
+
 def test_a_bad_line_in_the_training_file_names_the_file_and_line(tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text('{"input": "a", "output": "b"}\n{"input": "c", "output": \n')
@@ -899,6 +959,33 @@ def test_an_auto_micro_batch_leaves_the_run_its_warm_up(tmp_path, tiny_model_pat
     # A run max_steps decides needs one step an epoch (the loader goes round again).
     fixed = training.plan_run(dataclasses.replace(config, max_steps=3), prepared)
     assert fixed.micro_batch_size == 60 and "an epoch (60 rows) has an optimizer step" in fixed.micro_batch_rule
+
+
+def test_the_run_plan_counts_steps_and_scales_the_learning_rate_by_the_batch_of_every_process(tmp_path):
+    path = write_jsonl(tmp_path / "pairs.jsonl", [{"input": f"Question {i}?", "output": "x" * 5} for i in range(60)])
+    config = make_config(tmp_path, path, use_chat_template=False, padding="length_grouped", micro_batch_size=4,
+                         gradient_accumulation_steps=2, max_steps=0, epochs=1, lr_scaling="linear", base_batch=8)
+    prepared = training.prepare_data(config, log=lambda line: None)
+    run = training.plan_run(config, prepared, processes=2)
+    # 60 rows in micro-batches of 4: 15; a step takes 2 accumulated x 2 processes = 4 of them, so 3 whole steps
+    # (the 3 micro-batches left over make no step of their own).
+    assert (run.micro_batches_per_epoch, run.steps_per_epoch, run.total_steps) == (15, 3, 3)
+    assert run.effective_batch_rows == 16 and run.learning_rate == pytest.approx(2e-3)  # linear: 1e-3 x 16 / 8
+    # The padding reported is that of the 12 micro-batches the steps use.
+    lengths = [example.length for example in prepared.train]
+    epoch = sft_batches.epoch_micro_batches(sft_batches.plan_rows(lengths, "length_grouped", prepared.max_seq_length),
+                                            lengths, "length_grouped", micro_batch_size=4, seed=config.seed, epoch=0)
+    assert run.padding_fraction == sft_batches.padding_fraction(epoch[:12], lengths, "length_grouped",
+                                                                prepared.max_seq_length)
+    with pytest.raises(training.TrainError, match=r"gives 2 micro-batch\(es\) of 30 rows, but one optimizer step needs 4"):
+        training.plan_run(dataclasses.replace(config, micro_batch_size=30), prepared, processes=2)
+    # 'auto' leaves every process an optimizer step: 60 rows // (2 x 2) = 15 a micro-batch, not 30.
+    auto = training.plan_run(dataclasses.replace(config, micro_batch_size="auto"), prepared, processes=2)
+    assert (auto.micro_batch_size, auto.steps_per_epoch) == (15, 1)
+    # Two epochs and warm-up 10 need 11 steps: 6 an epoch (rounded up), so micro-batches of 60 // (2 x 6) = 5.
+    warm = training.plan_run(dataclasses.replace(config, micro_batch_size="auto", epochs=2, warmup_steps=10), prepared,
+                             processes=1)
+    assert (warm.micro_batch_size, warm.steps_per_epoch, warm.total_steps) == (5, 6, 12)
 
 
 def test_accuracy_checks_of_a_packed_run_generate_with_an_attention_that_decodes(tmp_path, tiny_model_path, tokenizer):
