@@ -436,14 +436,16 @@ class FailsInFlight:
         return self.forward(*args, **kwargs)
 
 
-def manager_limits(model, monkeypatch):
-    """The in-flight limit of each continuous-batching manager started on ``model``, in order."""
+def manager_limits(model, monkeypatch, first=lambda manager: manager):
+    """The in-flight limit of each continuous-batching manager started on ``model``, in order; the
+    first manager is handed to the backend through ``first``."""
     start = model.init_continuous_batching
 
     @functools.wraps(start)  # the backend reads its signature
     def recording(*args, **kwargs):
         limits.append(kwargs["continuous_batching_config"].max_requests_per_batch)
-        return start(*args, **kwargs)
+        manager = start(*args, **kwargs)
+        return first(manager) if len(limits) == 1 else manager
 
     limits = []
     monkeypatch.setattr(model, "init_continuous_batching", recording)
@@ -550,15 +552,7 @@ class FirstResultFails:
 def test_requests_that_finish_beside_a_failed_one_are_written_once_and_only_it_is_retried(tiny, varied,
                                                                                            monkeypatch):
     prompts, settings, reference = varied
-    start, limits = tiny[0].init_continuous_batching, []
-
-    @functools.wraps(start)  # the backend reads its signature
-    def first_manager_fails_a_request(*args, **kwargs):
-        limits.append(kwargs["continuous_batching_config"].max_requests_per_batch)
-        manager = start(*args, **kwargs)
-        return FirstResultFails(manager) if len(limits) == 1 else manager
-
-    monkeypatch.setattr(tiny[0], "init_continuous_batching", first_manager_fails_a_request)
+    limits = manager_limits(tiny[0], monkeypatch, first=FirstResultFails)
     written = []
     generation.run_batches(generation.make_backend("continuous", tiny[0], settings, 4), prompts[:8],
                            write=lambda outcome: written.extend(outcome.completed), log=lambda line: None)

@@ -12,7 +12,8 @@ Held the same, from the point's own ``TrainConfig``:
 - the DataLoader settings: the point's workers, prefetch and pinned memory (the profile's);
 - the optimizer: AdamW (bitsandbytes' 8-bit AdamW where the point has ``adamw-8bit``) with the run's
   learning rate, ``ADAM_BETAS``, weight decay and ``MAX_GRAD_NORM``; cosine decay to
-  ``MIN_LR_FRACTION`` of the peak with no warm-up, as the sweep's points (``cosine_with_min_lr``); bf16/fp16 autocast over fp32 weights on a GPU, fp32 on CPU;
+  ``MIN_LR_FRACTION`` of the peak with no warm-up, as the sweep's points (``cosine_with_min_lr``);
+  bf16/fp16 autocast over fp32 weights on a GPU, fp32 on CPU;
 - the clock: synchronized timestamps at each step's end (a TrainerCallback), the first
   TIMING_WARMUP_STEPS steps left out, counted by ``training.report.throughput`` like the loop's steps.
 
@@ -31,7 +32,7 @@ from workbook import models, runtime
 from workbook.training import batches
 from workbook.training.config import ADAM_BETAS, MAX_GRAD_NORM, TIMING_WARMUP_STEPS, TrainConfig, TrainError
 from workbook.training.examples import IGNORE_INDEX
-from workbook.training.loop import data_loader, load_training_model, reset_accelerate_state
+from workbook.training.loop import data_loader, load_training_model, loader_settings, reset_accelerate_state
 from workbook.training.prepare import prepare_data
 from workbook.training.report import throughput
 from workbook.training.run_plan import MIN_LR_FRACTION, model_flops_coefficients, plan_run
@@ -128,7 +129,8 @@ def how(config: TrainConfig, learning_rate: float, arguments: TrainingArguments,
     precision = f"{config.dtype} autocast over fp32 weights" if arguments.bf16 or arguments.fp16 else "fp32"
     kernel = " fused" if optimizer.defaults.get("fused") else ""
     return (f"transformers.Trainer.train(), {config.max_steps} steps of the workbook's micro-batches of "
-            f"{config.micro_batch_size} {config.padding} rows; {precision}; {type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}{kernel} "
+            f"{config.micro_batch_size} {config.padding} rows; {precision}; "
+            f"{type(optimizer).__module__.split('.')[0]} {type(optimizer).__name__}{kernel} "
             f"(optim {getattr(arguments.optim, 'value', arguments.optim)}), "
             f"lr {learning_rate:g} cosine to {MIN_LR_FRACTION:g}x, betas {ADAM_BETAS}, weight decay "
             f"{config.weight_decay:g}, clip {MAX_GRAD_NORM:g}; checkpointing {config.grad_checkpointing}, "
@@ -249,7 +251,6 @@ def argument_values(config: TrainConfig, run, work_dir: str, device: torch.devic
         bf16=on_gpu and config.dtype == "bf16", fp16=on_gpu and config.dtype == "fp16",
         tf32=config.tf32 if on_gpu else None, torch_compile=config.torch_compile,
         logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True,
-        # The point's DataLoader settings, as the workbook's loop applies them (TRL builds its own loader).
-        dataloader_num_workers=config.dataloader_workers, dataloader_pin_memory=config.pin_memory and on_gpu,
-        dataloader_prefetch_factor=config.prefetch_factor if config.dataloader_workers else None,
+        # The loop's DataLoader settings, for TRL, which builds its own loader from them.
+        **{f"dataloader_{name}": value for name, value in loader_settings(config, device).items()},
         **({"optim": "adamw_bnb_8bit"} if config.optimizer == "adamw-8bit" else {}))

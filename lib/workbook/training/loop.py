@@ -315,13 +315,16 @@ def _epoch_loader(config, prepared, rows, run, collator, epoch, first_step, rank
 
 
 def data_loader(prepared, batch_sampler, collator, config, device) -> torch.utils.data.DataLoader:
-    """The prepared examples served in ``batch_sampler``'s micro-batches with ``config``'s workers,
-    prefetch and pinned memory (pinning only where there is a GPU to copy to)."""
+    """The prepared examples served in ``batch_sampler``'s micro-batches with ``config``'s loader settings."""
+    return torch.utils.data.DataLoader(batches.SftDataset(prepared.train), batch_sampler=batch_sampler,
+                                       collate_fn=collator, **loader_settings(config, device))
+
+
+def loader_settings(config, device) -> dict:
+    """DataLoader's workers, pinning (only where there is a GPU to copy to) and prefetch (only with workers)."""
     workers = config.dataloader_workers
-    return torch.utils.data.DataLoader(
-        batches.SftDataset(prepared.train), batch_sampler=batch_sampler, collate_fn=collator, num_workers=workers,
-        pin_memory=config.pin_memory and device.type == "cuda",
-        prefetch_factor=config.prefetch_factor if workers > 0 else None)
+    return {"num_workers": workers, "pin_memory": config.pin_memory and device.type == "cuda",
+            "prefetch_factor": config.prefetch_factor if workers > 0 else None}
 
 
 def _progress_bar(accelerator, total: int, initial: int):
