@@ -45,8 +45,8 @@ from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 from workbook.bench.forecast_report import markdown
 from workbook.generation.files import OutputFiles, resolve_input_path
 from workbook.paths import REPO_ROOT
-from workbook.planner.eta import ETA_CHECKPOINTS, eta_errors
-from workbook.planner.forecast import FORECAST_SUFFIX
+from workbook.generation.progress import ETA_CHECKPOINTS, eta_errors
+from workbook.recorded_forecast import FORECAST_SUFFIX
 
 GOAL = 0.10  # |forecast - measured| / measured
 RESERVE_SECONDS = 15  # kept back from --time-budget-seconds: stopping a command and writing the results
@@ -355,8 +355,8 @@ def command_line(args) -> str:
 def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m workbook.bench.forecast_check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/reference/cpu")
-    parser.add_argument("--mixed-prompts", type=int, default=3000, help="the generated mixed-length set (issue 18: a few thousand)")
-    parser.add_argument("--train-steps", type=int, default=300, help="the training run (issue 18: a few hundred steps)")
+    parser.add_argument("--mixed-prompts", type=int, default=3000, help="prompts in the generated mixed-length set (a job of a few thousand)")
+    parser.add_argument("--train-steps", type=int, default=300, help="optimizer steps of the training run (a few hundred)")
     parser.add_argument("--train-micro-batch", type=int, default=4, help="small, so a few hundred steps stay minutes")
     parser.add_argument("--only-first", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="trials per case, back to back: the machine's own "
