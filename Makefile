@@ -1,5 +1,7 @@
-# The workbook's two commands: `make run` (all notebooks, headless, auto-detected profile) and
-# `make test`. Both create .venv and install requirements.txt + the package when needed.
+# The workbook's commands: `make run` (all notebooks, headless, auto-detected profile; one line per
+# notebook, VERBOSE=1 prints every cell), `make test` (the whole suite, as CI runs it) and
+# `make test-fast` (the unit tier: no notebook, multi-process, browser or slow test). Each creates
+# .venv and installs requirements.txt + the package when needed.
 PYTHON ?= python3
 VENV ?= .venv
 PARAMS ?= auto
@@ -9,8 +11,10 @@ STAMP := $(VENV)/.installed
 # a closed network). BROWSER_TESTS=0 skips installing it; the browser test then skips itself.
 CHROMIUM := /usr/bin/chromium
 BROWSER_TESTS ?= 1
+# The unit tier `make test-fast` selects (pyproject.toml says what each marker means).
+FAST_TIER := not notebook and not multiprocess and not browser and not slow
 
-.PHONY: setup chromium run test lab clean-venv
+.PHONY: setup chromium run test test-fast lab clean-venv
 
 setup: $(STAMP)
 
@@ -36,10 +40,13 @@ $(CHROMIUM):
 	test -x $(CHROMIUM)
 
 run: setup
-	$(BIN)/workbook run --params $(PARAMS)
+	$(BIN)/workbook run --params $(PARAMS)$(if $(filter 1,$(VERBOSE)), --verbose)
 
 test: setup $(if $(filter 0,$(BROWSER_TESTS)),,chromium)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "$(FAST_TIER)" $(PYTEST_ARGS)
 
 # JupyterLab refuses to start as root (the usual user in a rented GPU container) without --allow-root.
 LAB_ARGS ?= $(if $(filter 0,$(shell id -u)),--allow-root)

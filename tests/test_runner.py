@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import nbformat
 import pytest
@@ -218,3 +219,120 @@ def test_a_resumed_run_keeps_its_first_start_time_and_lists_each_resumption(tmp_
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["started_at"] == first.manifest["started_at"] == "2026-01-01T00:00:00+00:00"
     assert len(manifest["resumed_at"]) == 2 and first.manifest["started_at"] not in manifest["resumed_at"]
+
+
+def write_metrics(run_dir, files):
+    for name, data in files.items():
+        (run_dir / name).write_text(json.dumps(data))
+
+
+def test_each_notebook_gets_one_line_with_what_it_did_and_its_headline_figure(tmp_path):
+    # Shaped like what each notebook's session.save_json writes (only the keys the line reads).
+    write_metrics(tmp_path, {
+        "gpu.json": {"detection": {"gpus": [{"name": "NVIDIA H200", "memory_total_bytes": 150 * 2**30}] * 8,
+                                   "cpu": {"model": "Xeon", "usable_cores": 96}},
+                     "run_profile": "h200", "profile_mismatches": []},
+        "memory_plan.json": {"plans": {
+            "generate": {"model": "llama-3.1-8b", "dtype": "bf16", "max_batch_size": 1234, "budget_bytes": 140 * 2**30},
+            "train": {"model": "llama-3.1-8b", "dtype": "bf16", "max_batch_size": 8, "budget_bytes": 140 * 2**30}}},
+        "generation.json": {"summary": {"generated": 5000, "output_tokens_per_second": 12345.6, "backend": "static",
+                                        "batch_size": 256, "processes": 8}},
+        "training_metrics.json": {"steps": {"reached": 60, "total": 60},
+                                  "loss": {"epoch_means": [2.5, 1.23456]}, "throughput": {"tokens_per_second": 4321.0}},
+        "benchmark.json": {
+            "generation": {"points": [
+                {"strategy": "seed-after", "batch_size": 32, "output_tokens_per_second": {"median": 900.0}},
+                {"strategy": "static-sorted", "batch_size": 256, "output_tokens_per_second": {"median": 9000.4}},
+                {"strategy": "static-compiled", "batch_size": 256, "skipped": "skipped on CPU"},
+                {"strategy": "hf-pipeline", "batch_size": 256, "output_tokens_per_second": {"median": 99999.0}}]},
+            "training": {"points": [
+                {"micro_batch_size": 8, "padding": "packing", "grad_checkpointing": True, "tokens_per_second": 17000.2},
+                {"micro_batch_size": 16, "padding": "packing", "tokens_per_second": 12000.0},
+                {"micro_batch_size": 8, "padding": "packing", "torch_compile": True, "tokens_per_second": None}]}},
+        "review.json": {"runs": [{"run": "a"}, {"run": "b"}, {"run": "c"}]},
+    })
+    lines = {name: runner.headline(name, tmp_path) for name in runner.HEADLINES}
+    assert lines == {
+        "00_gpu_detection": "detected 8 x NVIDIA H200 (150.0 GiB each): profile h200",
+        "01_memory_planning": "planned llama-3.1-8b (bf16) per GPU: largest batch 1,234 to generate, 8 to train "
+                              "(budget 140.0 GiB)",
+        "02_batched_generation": "generated 5,000 examples: 12,346 output tokens/s (static, batch 256, 8 process(es))",
+        "03_training": "trained 60 of 60 steps: final loss 1.2346 (mean of the last epoch), 4,321 tokens/s",
+        # The HF pipeline is the baseline beside the workbook's strategies, never its best point.
+        "04_benchmarking": "benchmarked: best generation static-sorted at batch 256: 9,000 output tokens/s; "
+                           "best training micro-batch 8 (packing, checkpointing): 17,000 tokens/s",
+        "05_review_runs": "reviewed 3 run(s) side by side",
+    }
+    assert runner.notebook_line("03_training", 75.25, lines["03_training"], width=22) == \
+        "03_training                75.2 s  trained 60 of 60 steps: final loss 1.2346 (mean of the last epoch), 4,321 tokens/s"
+
+
+def test_a_missing_or_unreadable_metrics_file_is_named_in_the_line_instead_of_failing_the_run(tmp_path):
+    assert runner.headline("02_batched_generation", tmp_path) == "ok, but it wrote no generation.json"
+    write_metrics(tmp_path, {"gpu.json": {"detection": {"gpus": []}}, "review.json": {"runs": None}})
+    assert runner.headline("00_gpu_detection", tmp_path) == \
+        "ok, but gpu.json has no headline figure (KeyError: 'cpu')"
+    assert runner.headline("05_review_runs", tmp_path).startswith("ok, but review.json has no headline figure (TypeError")
+    (tmp_path / "training_metrics.json").write_text("{cut short")
+    assert runner.headline("03_training", tmp_path).startswith("ok, but training_metrics.json has no headline figure")
+    assert runner.headline("06_my_own", tmp_path) == "ok"  # a notebook the workbook has no line for
+
+
+def test_the_benchmark_line_leaves_out_the_same_baseline_the_benchmark_names():
+    from workbook.bench import counting
+    assert runner.HF_PIPELINE == counting.HF_PIPELINE
+
+
+def test_a_run_says_one_line_per_notebook_with_its_seconds_and_ends_with_the_run_folder(tmp_path, monkeypatch, capsys):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    make_notebook(notebooks / "00_gpu_detection.ipynb", "print('a cell speaking')")
+    make_notebook(notebooks / "01_mine.ipynb", "y = 2")
+    monkeypatch.setattr(runner, "NOTEBOOKS_DIR", notebooks)
+    monkeypatch.setattr(runner, "OUTPUTS_DIR", tmp_path / "outputs")
+    executed = []
+
+    def execute(path, run_dir, parameters, log_output=True):  # papermill's part, without a kernel
+        executed.append((path.stem, log_output))
+        if path.stem == "00_gpu_detection":
+            write_metrics(run_dir, {"gpu.json": {"detection": {"gpus": [], "cpu": {"model": "EPYC", "usable_cores": 2}},
+                                                 "run_profile": "cpu", "profile_mismatches": []}})
+        return run_dir / path.name
+
+    monkeypatch.setattr(runner, "execute", execute)
+    assert cli.main(["run", "--params", "cpu"]) == 0
+
+    run_dir = next((tmp_path / "outputs").iterdir())
+    lines = capsys.readouterr().out.splitlines()
+    assert executed == [("00_gpu_detection", False), ("01_mine", False)]  # cell output only in the notebooks
+    assert lines[0] == (f"running 2 notebook(s) into {run_dir} (each cell's output is in its executed notebook "
+                        "there; --verbose prints it here too)")
+    assert re.fullmatch(r"00_gpu_detection +\d+\.\d s  detected no GPU \(EPYC, 2 cores\): profile cpu", lines[1])
+    assert re.fullmatch(r"01_mine {10} +\d+\.\d s  ok", lines[2])
+    assert re.fullmatch(r"done: 2 notebook\(s\) in \d+ s", lines[3]) and lines[4:] == [f"run folder: {run_dir}"]
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert [entry["headline"] for entry in manifest["notebooks"]] == ["detected no GPU (EPYC, 2 cores): profile cpu", "ok"]
+
+    executed.clear()
+    assert cli.main(["run", "--params", "cpu", "--only", "01", "--verbose"]) == 0
+    assert executed == [("01_mine", True)]
+    assert "--- 01_mine.ipynb" in capsys.readouterr().out
+
+
+@pytest.mark.notebook
+def test_cell_output_stays_in_the_executed_notebook_unless_the_run_is_verbose(tmp_path, monkeypatch, capsys, caplog):
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    make_notebook(notebooks / "00_speaks.ipynb", "print('a cell speaking')")
+    monkeypatch.setattr(runner, "NOTEBOOKS_DIR", notebooks)
+    monkeypatch.setattr(runner, "OUTPUTS_DIR", tmp_path / "outputs")
+
+    assert cli.main(["run", "--params", "cpu"]) == 0
+    brief = capsys.readouterr()
+    [run_dir] = (tmp_path / "outputs").iterdir()
+    assert len(brief.out.splitlines()) == 4 and brief.out.splitlines()[-1] == f"run folder: {run_dir}"
+    assert "a cell speaking" not in brief.out + brief.err + caplog.text
+    assert "a cell speaking" in (run_dir / "00_speaks.ipynb").read_text()
+
+    assert cli.main(["run", "--params", "cpu", "--verbose"]) == 0  # papermill logs each cell and its output
+    assert "a cell speaking" in caplog.text and "Executing Cell 2" in caplog.text

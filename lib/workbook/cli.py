@@ -38,7 +38,7 @@ def _cmd_gpu(args) -> int:
 
 def _cmd_run(args) -> int:
     from workbook import runner
-    result = runner.run(args.params, only=args.only, overrides=args.set)
+    result = runner.run(args.params, only=args.only, overrides=args.set, verbose=args.verbose)
     return 0 if result.ok else 1
 
 
@@ -212,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                             help="'auto' (detect the GPU), a profile name (h200) or a file (params/h200.yaml)")
     run_parser.add_argument("--only", nargs="+", metavar="NOTEBOOK",
                             help="run only these notebooks, e.g. --only 00 or --only 00_gpu_detection")
+    run_parser.add_argument("--verbose", action="store_true",
+                            help="print every cell and its output as it runs, not one line per notebook "
+                                 "(the executed notebooks in the run folder keep it either way)")
     add_set_argument(run_parser)
     run_parser.set_defaults(handler=_cmd_run)
 

@@ -1,10 +1,12 @@
 """Run every notebook headless, in order, into one run folder: `workbook run`.
 
-Each notebook is executed by papermill (kernel `python3`, working directory the repo root, cell
-output logged) into `outputs/<timestamp>-<profile>/`, next to the JSON and PNG files it writes
-and a `manifest.json` that records the params, versions, git commit, and per-notebook status and
-duration. The first failing notebook stops the run; the message names the cell and the executed
-notebook to open.
+Each notebook is executed by papermill (kernel `python3`, working directory the repo root) into
+`outputs/<timestamp>-<profile>/`, next to the JSON and PNG files it writes and a `manifest.json`
+that records the params, versions, git commit, and per-notebook status, duration and headline.
+The run prints one line per notebook (its seconds, what it did and its headline figure, read from
+the metrics JSON it wrote) and ends with the run folder; every cell's output stays in the executed
+notebooks, and `verbose` prints it as it runs too. The first failing notebook stops the run; the
+message names the cell and the executed notebook to open.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import yaml
 
 from workbook import gpu, notebook, params as params_module
 from workbook.paths import NOTEBOOKS_DIR, OUTPUTS_DIR, REPO_ROOT
+from workbook.units import format_bytes
 
 
 MANIFEST_FILE = "manifest.json"  # a run folder's record: params, versions, status (notebook 05 reads it)
@@ -211,12 +214,13 @@ def write_parameters_file(path: Path, parameters: dict, run_dir: Path) -> Path:
     return target
 
 
-def execute(path: Path, run_dir: Path, parameters: dict) -> Path:
-    """Execute one notebook with papermill into the run folder; returns the executed copy's path."""
+def execute(path: Path, run_dir: Path, parameters: dict, log_output: bool = True) -> Path:
+    """Execute one notebook with papermill into the run folder; returns the executed copy's path.
+    `log_output` also prints each cell's output as it runs (the executed copy keeps it either way)."""
     import papermill
     output = run_dir / path.name
     papermill.execute_notebook(str(path), str(output), parameters=parameters, kernel_name="python3",
-                               cwd=str(REPO_ROOT), log_output=True, progress_bar=False,
+                               cwd=str(REPO_ROOT), log_output=log_output, progress_bar=False,
                                kernel_manager_class=_ipc_kernel_manager())
     return output
 
@@ -236,6 +240,103 @@ def _ipc_kernel_manager() -> type:
             return "ipc" if len(jupyter_runtime_dir()) + 50 < 108 else "tcp"
 
     return IpcKernelManager
+
+
+# The one line each notebook gets: what it did and its headline figure, from the metrics JSON it writes
+# into the run folder (the file name its `session.save_json` call gives). A notebook not listed (one a
+# user added) gets "ok".
+def _detection_headline(data: dict) -> str:
+    gpus, cpu = data["detection"]["gpus"], data["detection"]["cpu"]
+    found = (f"{len(gpus)} x {gpus[0]['name']} ({format_bytes(gpus[0]['memory_total_bytes'])} each)" if gpus else
+             f"no GPU ({cpu['model']}, {cpu['usable_cores']} cores)")
+    mismatches = data.get("profile_mismatches") or []
+    return (f"detected {found}: profile {data['run_profile']}"
+            + (f" ({len(mismatches)} of its values differ from this machine)" if mismatches else ""))
+
+
+def _planning_headline(data: dict) -> str:
+    plans = data["plans"]
+    first = next(iter(plans.values()))
+    where = "in this machine's RAM" if first.get("in_ram") else "per GPU"
+    largest = ", ".join(f"{plan['max_batch_size']:,} to {mode}" for mode, plan in plans.items())
+    return (f"planned {first['model']} ({first['dtype']}) {where}: largest batch {largest} "
+            f"(budget {format_bytes(first['budget_bytes'])})")
+
+
+def _generation_headline(data: dict) -> str:
+    summary = data["summary"]
+    outputs = "examples" if summary.get("samples_per_prompt", 1) == 1 else "outputs"
+    rate = summary["output_tokens_per_second"]  # None when nothing was generated in this run (all resumed)
+    return (f"generated {summary['generated']:,} {outputs}: "
+            + (f"{rate:,.0f} output tokens/s" if rate is not None else "output tokens/s not measured")
+            + f" ({summary['backend']}, batch {summary['batch_size']}, {summary['processes']} process(es))")
+
+
+def _training_headline(data: dict) -> str:
+    steps, loss, throughput = data["steps"], data["loss"], data["throughput"]
+    final = (f"final loss {loss['epoch_means'][-1]:.4f} (mean of the last epoch)" if loss["epoch_means"]
+             else "no step ran")
+    tokens = throughput["tokens_per_second"]
+    return (f"trained {steps['reached']} of {steps['total']} steps: {final}, "
+            + (f"{tokens:,.0f} tokens/s" if tokens else "tokens/s not measured"))
+
+
+# bench.counting.HF_PIPELINE, the baseline measured beside the workbook's strategies (importing it here
+# would import torch into `workbook run`; a test holds the two equal).
+HF_PIPELINE = "hf-pipeline"
+
+
+def _benchmark_headline(data: dict) -> str:
+    # The workbook's fastest point of each sweep, by its median (generation) or its one run (training);
+    # a point skipped or failed has no rate.
+    parts = []
+    points = [p for p in (data.get("generation") or {}).get("points", [])
+              if p.get("output_tokens_per_second") and p["strategy"] != HF_PIPELINE]
+    if points:
+        best = max(points, key=lambda p: p["output_tokens_per_second"]["median"])
+        parts.append(f"best generation {best['strategy']} at batch {best['batch_size']}: "
+                     f"{best['output_tokens_per_second']['median']:,.0f} output tokens/s")
+    points = [p for p in (data.get("training") or {}).get("points", []) if p.get("tokens_per_second")]
+    if points:
+        best = max(points, key=lambda p: p["tokens_per_second"])
+        settings = [best["padding"]] + [name for name, on in (("checkpointing", best.get("grad_checkpointing")),
+                                                              ("compiled", best.get("torch_compile"))) if on]
+        parts.append(f"best training micro-batch {best['micro_batch_size']} ({', '.join(settings)}): "
+                     f"{best['tokens_per_second']:,.0f} tokens/s")
+    return "benchmarked: " + ("; ".join(parts) if parts else "no point measured")
+
+
+def _review_headline(data: dict) -> str:
+    return f"reviewed {len(data['runs'])} run(s) side by side"
+
+
+HEADLINES = {  # notebook -> (the metrics file it writes, its line)
+    "00_gpu_detection": ("gpu.json", _detection_headline),
+    "01_memory_planning": ("memory_plan.json", _planning_headline),
+    "02_batched_generation": ("generation.json", _generation_headline),
+    "03_training": ("training_metrics.json", _training_headline),
+    "04_benchmarking": ("benchmark.json", _benchmark_headline),
+    "05_review_runs": ("review.json", _review_headline),
+}
+
+
+def headline(name: str, run_dir: Path) -> str:
+    """What notebook `name` did and its headline figure, read from the metrics JSON it wrote into
+    `run_dir`; a file that is missing or lacks a figure is named rather than failing the run."""
+    if name not in HEADLINES:
+        return "ok"
+    file_name, describe = HEADLINES[name]
+    try:
+        return describe(json.loads((run_dir / file_name).read_text()))
+    except OSError:
+        return f"ok, but it wrote no {file_name}"
+    except (ValueError, KeyError, TypeError, IndexError, StopIteration) as error:
+        return f"ok, but {file_name} has no headline figure ({type(error).__name__}: {error})"
+
+
+def notebook_line(name: str, seconds: float, text: str, width: int = 0) -> str:
+    """One notebook's line in the run's output: name, seconds, what it did."""
+    return f"{name:<{width}}  {seconds:>7.1f} s  {text}"
 
 
 def describe_failure(error: Exception, output: Path) -> dict:
@@ -267,12 +368,17 @@ def _last_started_cell(output: Path) -> tuple[int, dict] | None:
 
 
 def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list[str] | None = None,
-        outputs_root: Path | None = None, notebooks_dir: Path | None = None, log=print) -> RunResult:
+        outputs_root: Path | None = None, notebooks_dir: Path | None = None, log=print,
+        verbose: bool = False) -> RunResult:
     """Run the selected notebooks in order into a new run folder; stop at the first failure.
 
-    `outputs_root` and `notebooks_dir` default to the checkout's `outputs/` and `notebooks/`.
+    Logs one line per notebook (`notebook_line`) and ends with the run folder; `verbose` also logs
+    every cell and its output as papermill runs it. `outputs_root` and `notebooks_dir` default to
+    the checkout's `outputs/` and `notebooks/`.
     """
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(format="%(message)s")
+    # papermill logs each cell and its output at INFO; its warnings show either way.
+    logging.getLogger("papermill").setLevel(logging.INFO if verbose else logging.WARNING)
     outputs_root = outputs_root or OUTPUTS_DIR
     notebooks_dir = notebooks_dir or NOTEBOOKS_DIR
     params, params_file, detection = resolve_params(params_arg, overrides or [], log)
@@ -282,18 +388,21 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
     run_dir = notebook.new_run_dir(params["profile"], outputs_root)
     manifest = _new_manifest(params, params_file, overrides or [], detection or gpu.detect())
     _write_manifest(run_dir, manifest)
-    log(f"run folder: {run_dir}")
+    log(f"running {len(notebooks)} notebook(s) into {run_dir}" + ("" if verbose else
+        " (each cell's output is in its executed notebook there; --verbose prints it here too)"))
+    width = max(len(path.stem) for path in notebooks)
     for path in notebooks:
         entry = {"name": path.stem, "status": "running", "started_at": now()}
         manifest["notebooks"].append(entry)
         _write_manifest(run_dir, manifest)
-        log(f"--- {path.name}")
+        if verbose:
+            log(f"--- {path.name}")
         began = time.perf_counter()
         output = run_dir / path.name
         try:
             parameters = notebook_parameters(path, params, run_dir)
             entry["parameters_file"] = str(write_parameters_file(path, parameters, run_dir))
-            execute(path, run_dir, parameters)
+            execute(path, run_dir, parameters, log_output=verbose)
             entry["status"] = "ok"
         except Exception as error:  # the run must record any failure before stopping
             entry.update(status="failed", **describe_failure(error, output))
@@ -301,6 +410,9 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
         entry["executed_notebook"] = str(output)
         if entry["status"] == "failed":
             break
+        entry["headline"] = headline(path.stem, run_dir)
+        _write_manifest(run_dir, manifest)
+        log(notebook_line(path.stem, entry["seconds"], entry["headline"], width))
     manifest["finished_at"] = now()
     failed = [entry for entry in manifest["notebooks"] if entry["status"] == "failed"]
     manifest["status"] = "failed" if failed else "ok"
@@ -316,5 +428,5 @@ def run(params_arg: str = "auto", only: list[str] | None = None, overrides: list
             f"  run folder: {run_dir}")
     else:
         total = sum(entry["seconds"] for entry in manifest["notebooks"])
-        log(f"done: {len(notebooks)} notebook(s) in {total:.0f} s; results in {run_dir}")
+        log(f"done: {len(notebooks)} notebook(s) in {total:.0f} s\nrun folder: {run_dir}")
     return RunResult(run_dir, not failed, manifest)
