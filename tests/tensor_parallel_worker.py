@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from workbook import models
+from workbook import decoding
 from workbook.generation import job, tensor_parallel
 from workbook.planner import layout, plan_generate
 from workbook.presets import load_config
@@ -19,7 +19,7 @@ rank = job.current_rank(tensor_parallel_size=int(sys.argv[2]))
 sharded_layout = tensor_parallel.Layout(rank.tensor_parallel_size, rank.count // rank.tensor_parallel_size)
 sharded, _ = job.load_model("tiny", "fp32", rank.device, tensor_parallel.sharding_arguments(sharded_layout))
 whole, _ = job.load_model("tiny", "fp32", "cpu")
-input_ids, attention_mask = models.left_pad(PROMPTS, pad_token_id=0)
+input_ids, attention_mask = decoding.left_pad(PROMPTS, pad_token_id=0)
 
 
 def tokens_and_logits(model):

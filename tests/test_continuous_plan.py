@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from workbook import generation, models, params
+from workbook import decoding, generation, params
 from workbook.generation import continuous
 from workbook.paths import PARAMS_DIR
 from workbook.planner import profile
@@ -71,7 +71,7 @@ def allocated_cache_bytes(cache) -> int:
 
 def test_the_backend_passes_the_planned_cache_to_transformers_and_it_allocates_that(tiny_model_path):
     model = generation.load_model(str(tiny_model_path), "fp32", "cpu")[0]
-    settings = generation.DecodingSettings(16, models.eos_token_ids(model, None), 0)
+    settings = generation.DecodingSettings(16, decoding.eos_token_ids(model, None), 0)
     backend = generation.make_backend("continuous", model, settings, 4)
     manager = backend._start(4, 20, 16)
     try:
@@ -115,7 +115,7 @@ def test_ctrl_c_in_a_stream_stops_transformers_at_once_not_after_its_requests_in
 
 def test_a_streams_paged_cache_is_sized_for_its_longest_prompt_and_its_largest_output(tiny_model_path):
     model = generation.load_model(str(tiny_model_path), "fp32", "cpu")[0]
-    settings = generation.DecodingSettings(16, models.eos_token_ids(model, None), 0)
+    settings = generation.DecodingSettings(16, decoding.eos_token_ids(model, None), 0)
     backend = generation.make_backend("continuous", model, settings, 2)
     # The longest prompt is not the one with the most new tokens: the cache must hold both maxima.
     prompts = [generation.Prompt(0, [5, 6, 7], 16), generation.Prompt(1, [5] * 40, 4), generation.Prompt(2, [5, 6], 2)]

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from workbook import arithmetic, cli, generation, jsonl, models, params
+from workbook import arithmetic, cli, decoding, generation, jsonl, params
 from workbook.generation import engine
 from workbook.paths import PARAMS_DIR, REPO_ROOT
 
@@ -90,7 +90,7 @@ def engine_results(backend, prompts):
 def make_prompts(tiny, texts, max_new_tokens=8):
     model, tokenizer = tiny
     ids = generation.tokenize_prompts(tokenizer, texts, use_chat_template=True)
-    settings = generation.DecodingSettings(max_new_tokens, models.eos_token_ids(model, tokenizer), 0)
+    settings = generation.DecodingSettings(max_new_tokens, decoding.eos_token_ids(model, tokenizer), 0)
     return [generation.Prompt(i, row, max_new_tokens) for i, row in enumerate(ids)], settings
 
 

@@ -993,15 +993,15 @@ def test_accuracy_checks_of_a_packed_run_generate_with_an_attention_that_decodes
     # its first key. Greedy answers generated through it were nonsense (" 11111"), and the rejection-sampling
     # round read 0% before and after. The checks must give what the model gives with sdpa, and leave training
     # on its packed path.
-    from workbook import models
+    from workbook import decoding, models
     from workbook.training import packed_attention
     packed_attention.register()
     packed = models.load_model("tiny", "fp32", "cpu", attn_implementation="document_sdpa").model
     plain = models.load_model("tiny", "fp32", "cpu", attn_implementation="sdpa").model
     prompts = [tokenizer("What is 7 + 5?")["input_ids"], tokenizer("What is 23 + 45?")["input_ids"],
                tokenizer("What is 1 + 2?")["input_ids"]]  # different lengths: left padding
-    expected = models.greedy_completions(plain, tokenizer, prompts, 6)
+    expected = decoding.greedy_completions(plain, tokenizer, prompts, 6)
     with packed_attention.generation_attention(packed):
-        assert models.greedy_completions(packed, tokenizer, prompts, 6) == expected
+        assert decoding.greedy_completions(packed, tokenizer, prompts, 6) == expected
     assert packed.config._attn_implementation == "document_sdpa"
-    assert models.greedy_completions(packed, tokenizer, prompts, 6) != expected  # what the checks used to read
+    assert decoding.greedy_completions(packed, tokenizer, prompts, 6) != expected  # what the checks used to read

@@ -1,4 +1,4 @@
-"""Loading a model, and the token-level facts every job asks of it: one home for each.
+"""Model names and loading: what 'tiny', a local directory and a preset name mean, in one home.
 
 Generation, training, the batch finder, the calibration and the benchmarks all load through
 ``load_model``, so 'tiny', a local Hugging Face directory and a preset name (an architecture built
@@ -6,7 +6,8 @@ from its config with random weights on the device: nothing is downloaded) mean t
 
     loaded = load_model("tiny", "fp32", "cpu")            # loaded.model, loaded.description
     tokenizer = load_tokenizer("tiny")                     # None for a preset: random weights have none
-    input_ids, attention_mask = left_pad(rows, pad_token_id(loaded.model, tokenizer), device)
+
+The token-level facts of a loaded model (end ids, pad id, context, left padding) are in ``decoding``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from pathlib import Path
 
 import torch
 
+from workbook import presets, tiny_model
 from workbook.jsonl import DataError
+from workbook.planner.architectures import attention_implementation_run
+from workbook.planner.shape import choose_lora_targets, is_lora_target
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {value: key for key, value in TORCH_DTYPES.items()}
@@ -28,7 +32,6 @@ DEFAULT_ATTENTION = "sdpa"  # transformers' default, and the planner's
 def is_preset(model: str) -> bool:
     """True for a preset architecture name (not 'tiny', not a directory): random weights, no tokenizer.
     Raises ValueError listing the presets for a name that is neither."""
-    from workbook import presets, tiny_model
     if model == tiny_model.TINY_MODEL_NAME or Path(model).expanduser().is_dir():
         return False
     presets.load_config(model)  # raises with the list of presets for an unknown name
@@ -37,7 +40,6 @@ def is_preset(model: str) -> bool:
 
 def model_source(model: str) -> str:
     """What ``presets.load_config`` reads for ``model``: the name itself, or the expanded directory."""
-    from workbook import tiny_model
     return model if model == tiny_model.TINY_MODEL_NAME else str(Path(model).expanduser())
 
 
@@ -58,7 +60,6 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
     its own device instead (tensor parallel: ``generation.tensor_parallel.sharding_arguments``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from workbook import tiny_model
     if is_preset(model):
         return build_random(model, dtype, device, attn_implementation=attn_implementation)
     torch_dtype = _torch_dtype(dtype)
@@ -108,7 +109,6 @@ def build_random(model: str, dtype: str | torch.dtype, device: str | torch.devic
     weights, in eval mode: speed and memory do not depend on the values, and nothing is downloaded."""
     from transformers import AutoModelForCausalLM
 
-    from workbook import presets
     torch_dtype = _torch_dtype(dtype)
     config = presets.load_config(model)
     with torch.device(device):
@@ -122,7 +122,6 @@ def runnable_attention(config, requested: str) -> str:
     """``requested``, or eager for a model that refuses sdpa (Gemma-2), as the planner plans it."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from workbook.planner.architectures import attention_implementation_run
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return attention_implementation_run(getattr(model_class, "_supports_sdpa", True), requested)
 
@@ -137,7 +136,6 @@ def load_tokenizer(model: str):
         return None
     from transformers import AutoTokenizer
 
-    from workbook import tiny_model
     path = tiny_model.resolve_model_path(model)
     with _loading(model, path, "its tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)"):
         return AutoTokenizer.from_pretrained(path)
@@ -163,7 +161,6 @@ def with_lora(model, rank: int, target_modules=None):
     adapted other modules than the rule picks."""
     import peft
 
-    from workbook.planner.shape import choose_lora_targets, is_lora_target
     linear_names, output_name = _linear_names(model), _output_name(model)
     targets = choose_lora_targets(linear_names, output_name, target_modules)
     planned = {name for name in linear_names if name != output_name and is_lora_target(name, targets.names)}
@@ -212,74 +209,4 @@ def _output_name(model) -> str | None:
 def lora_targets(model, target_modules=None):
     """The module names LoRA adapts on ``model`` and the requested ones that match nothing
     (``workbook.planner.shape.choose_lora_targets``, the planner's rule)."""
-    from workbook.planner.shape import choose_lora_targets
     return choose_lora_targets(_linear_names(model), _output_name(model), target_modules)
-
-
-# ----------------------------------------------------------------------------------------------
-# Tokens: end of sequence, padding, context.
-
-
-def eos_token_ids(model, tokenizer) -> tuple[int, ...]:
-    """Every id that ends a sequence: the generation config's (often several), the model config's
-    and the tokenizer's."""
-    candidates = [getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                  getattr(getattr(model, "config", None), "eos_token_id", None),
-                  getattr(tokenizer, "eos_token_id", None)]
-    ids: list[int] = []
-    for candidate in candidates:
-        for value in candidate if isinstance(candidate, (list, tuple)) else [candidate]:
-            if value is not None and int(value) not in ids:
-                ids.append(int(value))
-    return tuple(ids)
-
-
-def pad_token_id(model, tokenizer) -> int:
-    """The tokenizer's pad id, else the model's, else the first end-of-sequence id, else 0: padded
-    positions are masked out (generation) or carry no loss (training), so any id serves."""
-    for candidate in (getattr(tokenizer, "pad_token_id", None),
-                      getattr(getattr(model, "generation_config", None), "pad_token_id", None)):
-        if isinstance(candidate, int):
-            return candidate
-    eos_ids = eos_token_ids(model, tokenizer)
-    return eos_ids[0] if eos_ids else 0
-
-
-def context_length(model) -> int | None:
-    """Positions the model was built for (None when its config does not say)."""
-    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def left_pad(rows: list[list[int]], pad_token_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask), each row right-aligned: every prompt ends where generation starts.
-
-    Padded here rather than with ``tokenizer(..., padding_side="left")``, which leaves the padding
-    side set inside the tokenizer; a later ``save_pretrained`` would then write it to disk."""
-    width = max(len(row) for row in rows)
-    input_ids = torch.tensor([[pad_token_id] * (width - len(row)) + list(row) for row in rows], dtype=torch.long,
-                             device=device)
-    attention_mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], dtype=torch.long,
-                                  device=device)
-    return input_ids, attention_mask
-
-
-def greedy_completions(model, tokenizer, prompts: list[list[int]], max_new_tokens: int,
-                       batch_size: int = 64) -> list[str]:
-    """Greedy continuation of each prompt (token ids), left-padded in batches, special tokens removed.
-    For accuracy checks; the generation job has its own engine."""
-    pad = pad_token_id(model, tokenizer)
-    device = next(model.parameters()).device
-    texts = []
-    for start in range(0, len(prompts), batch_size):
-        input_ids, attention_mask = left_pad(prompts[start:start + batch_size], pad, device)
-        with torch.no_grad():
-            output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                    max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-                                    use_cache=True)  # a training model may have switched its cache off
-        texts += tokenizer.batch_decode(output[:, input_ids.shape[1]:], skip_special_tokens=True)
-    return texts

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from workbook import models, tiny_model
+from workbook import decoding, models, tiny_model
 
 BUILD_INFO_FILE = "workbook_random_weights.json"  # what the directory is, for reports and for a reader
 
@@ -38,7 +38,7 @@ def save_random_model(preset: str, directory: str | Path, dtype: str = "bf16", d
     loaded.model.save_pretrained(directory)
     tokenizer = models.load_tokenizer(tiny_model.TINY_MODEL_NAME)
     # The tokenizer's limit is the tiny model's 256 positions; the trainer caps sequences at it.
-    tokenizer.model_max_length = models.context_length(loaded.model)
+    tokenizer.model_max_length = decoding.context_length(loaded.model)
     tokenizer.save_pretrained(directory)
     parameters = sum(parameter.numel() for parameter in loaded.model.parameters())
     del loaded

@@ -31,7 +31,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from workbook import arithmetic
+from workbook import arithmetic, decoding
 from workbook.paths import MODELS_DIR
 
 TINY_MODEL_NAME = "tiny"  # what users write as `model: tiny` in a params file
@@ -268,9 +268,8 @@ def _learning_rate_factor(step: int) -> float:
 
 def greedy_answers(model, tokenizer, records: list[dict]) -> list[str]:
     """The model's greedy continuation of each record's ``input``, special tokens removed."""
-    from workbook import models  # local: models reads this module's names lazily too
     prompts = [list(ids) for ids in tokenizer([record["input"] for record in records])["input_ids"]]
-    return models.greedy_completions(model, tokenizer, prompts, MAX_NEW_TOKENS, batch_size=EVAL_BATCH_SIZE)
+    return decoding.greedy_completions(model, tokenizer, prompts, MAX_NEW_TOKENS, batch_size=EVAL_BATCH_SIZE)
 
 
 def ensure_tiny_model(cache_root: str | Path | None = None) -> Path:

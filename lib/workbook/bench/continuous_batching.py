@@ -59,7 +59,7 @@ import psutil
 import torch
 from transformers import LogitsProcessor
 
-from workbook import generation, gpu, jsonl, models, notebook, runtime, tiny_model
+from workbook import decoding, generation, gpu, jsonl, models, notebook, runtime, tiny_model
 from workbook.bench.budget import TimeBudget
 from workbook.bench.counting import pass_cost
 from workbook.bench.continuous_report import ARMS, markdown
@@ -373,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
         loaded = models.load_model(args.model, args.dtype, device)
         model = loaded.model
         tokenizer = models.load_tokenizer(args.model) if args.model == tiny_model.TINY_MODEL_NAME else None
-        eos_ids, pad = models.eos_token_ids(model, tokenizer), models.pad_token_id(model, tokenizer)
+        eos_ids, pad = decoding.eos_token_ids(model, tokenizer), decoding.pad_token_id(model, tokenizer)
         if tokenizer is not None:
             base = sample_prompts(tokenizer, args.examples, args.max_new_tokens)
         else:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from workbook import arithmetic, generation, jsonl, models, notebook, params, runtime, tiny_model
+from workbook import arithmetic, decoding, generation, jsonl, models, notebook, params, runtime, tiny_model
 from workbook.bench.generation_sweep import mixed_prompts
 from workbook.planner.formulas import token_cost
 
@@ -45,7 +45,7 @@ def bare_loop(model, prompts: list[generation.Prompt], settings: generation.Deco
     for start in range(0, len(prompts), batch_size):
         batch = prompts[start:start + batch_size]
         rows = [p.token_ids for p in batch]
-        input_ids, attention_mask = models.left_pad(rows, settings.pad_token_id, model.device)
+        input_ids, attention_mask = decoding.left_pad(rows, settings.pad_token_id, model.device)
         output = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                 generation_config=settings.generation_config(settings.max_new_tokens))
         generated = output[:, input_ids.shape[1]:].tolist()
@@ -165,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     model, described = loaded.model, loaded.description
     is_tiny = args.model == tiny_model.TINY_MODEL_NAME
     tokenizer = models.load_tokenizer(args.model) if is_tiny else None
-    eos_ids = models.eos_token_ids(model, tokenizer)
-    pad = models.pad_token_id(model, tokenizer)
+    eos_ids = decoding.eos_token_ids(model, tokenizer)
+    pad = decoding.pad_token_id(model, tokenizer)
     results = []
     with tempfile.TemporaryDirectory(dir=out) as folder:
         if is_tiny:  # the arithmetic prompts mean something to the tiny model only

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 from accelerate.utils.memory import should_reduce_batch_size
 
-from workbook import ceilings, generation, gpu, models, runtime
+from workbook import ceilings, decoding, generation, gpu, models, runtime
 from workbook.bench import hf_pipeline
 from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.counting import (
@@ -60,10 +60,10 @@ def generation_setup(params, device: torch.device | None = None) -> GenerationSe
     loaded = models.load_model(name, dtype, device)
     model, described = loaded.model, loaded.description
     new_tokens = params["bench_max_new_tokens"]
-    settings = generation.DecodingSettings(new_tokens, models.eos_token_ids(model, None),
-                                           models.pad_token_id(model, None), min_new_tokens=new_tokens)
+    settings = generation.DecodingSettings(new_tokens, decoding.eos_token_ids(model, None),
+                                           decoding.pad_token_id(model, None), min_new_tokens=new_tokens)
     longest = params["prompt_len"]
-    context = models.context_length(model)
+    context = decoding.context_length(model)
     if context and longest + new_tokens > context:
         raise BenchError(f"prompt_len {longest} + bench_max_new_tokens {new_tokens} exceed {name}'s context of "
                          f"{context} tokens; lower one of them")

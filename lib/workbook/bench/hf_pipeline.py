@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-from workbook import generation, models, runtime, tiny_model
+from workbook import decoding, generation, models, runtime, tiny_model
 from workbook.bench.counting import BenchError
 
 HOW = ("transformers.pipeline('text-generation') over the sweep's model object and its tokenizer, greedy "
@@ -41,9 +41,9 @@ def pipeline_tokenizer(setup) -> tuple[object, str]:
         tokenizer = models.load_tokenizer(tiny_model.TINY_MODEL_NAME)
         source = "the tiny model's character tokenizer (a preset has none), ids beyond it mapped onto it"
     # Prompts are checked against the model's context, not the tokenizer's (the tiny one says 256).
-    tokenizer.model_max_length = models.context_length(setup.model) or tokenizer.model_max_length
+    tokenizer.model_max_length = decoding.context_length(setup.model) or tokenizer.model_max_length
     if tokenizer.pad_token_id is None:  # the pipeline refuses to batch without one
-        tokenizer.pad_token_id = models.pad_token_id(setup.model, tokenizer)
+        tokenizer.pad_token_id = decoding.pad_token_id(setup.model, tokenizer)
     return tokenizer, source
 
 

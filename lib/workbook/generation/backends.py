@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from workbook.generation.continuous import ContinuousBackend
 from workbook.generation.engine import BackendOutput, DecodingSettings, GenerationError, Prompt, finish
-from workbook.models import left_pad
+from workbook.decoding import left_pad
 from workbook.params import AUTO, SCHEMA
 from workbook.paths import REFERENCE_DIR
 

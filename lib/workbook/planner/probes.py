@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 from accelerate.utils.memory import clear_device_cache
 
-from workbook import models, runtime
+from workbook import decoding, models, runtime
 from workbook.planner import profile
 from workbook.planner.finder import FinderResult, ProbeMeasurement, find_batch_size
 from workbook.units import format_bytes
@@ -39,7 +39,7 @@ def generation_probe(
     """
     prompt_ids = _prompt_ids(tokenizer, longest_prompt)
     _require_positive_int("max_new_tokens", max_new_tokens)
-    pad_token_id = models.pad_token_id(model, tokenizer)  # all copies are equally long: never used
+    pad_token_id = decoding.pad_token_id(model, tokenizer)  # all copies are equally long: never used
     device = _model_device(model)
 
     def probe(batch: int) -> ProbeMeasurement:

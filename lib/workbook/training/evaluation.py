@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from workbook import arithmetic, models, prompt_format, tiny_model
+from workbook import arithmetic, decoding, prompt_format, tiny_model
 from workbook.training import packed_attention
 from workbook.training.batches import epoch_micro_batches, loss_sum, plan_rows
 from workbook.training.examples import IGNORE_INDEX
@@ -69,7 +69,7 @@ def accuracy(accelerator, model, tokenizer, prepared, config) -> dict | None:
         prompts = prompt_format.prompt_token_ids(tokenizer, [r[config.input_field] for r in records],
                                                  use_chat_template=config.use_chat_template)
         with accelerator.autocast(), packed_attention.generation_attention(model):
-            texts = models.greedy_completions(model, tokenizer, prompts, tiny_model.MAX_NEW_TOKENS,
+            texts = decoding.greedy_completions(model, tokenizer, prompts, tiny_model.MAX_NEW_TOKENS,
                                               batch_size=GENERATION_BATCH)
         model.train(was_training)
         scored = [{"output": reference} for reference in references]

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from workbook import arithmetic, jsonl, models, presets
+from workbook import arithmetic, decoding, jsonl, models, presets
 from workbook.params import AUTO
 from workbook.training import examples as sft_examples
 from workbook.training.config import TrainConfig, TrainError
@@ -126,7 +126,7 @@ def prepare_data(config: TrainConfig, tokenizer=None, log=print) -> PreparedData
                          "skipped": len(report.skipped), "skipped_first": report.skipped[:5],
                          "input_field": config.input_field, "output_field": config.output_field},
         source=config.data_description,
-        pad_token_id=models.pad_token_id(None, tokenizer),
+        pad_token_id=decoding.pad_token_id(None, tokenizer),
         skipped_lines=skipped_lines,
     )
     if config.eval_prompts_path:
