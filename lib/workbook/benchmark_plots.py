@@ -8,6 +8,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from workbook.bench.training_sweep import training_label
+from workbook.plots import without_machine_paths
 from workbook.units import GiB, format_bytes
 
 STRATEGY_COLORS = {"seed-before": "#8c8c8c", "seed-after": "#c44e52", "static-sorted": "#4c72b0",
@@ -44,8 +45,9 @@ def throughput_vs_batch(report: dict):
     axis.set_xlabel("batch size (sequences)")
     axis.set_ylabel("output tokens/s")
     generation = report["generation"]
-    axis.set_title(f"Generation throughput: {generation['model_name']} on {report['device']} ({report['profile']}), "
-                   f"{generation['max_new_tokens']} new tokens, median of {generation['repeats']}", fontsize=10)
+    axis.set_title(without_machine_paths(
+        f"Generation throughput: {generation['model_name']} on {report['device']} ({report['profile']}), "
+        f"{generation['max_new_tokens']} new tokens, median of {generation['repeats']}"), fontsize=10)
     axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
@@ -77,7 +79,8 @@ def memory_vs_batch_measured(report: dict, capacity_bytes: int | None):
     axis.set_xscale("log", base=2)
     axis.set_xlabel("batch size (sequences)")
     axis.set_ylabel(f"peak memory, {unit_name}")
-    axis.set_title(f"Generation memory vs batch: {report['generation']['model_name']} ({report['profile']})", fontsize=10)
+    axis.set_title(without_machine_paths(
+        f"Generation memory vs batch: {report['generation']['model_name']} ({report['profile']})"), fontsize=10)
     axis.legend(fontsize=8)
     figure.tight_layout()
     return figure
@@ -97,8 +100,8 @@ def mfu_bars(report: dict, capacity_bytes: int | None = None):
         speed_axis.annotate(f"{p['tokens_per_second'] or 0:,.0f} tok/s" if has_mfu else "MFU n/a",
                             (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7)
     speed_axis.set_ylabel("MFU, % of the dense peak" if has_mfu else "tokens/s (no peak: MFU n/a)")
-    speed_axis.set_title(f"Training sweep: {training.get('model', '?')} ({report['profile']}); "
-                         "orange: the baselines (HF Trainer, TRL SFTTrainer)", fontsize=10)
+    speed_axis.set_title(without_machine_paths(f"Training sweep: {training.get('model', '?')} ({report['profile']}); "
+                                               "orange: the baselines (HF Trainer, TRL SFTTrainer)"), fontsize=10)
     positions = range(len(points))
     sizes = [p[key] for p in points for key in ("peak_memory_bytes", "predicted_peak_bytes") if p.get(key)]
     unit, unit_name = (GiB, "GiB") if max(sizes, default=0) >= GiB else (2**20, "MiB")
@@ -145,8 +148,8 @@ def speedup_over_baseline(report: dict):
     axis.axhline(1.0, color="black", linewidth=0.8)
     axis.set_ylabel("speedup over seed-after (static 32, file order)")
     hatched = "; hatched: noisy runs, rerun before comparing" if any(p.get("speedup_noise") for p in points) else ""
-    axis.set_title(f"Speedup over the seeds' baseline ({report['profile']}, {report['generation']['model_name']})"
-                   f"{hatched}", fontsize=10)
+    axis.set_title(without_machine_paths(f"Speedup over the seeds' baseline ({report['profile']}, "
+                                         f"{report['generation']['model_name']}){hatched}"), fontsize=10)
     axis.tick_params(axis="x", labelsize=7)
     figure.tight_layout()
     return figure

@@ -7,12 +7,35 @@ so a PNG found later in `outputs/` still reads on its own.
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 
+from workbook.paths import REPO_ROOT
 from workbook.units import GiB, binary_unit, format_bytes
 
 # Below this fraction of the axis a bar is a few pixels or none: the figure adds a zoomed view.
 VISIBLE_FRACTION = 0.02
+
+# An absolute path inside a title (a model folder, a data file): at the start or after a space, bracket,
+# quote or '='. "tokens/s", "n/a" and "1/T" are words with a slash, not paths.
+ABSOLUTE_PATH = re.compile(r"(?<![\w.~/-])/[\w.+@-]+(?:/[\w.+@-]+)*/?")
+
+
+def without_machine_paths(text: str) -> str:
+    """``text`` with each absolute path shown as a reader on another machine can follow it: relative to
+    the checkout when inside it (``outputs/models/tiny-32d8f802``), else its last name
+    (``/models/Llama-3.1-8B-Instruct`` -> ``Llama-3.1-8B-Instruct``). A PNG is shared; this machine's
+    folders mean nothing where it is read. Every title and caption below goes through it."""
+    def shown(match: re.Match) -> str:
+        found = match.group(0)
+        trailing = found[len(found.rstrip(".")):]  # a sentence's full stop is not part of the path
+        path = Path(found.rstrip(".").rstrip("/") or "/")
+        if path.is_relative_to(REPO_ROOT) and path != REPO_ROOT:
+            return f"{path.relative_to(REPO_ROOT)}{trailing}"
+        return f"{path.name or found}{trailing}"
+    return ABSOLUTE_PATH.sub(shown, text)
 
 
 def memory_name(on_gpu: bool) -> str:
@@ -42,7 +65,8 @@ def memory_overview(devices: list[dict], weights_bytes: int | None, caption: str
     axis.set_xlabel("GiB")
     axis.invert_yaxis()
     # Below the panel, not over the bars: one device's bar fills the panel's width.
-    figure.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False, title=caption, title_fontsize=7)
+    figure.legend(loc="outside lower center", ncol=3, fontsize=8, frameon=False, title=without_machine_paths(caption),
+                  title_fontsize=7)
     axis.set_title("Memory per device", fontsize=11)
     return figure
 
@@ -81,9 +105,9 @@ def plan_breakdown(plan, axis=None, on_gpu: bool = True):
     if plan.capacity_bytes and plan.total_bytes < VISIBLE_FRACTION * plan.capacity_bytes:
         _zoomed_bar(axis, plan, memory)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    axis.set_title(f"{plan.model}, {plan.mode}, {plan.dtype}, batch {plan.batch_size}: "
-                   f"{format_bytes(plan.total_bytes)} predicted, {verdict} (max batch {plan.max_batch_size})",
-                   fontsize=10)
+    axis.set_title(without_machine_paths(
+        f"{plan.model}, {plan.mode}, {plan.dtype}, batch {plan.batch_size}: "
+        f"{format_bytes(plan.total_bytes)} predicted, {verdict} (max batch {plan.max_batch_size})"), fontsize=10)
     axis.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
     if figure is not None:
         figure.tight_layout()
@@ -127,7 +151,7 @@ def memory_vs_batch(curves: dict, capacity_bytes: int, budget_bytes: int, title:
         axis.set_xscale("log", base=2)  # the largest batches a small model fits would crowd the run's own into 0
     axis.set_xlabel("batch size (sequences per GPU)" if on_gpu else "batch size (sequences)")
     axis.set_ylabel("predicted peak, GiB per GPU" if on_gpu else "predicted peak, GiB")
-    axis.set_title(title, fontsize=10)
+    axis.set_title(without_machine_paths(title), fontsize=10)
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
     if figure is not None:
@@ -166,9 +190,10 @@ def memory_accuracy(result: dict):
     summary = result["summary"]
     hardware = result["hardware"]["gpus"][0]["name"] if result["hardware"]["gpus"] else "no GPU"
     median, worst = summary.get("median_abs_relative_error"), summary.get("max_abs_relative_error")
-    figure.suptitle(f"Memory planner accuracy on {hardware} ({result['profile']}): median |error| "
-                    f"{median:.2%}, max {worst:.2%} over {len(measured)} measured cases" if measured else
-                    f"Memory planner accuracy on {hardware}: no case measured", fontsize=10)
+    figure.suptitle(without_machine_paths(
+        f"Memory planner accuracy on {hardware} ({result['profile']}): median |error| "
+        f"{median:.2%}, max {worst:.2%} over {len(measured)} measured cases" if measured else
+        f"Memory planner accuracy on {hardware}: no case measured"), fontsize=10)
     figure.tight_layout()
     return figure
 
@@ -188,7 +213,7 @@ def training_lengths(lengths: list[int], max_seq_length: int, percentile_lengths
     axis.set_xlabel("tokens per example (prompt + response, as formatted for training)")
     axis.set_ylabel("examples")
     axis.legend(fontsize=8)
-    axis.set_title(f"Training data lengths: {len(lengths)} examples from {source}", fontsize=9)
+    axis.set_title(without_machine_paths(f"Training data lengths: {len(lengths)} examples from {source}"), fontsize=9)
     figure.tight_layout()
     return figure
 
@@ -220,7 +245,7 @@ def training_curves(history: list[dict], eval_history: list[dict], title: str):
     speed_axis.set_ylim(bottom=0)
     speed_axis.grid(alpha=0.3)
     speed_axis.set_title("throughput per step (the first steps include warm-up)", fontsize=9)
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(without_machine_paths(title), fontsize=10)
     figure.tight_layout()
     return figure
 
@@ -253,7 +278,7 @@ def generation_timeline(batches: list[dict], title: str):
     length_axis.set_ylabel("output tokens")
     length_axis.grid(alpha=0.3, axis="y")
     length_axis.legend(fontsize=8, loc="lower right")
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(without_machine_paths(title), fontsize=10)
     figure.tight_layout()
     return figure
 
@@ -279,7 +304,7 @@ def runs_side_by_side(series: list[dict], x_label: str, y_label: str, title: str
             axis.set_xscale("log", base=2)
     axis.set_xlabel(x_label)
     axis.set_ylabel(y_label)
-    axis.set_title(title, fontsize=10)
+    axis.set_title(without_machine_paths(title), fontsize=10)
     figure.tight_layout()
     return figure
 
@@ -291,7 +316,7 @@ def pass_rates(rates: list[float], title: str):
     axis.hist(rates, bins=bins, color="#4c72b0", edgecolor="white")
     axis.set_xlabel("share of a prompt's samples the verifier accepted")
     axis.set_ylabel("prompts")
-    axis.set_title(title, fontsize=10)
+    axis.set_title(without_machine_paths(title), fontsize=10)
     axis.set_xlim(0, 1)
     return figure
 
@@ -307,7 +332,7 @@ def forecast_costs(rows: list[dict], title: str):
     hours.set_xlabel("wall hours (dark: measured here by the pilot; light: projected)")
     dollars.barh(names, [row["usd"] for row in rows], color=colors)
     dollars.set_xlabel("US dollars at each profile's usd_per_gpu_hour")
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(without_machine_paths(title), fontsize=10)
     figure.tight_layout()
     return figure
 
