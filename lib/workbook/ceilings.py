@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from workbook import gpu, runtime
+from workbook import params as params_module
 
 RESULT_FILE = "ceilings.json"
 # Sizes: large enough that launch overheads and caches do not count (a GPU's L2 is tens of MiB),
@@ -129,8 +130,7 @@ def markdown(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbook import params as params_module
-    parser = argparse.ArgumentParser(prog="python -m workbook.ceilings", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="workbook ceilings", description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", required=True, help="the profile whose datasheet figures go beside, e.g. h100")
     parser.add_argument("--out", required=True, help="output folder, e.g. outputs/reference/h100")
     parser.add_argument("--repeats", type=int, default=5)

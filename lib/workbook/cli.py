@@ -7,9 +7,9 @@ import argparse
 import json
 import os
 import sys
-import textwrap
 
 from workbook import job_keys, params as params_module
+from workbook.arguments import WorkbookParser, add_set_argument
 from workbook.runner import RunError
 
 
@@ -114,7 +114,7 @@ def _cmd_calibrate(args) -> int:
 
 
 def _cmd_forecast(args) -> int:
-    from workbook.planner.forecast_command import cli_main
+    from workbook.forecast.command import cli_main
     return cli_main(args.params, args.set, mode=args.mode, as_json=args.json, share=args.pilot_share,
                     seconds=args.pilot_seconds, clock=args.clock)
 
@@ -135,8 +135,40 @@ def _cmd_verify(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    from workbook import benchmark_plots  # matplotlib: only the command draws, the benchmark does not
     from workbook.bench.report import cli_main
-    return cli_main(args.params, args.set, args.time_budget_seconds)
+    return cli_main(args.params, args.set, args.time_budget_seconds, figures=benchmark_plots.benchmark_figures)
+
+
+# The measurement tools, each with its own options (`workbook <tool> --help`): name -> (module, help).
+# The module is imported only when its tool runs, and parses the rest of the command line itself.
+TOOLS = {
+    "ceilings": ("workbook.ceilings", "measure what this device really does: copy bandwidth and dense matmul "
+                 "throughput, beside a profile's datasheet figures"),
+    "overhead-probe": ("workbook.planner.overhead_probe", "measure one GPU's CUDA context and library "
+                       "workspaces and write them into its profile (cuda_overhead_gib)"),
+    "random-weights": ("workbook.random_weights", "write a preset architecture with random weights as a "
+                       "local model folder: a real architecture's speed and memory, nothing downloaded"),
+    "bench-continuous": ("workbook.bench.continuous_batching", "benchmark: static batches against continuous batching "
+                         "on full-length and uneven outputs"),
+    "bench-engine-overhead": ("workbook.bench.engine_overhead", "benchmark: what the generation engine costs over a "
+                              "bare generate() loop, and what sorting prompts by length gains"),
+    "bench-loss-head": ("workbook.bench.loss_head", "benchmark: the training loss over all logits against "
+                        "the chunked loss, as the share of positions with loss falls"),
+    "bench-rejection-sampling": ("workbook.bench.rejection_sampling", "benchmark: one round of rejection-sampling "
+                                 "fine-tuning (sample, verify, train), held-out accuracy before and after"),
+    "forecast-check": ("workbook.bench.forecast_check", "benchmark: the forecast against the run it forecast, "
+                       "on this machine"),
+    "gpu-session": ("workbook.bench.gpu_session", "a lent GPU's call: a sweep of steps, each under its own time "
+                    "budget, everything written under one folder (--list shows them)"),
+    "gpu-summary": ("workbook.bench.gpu_summary", "a lent GPU's results against every goal, read from the "
+                    "files its calls wrote"),
+}
+
+
+def _run_tool(name: str, argv: list[str]) -> int:
+    import importlib
+    return importlib.import_module(TOOLS[name][0]).main(argv)
 
 
 # The jobs that take a params profile: name -> (handler, help); job_keys.READ_BY lists the keys each
@@ -161,41 +193,6 @@ def note_keys_not_read(job: str, pairs: list[str]) -> None:
         if key in params_module.SCHEMA and key not in used:
             print(f"note: --set {key}: `workbook {job}` does not read it, so it changes nothing here."
                   f"{did_you_mean(key, used)}", file=sys.stderr)
-
-
-def params_keys_help(keys: tuple[str, ...], width: int = 100) -> str:
-    """The keys a job reads, one per line with its meaning and accepted values (from params.SCHEMA)."""
-    lines = ["parameters this job reads (from the params file; change any with --set key=value):"]
-    name_width = max(len(key) for key in keys) + 2
-    for key in keys:
-        spec = params_module.SCHEMA[key]
-        plain_string = spec.kind is str and not spec.choices and not spec.int_list
-        text = spec.meaning + ("" if plain_string else f" [{spec.expected()}]")
-        lines += textwrap.wrap(text, width, initial_indent="  " + key.ljust(name_width),
-                               subsequent_indent=" " * (name_width + 2), break_on_hyphens=False)
-    return "\n".join(lines)
-
-
-class WorkbookParser(argparse.ArgumentParser):
-    """argparse's parser; a job's (`job` set) lists the params keys it reads in its --help."""
-
-    def __init__(self, *args, job: str | None = None, **kwargs):
-        if job:
-            kwargs["formatter_class"] = argparse.RawDescriptionHelpFormatter  # keep the key table's lines
-        super().__init__(*args, **kwargs)
-        self.job = job
-
-    def format_help(self) -> str:
-        if self.job and self.epilog is None:
-            self.epilog = params_keys_help(job_keys.READ_BY[self.job])
-        return super().format_help()
-
-
-def add_set_argument(parser: argparse.ArgumentParser) -> None:
-    """`--set key=value ...`, repeatable: every --set adds to the overrides (`extend`), none replaces another."""
-    parser.add_argument("--set", nargs="+", action="extend", default=[], metavar="KEY=VALUE",
-                        help="override parameters, validated like the file: --set dtype=fp16 batch_size=8; "
-                             "may be repeated (every --set counts)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -272,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
 
     for name, (handler, what) in JOBS.items():
-        job = commands.add_parser(name, help=what, description=what, job=name)
+        job = commands.add_parser(name, help=what, description=what, keys=job_keys.READ_BY[name],
+                                  schema=params_module.SCHEMA)
         job.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
         add_set_argument(job)
         job.set_defaults(handler=handler)
@@ -292,10 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
             job.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                              help="forecast wall seconds (default), or this process's CPU seconds: a machine "
                                   "shared with other work stretches wall time, not CPU time (use OMP_NUM_THREADS=1)")
+    for name, (_, what) in TOOLS.items():  # listed here; main() hands their arguments to the tool's own parser
+        commands.add_parser(name, help=what, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:
+        return _run_tool(argv[0], argv[1:])
     try:
         args = build_parser().parse_args(argv)
         if args.command in JOBS:

@@ -51,7 +51,7 @@ def save_random_model(preset: str, directory: str | Path, dtype: str = "bf16", d
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbook.random_weights", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="workbook random-weights", description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", required=True, help="a preset name, e.g. Llama-3.1-8B (workbook.presets)")
     parser.add_argument("--out", required=True, help="the model directory to write")
     parser.add_argument("--dtype", default="bf16", choices=sorted(models.TORCH_DTYPES))

@@ -21,6 +21,8 @@ from typing import Any, Callable
 
 import torch
 
+from workbook import gpu
+
 
 def inside_launcher() -> bool:
     """True in a process started by torchrun, accelerate launch or notebook_launcher: each sets
@@ -96,7 +98,6 @@ def device_description(device: torch.device) -> str:
     threads torch computes with (a CPU figure depends on them as much as on the chip)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from workbook import gpu
     facts = gpu.cpu_facts()
     return (f"CPU: {facts.get('model', 'unknown')}, {torch.get_num_threads()} threads "
             f"({facts.get('usable_cores', '?')} usable of {facts.get('logical_cores', '?')} logical cores)")

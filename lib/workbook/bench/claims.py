@@ -12,6 +12,9 @@ from workbook.bench.counting import BASELINE, HF_PIPELINE, NA
 from workbook.bench.training_sweep import training_setting
 from workbook.planner import kv_cache_bytes
 from workbook.units import format_bytes
+from workbook import params
+from workbook.paths import PARAMS_DIR
+from workbook.planner import profile
 
 
 # Seed 000's own job and what it promised per GPU (../shared/seeds/000_*.txt, "Hardware-Specific Settings"
@@ -128,9 +131,6 @@ def seed_000_batch_claim(generation: dict | None, measured_here: bool) -> str:
     """Seed 000's batch per GPU beside the planner's largest on the h200 and h100 profiles (Llama-3.1-8B,
     512 prompt + 2048 new tokens, bf16, each profile's budget and margin), and where this run decoded the
     8B on a GPU, the planner's batch it ran and the peak it measured there."""
-    from workbook import params
-    from workbook.paths import PARAMS_DIR
-    from workbook.planner import profile
     planned = {name: profile.plan(params.load(PARAMS_DIR / f"{name}.yaml"), mode="generate", model="Llama-3.1-8B",
                                   batch_size="auto", prompt_len=512, max_new_tokens=2048, dtype="bf16").max_batch_size
                for name in ("h200", "h100")}
@@ -148,9 +148,6 @@ def seed_000_batch_claim(generation: dict | None, measured_here: bool) -> str:
 def tensor_parallel_claim(model: str = "Qwen2.5-32B", tensor_parallel_size: int = 4) -> str:
     """The planner's per-GPU figure for a 30B-class teacher sharded over 4 H100s (the h100x8 profile,
     512 prompt + 2048 new tokens, bf16): planned from the config, not measured (no multi-GPU machine)."""
-    from workbook import params
-    from workbook.paths import PARAMS_DIR
-    from workbook.planner import profile
     h100x8 = params.load(PARAMS_DIR / "h100x8.yaml")
     plan = profile.plan(h100x8, mode="generate", model=model, batch_size=1, tensor_parallel_size=tensor_parallel_size,
                         prompt_len=512, max_new_tokens=2048, dtype="bf16")

@@ -336,7 +336,7 @@ def roofline_peaks(device: torch.device, dtype: str, bandwidth_gbs: float | None
 
 
 def parse_arguments(argv):
-    parser = argparse.ArgumentParser(prog="python -m workbook.bench.continuous_batching",
+    parser = argparse.ArgumentParser(prog="workbook bench-continuous",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="'tiny', a local model dir, or a preset (random weights)")
     parser.add_argument("--device", default="cpu")

@@ -135,7 +135,7 @@ def markdown_table(results: list[dict]) -> str:
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m workbook.bench.engine_overhead",
+    parser = argparse.ArgumentParser(prog="workbook bench-engine-overhead",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="'tiny', a local model dir, or a preset (random weights)")
     parser.add_argument("--device", default="cpu")

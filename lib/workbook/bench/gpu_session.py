@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 
 from workbook.paths import MODELS_DIR, OUTPUTS_DIR, REPO_ROOT
+from workbook import gpu, params
 
 RESERVE_SECONDS = 20  # kept back from the last step: the summary and copying the results
 BUDGET_MARGIN_SECONDS = 20  # a step's own budget is this much less than it is given: its imports and writing
@@ -329,7 +330,6 @@ def call_profile(named: str, detected: list[dict] | None = None) -> tuple[str, s
     """The profile a call runs with, and why. The device may lend an H200 to a session that asked for
     no kind (when no H100 opens), so the GPU at hand decides: a profile named for another GPU would
     plan its memory and roofline with the wrong capacity and bandwidth."""
-    from workbook import gpu, params
     gpus = gpu.detect()["gpus"] if detected is None else detected
     choice = gpu.select_profile(gpus, params.load_all())
     if named == "auto":
@@ -340,7 +340,7 @@ def call_profile(named: str, detected: list[dict] | None = None) -> tuple[str, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbook.bench.gpu_session", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="workbook gpu-session", description=__doc__.split("\n\n")[0])
     parser.add_argument("--call", choices=list(calls("", Path())))
     parser.add_argument("--profile", default="auto", help="the lent GPU's profile: h100, h200, or auto (default: the "
                         "profile of the GPU at hand; a named one that another GPU's profile matches gives way to it)")

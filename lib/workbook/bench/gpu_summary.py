@@ -124,7 +124,7 @@ def _share(value: float | None, digits: int = 0) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbook.bench.gpu_summary", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="workbook gpu-summary", description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", help="a GPU session's results, e.g. outputs/reference/h100")
     folder = Path(parser.parse_args(argv).folder)
     files = found(folder)

@@ -54,7 +54,7 @@ def measure(positions: int, hidden_size: int, vocab: int, chunk: int, shares: li
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbook.bench.loss_head", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="workbook bench-loss-head", description=__doc__.split("\n\n")[0])
     parser.add_argument("--positions", type=int, default=1024)
     parser.add_argument("--hidden-size", type=int, default=896, help="default: Qwen2.5-0.5B's")
     parser.add_argument("--vocab", type=int, default=151936, help="default: Qwen2.5-0.5B's")

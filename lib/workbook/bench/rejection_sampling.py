@@ -105,7 +105,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbook.bench.rejection_sampling",
+    parser = argparse.ArgumentParser(prog="workbook bench-rejection-sampling",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--pool", type=int, default=arithmetic.VARIANT_POOL_SIZE, help="questions sampled for training data")
     parser.add_argument("--held-out", type=int, default=arithmetic.VARIANT_HELD_OUT_SIZE, help="questions scored before and after")

@@ -28,6 +28,8 @@ from workbook.jsonl import DataError
 from workbook.planner import DoesNotFitError
 from workbook.planner.profile import Budget
 from workbook.units import GiB, format_bytes
+from workbook import presets, tiny_model
+from workbook.planner import weights_bytes
 
 PARAMS_USED = job_keys.BENCH
 
@@ -80,7 +82,6 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
 def check_names(params) -> None:
     """The sweeps' models and memory settings exist: a BenchError naming the key now, not a traceback
     after minutes of measuring."""
-    from workbook import presets, tiny_model
     memory_setting_names(params)
     for key in ("bench_generate_model", "bench_train_model"):
         name = params[key]
@@ -112,7 +113,6 @@ def refuse_models_over_ram(params, device: torch.device) -> None:
     if device.type != "cpu":
         return
     import psutil
-    from workbook.planner import weights_bytes
     available = psutil.virtual_memory().available
     swept = [("bench_generate_model", 1, "fp32 weights")]
     if params["bench_train_steps"]:
@@ -337,9 +337,12 @@ def partial_record(path: Path) -> Callable[[str, dict], None]:
     return write
 
 
-def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float | None = None) -> int:
+def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float | None = None, *,
+             figures=None) -> int:
     """Run the benchmark into a new run folder: benchmark.json, the PNGs and benchmark.md; with
-    ``time_budget_seconds``, the points left when it runs out are marked so and the report written."""
+    ``time_budget_seconds``, the points left when it runs out are marked so and the report written.
+    ``figures(report, capacity_bytes)`` gives the PNGs by name (``benchmark_plots.benchmark_figures``:
+    passed in by the command, so the benchmark itself never imports the plotting stack)."""
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
@@ -367,8 +370,7 @@ def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float |
                          + (f" --time-budget-seconds {time_budget_seconds:g}" if time_budget_seconds else ""))
     report["time_budget"] = {"seconds": time_budget_seconds, "ran_out": budget.expired}
     (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    from workbook import benchmark_plots  # matplotlib only for the figures
-    for name, figure in benchmark_plots.benchmark_figures(report, gpu_capacity_bytes(params)).items():
+    for name, figure in (figures(report, gpu_capacity_bytes(params)) if figures else {}).items():
         figure.savefig(run_dir / name, dpi=120, bbox_inches="tight")
     # Lines under a section's table: what the tools users know measured beside ours.
     notes = {"Generation": pipeline_comparison_lines(report), "Training": [baseline_note(report)],

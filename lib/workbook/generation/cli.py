@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from workbook import arithmetic, jsonl, notebook, params as params_module, runner, runtime
+from workbook import arithmetic, job_keys, jsonl, notebook, params as params_module, runner, runtime
+from workbook.arguments import WorkbookParser, add_set_argument
 from workbook.generation import verify
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import resolve_output_path
@@ -115,8 +116,8 @@ def verify_main(params_arg: str, overrides: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from workbook.cli import WorkbookParser, add_set_argument
-    parser = WorkbookParser(prog="python -m workbook.generation", job="generate",
+    parser = WorkbookParser(prog="python -m workbook.generation", keys=job_keys.READ_BY["generate"],
+                            schema=params_module.SCHEMA,
                             description="Batched generation of teacher outputs: JSONL in, JSONL out, resumable.")
     parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
     add_set_argument(parser)

@@ -10,6 +10,8 @@ import torch
 
 from workbook import gpu, models, presets
 from workbook.planner.formulas import kv_cache_bytes, training_activation_bytes_per_layer, weights_bytes
+from workbook.tiny_model import TINY_MODEL_NAME, tiny_config
+from workbook.tiny_model import ARCHITECTURE
 
 CPU_CHECKS_FILE = "cpu_exact_checks.json"
 ATTN_IMPLEMENTATION = models.DEFAULT_ATTENTION  # transformers' default; the planner's default too
@@ -26,7 +28,6 @@ def cpu_exact_checks() -> dict:
     The same checks tests/test_memory.py makes on stand-in models, here as a JSON-ready dict
     that a notebook can show.
     """
-    from workbook.tiny_model import TINY_MODEL_NAME, tiny_config
 
     loaded = models.load_model(TINY_MODEL_NAME, "fp32", "cpu")
     model, model_dir, config = loaded.model, loaded.path, tiny_config()
@@ -93,7 +94,6 @@ def _kv_cache_check(model, tokenizer, config) -> dict:
 def _activation_check(config) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from workbook.tiny_model import ARCHITECTURE
 
     saved = {}
     for layers in (1, 2):

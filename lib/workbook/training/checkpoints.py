@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 from workbook import jsonl, runtime
+from workbook.training.config import TrainError
 
 STATE_FILE = "workbook_state.json"  # written last into a checkpoint: its presence marks it complete
 KEEP_CHECKPOINTS = 2  # older checkpoints are deleted: one holds weights and optimizer (16 B/param)
@@ -54,7 +55,6 @@ def choose_where_to_save(accelerator, output_dir: Path, *, fsdp: bool, saves_che
     """Whether every process sees the first process's ``output_dir``; when some do not (nodes each with
     their own disk), DDP saves a full copy on each node, and FSDP, which cannot, stops with a TrainError
     before the first step. A collective: every process calls it."""
-    from workbook.training.config import TrainError
     if accelerator.num_processes == 1:
         return True
     shared = runtime.folder_shared_with_first(output_dir, accelerator.process_index, _all_gather)
@@ -75,7 +75,6 @@ def agreed_checkpoint(accelerator, output_dir: Path) -> Path | None:
     """The newest checkpoint complete in every process's view of ``output_dir`` (nodes that keep their
     own copies may differ by the one a kill interrupted), or None. A TrainError when some process has
     checkpoints and another has none in common with it: resuming only some would train apart."""
-    from workbook.training.config import TrainError
     mine = [path.name for path in complete_checkpoints(output_dir)]
     if accelerator.num_processes == 1:
         return output_dir / "checkpoints" / mine[-1] if mine else None
@@ -113,7 +112,6 @@ def saved_state(checkpoint: Path) -> dict:
 def damaged(checkpoint: Path, what: str):
     """The TrainError for a checkpoint that cannot be read back: what is wrong, and the ways on
     (the older checkpoint kept beside it, or a new folder), nothing deleted."""
-    from workbook.training.config import TrainError
     older = [p for p in complete_checkpoints(checkpoint.parent.parent) if p.name < checkpoint.name]
     back = (f"move {checkpoint} away to resume from the older checkpoint kept, {older[-1].name}"
             if older else f"move {checkpoint} away to train from the start")
@@ -124,7 +122,6 @@ def damaged(checkpoint: Path, what: str):
 def resumable_state(checkpoint: Path, fingerprint: dict) -> dict:
     """The state saved with ``checkpoint``; TrainError naming what differs when it was saved by a run
     with other settings or data (resuming it would silently train something else)."""
-    from workbook.training.config import TrainError
     state = saved_state(checkpoint)
     if state["fingerprint"] != fingerprint:
         differences = ", ".join(f"{key} {value} (now {fingerprint[key]})" for key, value in state["fingerprint"].items()

@@ -13,9 +13,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from workbook import jsonl, notebook, runner, runtime
+from workbook import job_keys, jsonl, notebook, params as params_module, recorded_forecast, runner, runtime
+from workbook.arguments import WorkbookParser, add_set_argument
 from workbook.params import ParamsError
-from workbook.planner import DoesNotFitError, fit, forecast
+from workbook.planner import DoesNotFitError, fit
 from workbook.training import checkpoints, run_folder
 from workbook.training.config import TrainError, config_from_params
 from workbook.training.loop import train
@@ -94,7 +95,7 @@ def write_metrics(result: dict, config, run_dir: Path) -> None:
     clock = "this process's start to the end of training (start-up included, as forecast)"
     if runtime.inside_launcher():
         clock += "; launched: this rank's start, after the launcher's own"
-    result["forecast"] = forecast.forecast_beside_measured(Path(config.output_dir) / "forecast.json",
+    result["forecast"] = recorded_forecast.beside_measured(recorded_forecast.training_file(config.output_dir),
                                                            runtime.process_age_seconds(), clock)
     (Path(run_dir) / METRICS_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n")
 
@@ -102,8 +103,8 @@ def write_metrics(result: dict, config, run_dir: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     """`python -m workbook.training`: the entry point for `accelerate launch` and `torchrun`, one
     process per GPU; every process gets the same --run-dir."""
-    from workbook.cli import WorkbookParser, add_set_argument
-    parser = WorkbookParser(prog="python -m workbook.training", job="train",
+    parser = WorkbookParser(prog="python -m workbook.training", keys=job_keys.READ_BY["train"],
+                            schema=params_module.SCHEMA,
                             description="Supervised fine-tuning on input/output JSONL.")
     parser.add_argument("--params", default="auto", help="'auto', a profile name or a params file")
     add_set_argument(parser)

@@ -19,6 +19,9 @@ import contextlib
 import torch
 
 from workbook.planner.architectures import DOCUMENT_SDPA, FLEX_ATTENTION
+from workbook import models
+from workbook.planner.architectures import training_attention
+from workbook.planner.shape import model_shape
 
 
 def document_sdpa_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -104,9 +107,6 @@ def _no_mask(*args, **kwargs):
 def training_attention_for(config, seq_len: int) -> str:
     """The attention a run of ``config`` (a TrainConfig) trains with at ``seq_len`` tokens per row, on this
     machine: what the trainer loads and the memory plan plans (``planner.architectures.training_attention``)."""
-    from workbook import models
-    from workbook.planner.architectures import training_attention
-    from workbook.planner.shape import model_shape
     shape = model_shape(models.model_source(config.model))
     # device_count reads NVML: is_available would start the CUDA driver before notebook_launcher forks.
     return training_attention(shape, config.attn_implementation, config.padding, seq_len,

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from workbook import gpu, runtime
+from workbook.training.config import TrainError
 
 REPORT_TO = ("none", "tensorboard", "wandb")
 TRACKING_DIR_NAME = "tracking"
@@ -24,7 +25,6 @@ def accelerator_kwargs(report_to: str, output_dir: str | Path) -> dict:
     """What ``Accelerator(...)`` needs for ``report_to``; TrainError when its package is missing."""
     from accelerate.utils import ProjectConfiguration
 
-    from workbook.training.config import TrainError
 
     if report_to not in REPORT_TO:
         raise TrainError(f"report_to {report_to!r}: expected one of {', '.join(REPORT_TO)}")
