@@ -127,7 +127,7 @@ def test_generate_uses_every_set_and_records_its_run_folder_for_notebook_05(tiny
 
 
 JOB_MODULES = {"generate": "workbook.generation", "train": "workbook.training", "bench": "workbook.bench",
-               "forecast": "workbook.planner.pilot", "verify": "workbook.generation.verify"}
+               "forecast": "workbook.forecast.pilot", "verify": "workbook.generation.verify"}
 
 
 @pytest.mark.parametrize("job", JOB_MODULES)

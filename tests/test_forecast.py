@@ -8,10 +8,11 @@ import random
 import pytest
 import torch
 
-from workbook import bench, cli, generation, params
+from workbook import bench, cli, generation, params, recorded_forecast
+from workbook.forecast import eta, model as forecast, pilot, regression, startup, stream as stream_forecast
+from workbook.forecast.model import GenerationTimings, OutputLengths
+from workbook.generation import progress
 from workbook.paths import PARAMS_DIR
-from workbook.planner import eta, forecast, pilot, regression, startup, stream_forecast
-from workbook.planner.forecast import GenerationTimings, OutputLengths
 
 
 def timings(**changes) -> GenerationTimings:
@@ -326,7 +327,7 @@ def test_the_recorded_forecast_keeps_the_timings_the_eta_reads(tmp_path):
                              pilot={"output_lengths": [(138, [8, 8]), (17, [5, 4])]}, timings=small.to_dict(),
                              job={}, cost={})
     (tmp_path / "out.forecast.json").write_text(json.dumps(made.to_dict()))
-    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
+    planned = eta.planned_batch_seconds(json.loads((tmp_path / "out.forecast.json").read_text()))
     batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([138] * 32)]
     assert planned([batch]) == [pytest.approx(sum(forecast.batch_seconds(32, 138, 8, small)), rel=1e-5)]
 
@@ -342,10 +343,10 @@ def test_pilot_batches_span_the_length_distribution():
 def test_eta_counts_the_planned_time_left_not_the_examples_left():
     planned = [4.0, 3.0, 2.0, 1.0]  # longest prompts first: the first batch is the slowest
     # One batch done in 8 s, twice its plan: the rest takes twice theirs.
-    assert eta.remaining_seconds(planned, finished_at_seconds=[8.0]) == pytest.approx(12.0)
+    assert progress.remaining_seconds(planned, finished_at_seconds=[8.0]) == pytest.approx(12.0)
     examples_left_estimate = 8.0 * 3  # 8 s per batch so far, 3 batches left
-    assert eta.remaining_seconds(planned, [8.0]) < examples_left_estimate
-    assert eta.remaining_seconds(planned, []) == pytest.approx(10.0)
+    assert progress.remaining_seconds(planned, [8.0]) < examples_left_estimate
+    assert progress.remaining_seconds(planned, []) == pytest.approx(10.0)
 
 
 def test_eta_paces_by_the_recent_batches_not_the_first_ones():
@@ -353,11 +354,11 @@ def test_eta_paces_by_the_recent_batches_not_the_first_ones():
     their plan: the pace of the recent quarter of the batches done (at least 3) forgets it."""
     planned = [2.0] * 20
     finished = [30.0 + 2.0 * i for i in range(12)]  # 12 batches done: the first at 30 s, then 2 s each
-    assert eta.remaining_seconds(planned, finished) == pytest.approx(8 * 2.0)  # 8 left at the plan's pace
+    assert progress.remaining_seconds(planned, finished) == pytest.approx(8 * 2.0)  # 8 left at the plan's pace
     every = (finished[-1] / sum(planned[:12])) * 8 * 2.0  # the pace of every batch done: 52 s for 24 planned
-    assert every > 2 * eta.remaining_seconds(planned, finished)
+    assert every > 2 * progress.remaining_seconds(planned, finished)
     # Three batches done: the window is all of them, the first included.
-    assert eta.remaining_seconds(planned, finished[:3]) == pytest.approx(34.0 / 6.0 * 17 * 2.0)
+    assert progress.remaining_seconds(planned, finished[:3]) == pytest.approx(34.0 / 6.0 * 17 * 2.0)
 
 
 def test_projection_scales_each_phase_by_its_peak():
@@ -421,7 +422,7 @@ def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_mod
     assert result.predicted_wall_seconds_range[0] <= result.predicted_wall_seconds <= result.predicted_wall_seconds_range[1]
     assert result.remaining_wall_seconds < result.predicted_wall_seconds
     assert {row["profile"] for row in result.profiles} == set(params.profile_names())
-    output.with_suffix(forecast.FORECAST_SUFFIX).write_text(json.dumps(result.to_dict()))  # as the CLI does
+    recorded_forecast.generation_file(output).write_text(json.dumps(result.to_dict()))  # as the CLI does
     summary = generation.run_job(job, output, model=model, tokenizer=tokenizer, log=lambda line: None,
                                  show_progress=False)
     # The run records the forecast it started with: the time left after the pilot, beside its own.
@@ -431,7 +432,7 @@ def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_mod
     assert summary["generated"] == 40 - 8  # the job generated only what the pilot had not
     # Its ETA planned each batch (a stream: each group of completions) by the forecast's model, in seconds.
     assert [batch["planned"] > 0 for batch in summary["batch_list"]] == [True] * 8
-    assert len(eta.eta_errors(summary["batch_list"])) == 4
+    assert len(progress.eta_errors(summary["batch_list"])) == 4
     assert sorted(ids) == sorted(f"q{i}" for i in range(40))  # each once
 
 
@@ -440,7 +441,7 @@ def test_forecast_cli_refuses_a_bad_pilot_share_and_defaults_to_the_pilots_share
     error = capsys.readouterr().err.strip().splitlines()
     assert error[-1].startswith("error: --pilot-share 2")
     # The command's default is the pilot's own (the parser cannot import it: the pilot imports torch).
-    from workbook.planner import pilot
+    from workbook.forecast import pilot
     forecast = cli.build_parser().parse_args(["forecast", "--params", "cpu"])
     assert forecast.pilot_share == pilot.DEFAULT_SHARE
     with pytest.raises(SystemExit):
@@ -454,10 +455,10 @@ def test_the_jobs_eta_uses_the_forecasts_timings(tmp_path):
     made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[30, [4, 4]]]},
             "job": {"max_new_tokens": 8}}
     (tmp_path / "out.forecast.json").write_text(json.dumps(made))
-    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
+    planned = eta.planned_batch_seconds(json.loads((tmp_path / "out.forecast.json").read_text()))
     batch = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([50, 40])]
     assert planned([batch]) == [pytest.approx(sum(forecast.batch_seconds(2, 50, 4, known)))]
-    assert eta.planned_batch_seconds(tmp_path / "none.forecast.json") is None
+    assert progress.planned_by_prompt(recorded_forecast.eta_plan(tmp_path / "none.forecast.json")) is None
 
 
 def test_a_streams_eta_plans_its_groups_of_completions_by_the_forecasts_model(tmp_path):
@@ -467,7 +468,7 @@ def test_a_streams_eta_plans_its_groups_of_completions_by_the_forecasts_model(tm
     known = dataclasses.replace(stream_timings(), warm_up_seconds=0.25)
     made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[50, [30, 2, 2, 2]]]}}
     (tmp_path / "out.forecast.json").write_text(json.dumps(made))
-    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
+    planned = eta.planned_batch_seconds(json.loads((tmp_path / "out.forecast.json").read_text()))
     batches = [[generation.Prompt(4 * b + i, [1] * 50, 32) for i in range(4)] for b in range(4)]
     seconds = planned(batches)
     whole = stream_forecast.simulate_stream([50] * 16, prompts_per_call=4, max_new_tokens=32, timings=known,
@@ -490,18 +491,18 @@ def test_a_runs_eta_is_checked_against_the_time_it_really_had_left(tmp_path):
     2 x 6 = 12 s where 10 were left; after 2, 2 x 4 = 8 s for 6; after 3, 2 x 2 = 4 s for 2."""
     finished = [8, 12, 16, 17, 18]
     batches = [{"rank": 0, "planned": plan, "finished_at_seconds": at} for plan, at in zip([4, 2, 2, 1, 1], finished)]
-    checks = eta.eta_errors(batches + [{"rank": 1, "planned": 1, "finished_at_seconds": 99}])
+    checks = progress.eta_errors(batches + [{"rank": 1, "planned": 1, "finished_at_seconds": 99}])
     assert [(c["share_of_batches"], c["after_batches"]) for c in checks] == [(0.1, 1), (0.25, 1), (0.5, 2), (0.75, 3)]
     assert [c["eta_seconds"] for c in checks] == pytest.approx([12.0, 12.0, 8.0, 4.0], abs=1e-3)
     assert [c["left_seconds"] for c in checks] == [10, 10, 6, 2]
     assert [c["error"] for c in checks] == pytest.approx([0.2, 0.2, 1 / 3, 1.0], abs=1e-4)
-    assert eta.eta_errors([{"rank": 0, "planned": None, "finished_at_seconds": 1}] * 3) == []  # no plan
+    assert progress.eta_errors([{"rank": 0, "planned": None, "finished_at_seconds": 1}] * 3) == []  # no plan
     # Notebook 05's table: one row per run that kept its plan, each checkpoint said and measured.
     run = tmp_path / "20260101-000000-cpu"
     run.mkdir()
     (run / "generations.summary.json").write_text(json.dumps({"batch_list": batches}))
     (run / "old.summary.json").write_text(json.dumps({"batch_list": [{"finished_at_seconds": 1}] * 3}))  # no plan
-    rows = eta.eta_rows(tmp_path)
+    rows = progress.eta_rows(tmp_path)
     assert [row["run"] for row in rows] == ["20260101-000000-cpu/generations.summary.json"]
     assert rows[0]["ETA error after 75% of the batches"] == "+100% (4.0 s said, 2.0 s left)"
 
@@ -582,7 +583,7 @@ def test_an_fp32_job_is_projected_at_the_16_bit_peak_it_would_run_at_and_the_row
 
 
 def test_a_generation_forecast_over_two_nodes_shards_the_prompts_and_sends_nothing_per_token(tmp_path, tiny_model_path):
-    from workbook.planner import forecast_command
+    from workbook.forecast import command as forecast_command
     model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")
     prompts, output = write_prompts(tmp_path / "prompts.jsonl", 40), tmp_path / "out.jsonl"
     job = job_params(prompts, output, batch_size=4, max_new_tokens=4, num_nodes=2)
@@ -653,7 +654,6 @@ def test_a_forecast_without_output_path_leaves_a_run_folder_that_generate_finish
 
 def test_a_range_widened_by_an_error_over_100_percent_stays_positive():
     # A busy host's pilot once fitted its own batches 10.7x off: the range read "-2327.2-2693.3 s".
-    from workbook.planner import forecast
     low, high = forecast.widened(100.0, 120.0, 10.67)
     assert 0 < low < 100.0 < 120.0 < high and low == pytest.approx(100.0 / 11.67)
     assert forecast.widened(100.0, 100.0, 0.03) == pytest.approx((97.09, 103.0), abs=0.01)
@@ -683,18 +683,18 @@ def test_the_eta_paces_by_the_last_quarter_of_the_batches_done_not_a_larger_shar
     # a window of 6 would take it in and double the ETA of a run now back at its plan.
     planned = [1.0] * 40
     finished = [float(i + 1) for i in range(14)] + [21.0 + i for i in range(6)]
-    assert eta.remaining_seconds(planned, finished) == pytest.approx(20 * 1.0)
+    assert progress.remaining_seconds(planned, finished) == pytest.approx(20 * 1.0)
 
 
 def test_an_eta_with_no_planned_time_in_its_recent_batches_keeps_the_plan_left_not_zero():
     # No pace can be taken from batches planned at 0 s: the ETA is the plan left as it stands.
-    assert eta.remaining_seconds([0.0, 0.0, 0.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == pytest.approx(5.0)
+    assert progress.remaining_seconds([0.0, 0.0, 0.0, 2.0, 3.0], [1.0, 2.0, 3.0]) == pytest.approx(5.0)
 
 
 def test_a_runs_batches_without_a_rank_are_checked_as_a_single_process():
     # Summaries of a single process may leave the rank out: its batches are rank 0's, not nobody's.
     batches = [{"planned": plan, "finished_at_seconds": at} for plan, at in zip([4, 2, 2, 1, 1], [8, 12, 16, 17, 18])]
-    assert [check["after_batches"] for check in eta.eta_errors(batches)] == [1, 1, 2, 3]
+    assert [check["after_batches"] for check in progress.eta_errors(batches)] == [1, 1, 2, 3]
 
 
 def test_a_static_batchs_eta_decodes_until_the_largest_new_token_limit_among_its_rows(tmp_path):
@@ -703,7 +703,7 @@ def test_a_static_batchs_eta_decodes_until_the_largest_new_token_limit_among_its
     known = timings()
     made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[50, [6, 6]]]}}
     (tmp_path / "out.forecast.json").write_text(json.dumps(made))
-    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
+    planned = eta.planned_batch_seconds(json.loads((tmp_path / "out.forecast.json").read_text()))
     batch = [generation.Prompt(0, [1] * 50, 8), generation.Prompt(1, [1] * 40, 2)]
     assert planned([batch]) == [pytest.approx(sum(forecast.batch_seconds(2, 50, 6, known)))]
 
@@ -713,7 +713,7 @@ def test_a_streams_eta_plans_one_entry_per_batch_when_the_last_batch_is_short(tm
     # entries, each a group of batch_size completions, not of the short last batch's size.
     made = {"mode": "generate", "timings": stream_timings().to_dict(), "pilot": {"output_lengths": [[50, [3]]]}}
     (tmp_path / "out.forecast.json").write_text(json.dumps(made))
-    planned = eta.planned_batch_seconds(tmp_path / "out.forecast.json")
+    planned = eta.planned_batch_seconds(json.loads((tmp_path / "out.forecast.json").read_text()))
     prompts = [generation.Prompt(i, [1] * 50, 8) for i in range(14)]
     seconds = planned([prompts[start:start + 4] for start in range(0, 14, 4)])
     whole = stream_forecast.simulate_stream([50] * 14, prompts_per_call=4, max_new_tokens=8, timings=stream_timings(),
@@ -726,7 +726,7 @@ def test_without_a_forecast_a_batch_costs_its_rows_times_its_longest_prompt_and_
     # than one of the same prompts allowed 10: its decode runs longer.
     first = [generation.Prompt(0, [1] * 50, 10), generation.Prompt(1, [1] * 40, 10)]
     second = [generation.Prompt(2, [1] * 30, 100)]
-    assert eta.positions_cost([first, second]) == [2 * (50 + 10), 1 * (30 + 100)]
+    assert progress.positions_cost([first, second]) == [2 * (50 + 10), 1 * (30 + 100)]
 
 
 def test_a_pilot_of_one_length_prices_its_prefill_per_token_and_its_steps_as_fixed():
@@ -788,3 +788,23 @@ def test_a_streams_step_is_described_by_its_sequences_queries_keys_and_mask():
     (work,) = stream_forecast.step_work((), kwargs)
     assert work == stream_forecast.StepWork(steps=1, tokens=7, sequences=3, prefill_pairs=5 * 5, decode_keys=10 + 20,
                                             mask_pairs=7 * 35)
+
+
+def test_the_eta_plan_left_beside_the_output_prices_the_jobs_batches_as_the_forecasts_model_does(tmp_path):
+    """The forecast leaves its ETA plan as plain data (seconds per prompt, by prompt length); the
+    job, reading it with generation's own code, plans each of the batches the forecast priced at the
+    model's seconds, and a prompt length the forecast never saw at its nearest one's."""
+    known = timings()
+    made = {"mode": "generate", "timings": known.to_dict(), "pilot": {"output_lengths": [[60, [6, 3]], [20, [2]]]}}
+    prompts = [generation.Prompt(i, [1] * length, 8) for i, length in enumerate([60, 58, 57, 40, 39, 38, 20])]
+    batches = [prompts[0:3], prompts[3:6], prompts[6:]]  # the engine's: longest first, cut every 3
+    model_seconds = eta.planned_batch_seconds(made)(batches)
+    (tmp_path / "out.forecast.json").write_text(json.dumps({**made, "eta_plan": eta.eta_plan(batches, model_seconds)}))
+    planned = progress.planned_by_prompt(recorded_forecast.eta_plan(recorded_forecast.generation_file(tmp_path / "out.jsonl")))
+    assert planned(batches) == pytest.approx(model_seconds)
+    assert model_seconds[0] > model_seconds[1] > model_seconds[2]  # the longest prompts first, the dearest
+    unseen = [generation.Prompt(9, [1] * 59, 8)]  # nearest priced length: 58 (the first batch's)
+    assert planned([unseen]) == pytest.approx([model_seconds[0] / 3])
+    # Without a plan (an older forecast, or none) the job plans by positions.
+    (tmp_path / "old.forecast.json").write_text(json.dumps(made))
+    assert recorded_forecast.eta_plan(tmp_path / "old.forecast.json") is None

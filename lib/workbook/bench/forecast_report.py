@@ -4,7 +4,7 @@ forecast's projection to every profile beside seed 000's claims."""
 
 from __future__ import annotations
 
-from workbook.planner.forecast_command import units_seconds
+from workbook.forecast.command import units_seconds
 
 
 def markdown(result: dict) -> str:

@@ -3,17 +3,23 @@ reads it back (``<output>.forecast.json``; training: ``<train_output_dir>/foreca
 
 from __future__ import annotations
 
-from pathlib import Path
+import contextlib
+import json
+import sys
 
-from workbook import params as params_module
-from workbook.planner import forecast
-from workbook.planner.pilot import forecast_generation, forecast_training
+from workbook import jsonl, notebook, params as params_module, recorded_forecast, runner
+from workbook.forecast import model as forecast
+from workbook.forecast.pilot import forecast_generation, forecast_training
+from workbook.generation.engine import GenerationError
+from workbook.generation.files import OUTPUT_FILE_NAME
+from workbook.planner import network
+from workbook.planner.fit import lines_for_unfit_run
+from workbook.planner.plans import DoesNotFitError
+from workbook.training.config import TrainError
 
 
 def forecast_lines(result: forecast.Forecast) -> list[str]:
     """The forecast in words and a table, for the terminal."""
-    from workbook import notebook
-    from workbook.planner import network
     low, high = result.predicted_wall_seconds_range
     nodes = result.network.get("num_nodes", 1)
     where = "here" if nodes == 1 else f"on {nodes} nodes like this one"
@@ -43,14 +49,6 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     """`workbook forecast`: pilot, forecast, print; the forecast is also written beside the job's
     output (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``) so the
     run records the forecast it started with."""
-    import contextlib
-    import json
-    import sys
-    from workbook import jsonl, runner
-    from workbook.generation.engine import GenerationError
-    from workbook.planner.fit import lines_for_unfit_run
-    from workbook.planner.plans import DoesNotFitError
-    from workbook.training.config import TrainError
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -83,8 +81,6 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
 
 def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock):
     """The forecast, and the file it is recorded in for the run to read back."""
-    from workbook import notebook, runner
-    from workbook.generation.files import OUTPUT_FILE_NAME
     if mode == "generate":
         job = None
         if not params["output_path"]:
@@ -101,10 +97,9 @@ def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, sa
             runner.finish_job(job, 2, error)
             raise
         runner.finish_job(job, 1, f"the forecast's pilot only; the job resumes after it: {resume}")
-        record = Path(params["output_path"]).with_suffix(forecast.FORECAST_SUFFIX)
+        record = recorded_forecast.generation_file(params["output_path"])
         say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: {resume}")
     else:
         result = forecast_training(params, share=share, seconds=seconds, log=say, clock=clock)
-        record = (Path(params["train_output_dir"]) / "forecast.json" if params["train_output_dir"]
-                  else notebook.new_run_dir(params["profile"]) / "forecast.json")
+        record = recorded_forecast.training_file(params["train_output_dir"] or notebook.new_run_dir(params["profile"]))
     return result, record

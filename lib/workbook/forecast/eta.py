@@ -1,108 +1,49 @@
-"""The job's ETA: the planned seconds of the batches still to run, scaled by how its recent
-batches compare with their plan (``remaining_seconds``), planned by the forecast's own model when `workbook
-forecast` wrote one beside the output (``planned_batch_seconds``: a static job's batches, a stream's
-groups of ``batch_size`` completions), by the positions each batch computes when not; and, after a
-run, how right its ETA was (``eta_errors``)::
+"""The forecast's plan for its job's ETA: the seconds its model gives each batch of the job still to
+run (``planned_batch_seconds``: a static job's batches, a stream's groups of ``batch_size``
+completions), shared out over each batch's prompts and kept by prompt length (``eta_plan``), plain
+data the job reads back beside its output (``generation.progress.planned_by_prompt``)::
 
-    plan = planned_batch_seconds(output.with_suffix(FORECAST_SUFFIX)) or positions_cost
-    remaining_seconds(plan(batches), finished_at_seconds=[14.2, 26.0, 41.0])
+    planned = planned_batch_seconds(forecast_dict)
+    plan = eta_plan(batches, planned(batches))     # recorded as the forecast's "eta_plan"
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
+import collections
+import statistics
 
-from workbook.planner import forecast, stream_forecast
-
-PACE_BATCHES = 3  # the fewest recent batches an ETA's pace is taken over
+from workbook.forecast import model, stream
 
 
-def planned_batch_seconds(forecast_file: Path):
-    """A function giving each batch's seconds (batches in run order) by the model of the forecast in
-    ``forecast_file`` (what `workbook forecast` wrote beside the output), for the job's ETA; None
-    without one. A stream's (continuous) batches are its groups of ``batch_size`` completions."""
-    if not forecast_file.is_file():
-        return None
-    made = json.loads(forecast_file.read_text())
-    if made.get("mode") != "generate":
-        return None
-    outputs = forecast.OutputLengths([(length, lengths) for length, lengths in made["pilot"]["output_lengths"]])
+def planned_batch_seconds(made: dict):
+    """A function giving each batch's seconds (batches in run order) by the model of a generation
+    forecast (``made``: its recorded dict, or ``Forecast.to_dict()``). A stream's (continuous)
+    batches are its groups of ``batch_size`` completions."""
+    outputs = model.OutputLengths([(length, lengths) for length, lengths in made["pilot"]["output_lengths"]])
     if "step_seconds" in made["timings"]:
-        timings = stream_forecast.StreamTimings(**made["timings"])
-        return lambda batches: stream_forecast.group_seconds(
+        timings = stream.StreamTimings(**made["timings"])
+        return lambda batches: stream.group_seconds(
             [len(p.token_ids) for batch in batches for p in batch], group=len(batches[0]) if batches else 1,
             max_new_tokens=max((p.max_new_tokens for batch in batches for p in batch), default=1),
             timings=timings, outputs=outputs)
-    timings = forecast.GenerationTimings(**made["timings"])
+    timings = model.GenerationTimings(**made["timings"])
 
     def planned(batch) -> float:
         longest = max(len(p.token_ids) for p in batch)
-        steps = forecast.expected_longest(outputs.nearest(longest), len(batch), max(p.max_new_tokens for p in batch))
-        return sum(forecast.batch_seconds(len(batch), longest, steps, timings))
+        steps = model.expected_longest(outputs.nearest(longest), len(batch), max(p.max_new_tokens for p in batch))
+        return sum(model.batch_seconds(len(batch), longest, steps, timings))
     return lambda batches: [planned(batch) for batch in batches]
 
 
-def positions_cost(batches) -> list[float]:
-    """Each batch's planned cost without a pilot: the positions it computes (rows x (longest prompt +
-    its new-token limit)); relative units are enough, since ``remaining_seconds`` scales by pace."""
-    return [len(batch) * (max(len(p.token_ids) for p in batch) + max(p.max_new_tokens for p in batch))
-            for batch in batches]
-
-
-def remaining_seconds(batch_seconds_planned: list[float], finished_at_seconds: list[float]) -> float:
-    """ETA of a running job: the planned seconds of the batches still to run, scaled by how its
-    recent batches compare with their plan. ``finished_at_seconds``: when each batch done so far
-    finished, in seconds since the job's first batch began. Counting examples left is wrong early:
-    the first batches hold the longest prompts, so a per-example rate from them overstates what is
-    left. The pace is that of the last quarter of the batches done (at least ``PACE_BATCHES``), not
-    of all: prompts shorten as the run goes, so the batches just done are the likest to those left,
-    where a plan's error in how cost grows with length shows, and a first batch's one-off costs
-    (warm-up, compilation) drop out (measured on CPU over 11 runs: mean |error| 11% with the pace of
-    every batch done, 8% with the recent quarter's)."""
-    done = len(finished_at_seconds)
-    if not done:
-        return sum(batch_seconds_planned)
-    first = done - min(done, max(PACE_BATCHES, done // 4))
-    began = finished_at_seconds[first - 1] if first else 0.0
-    planned = sum(batch_seconds_planned[first:done])
-    pace = (finished_at_seconds[-1] - began) / planned if planned > 0 else 1.0
-    return pace * sum(batch_seconds_planned[done:])
-
-
-ETA_CHECKPOINTS = (0.1, 0.25, 0.5, 0.75)  # shares of a run's batches at which its ETA is checked
-
-
-def eta_errors(batch_list: list[dict]) -> list[dict]:
-    """How right a finished run's ETA was: at each share of its batches (rank 0's, as they
-    finished), the ETA it showed (``remaining_seconds`` over the batches' ``planned``) against the
-    time it really had left until its last batch. Empty without a plan."""
-    own = [batch for batch in batch_list if batch.get("rank", 0) == 0]
-    if len(own) < 2 or any(batch.get("planned") is None for batch in own):
-        return []
-    plan, end, rows = [batch["planned"] for batch in own], own[-1]["finished_at_seconds"], []
-    for share in ETA_CHECKPOINTS:
-        done = max(1, int(share * len(own)))
-        at = own[done - 1]["finished_at_seconds"]
-        if done < len(own) and end > at:
-            eta = remaining_seconds(plan, [batch["finished_at_seconds"] for batch in own[:done]])
-            rows.append({"share_of_batches": share, "after_batches": done, "eta_seconds": round(eta, 3),
-                         "left_seconds": round(end - at, 3), "error": round((eta - (end - at)) / (end - at), 4)})
-    return rows
-
-
-def eta_rows(root: Path) -> list[dict]:
-    """Every generation run under ``root`` whose batches kept their plan: its ETA's error against
-    the time it really had left, at each checkpoint (notebook 05)."""
-    rows = []
-    for path in sorted(root.rglob("*.summary.json")):
-        try:
-            batches = json.loads(path.read_text()).get("batch_list") or []
-        except (OSError, ValueError):
-            continue
-        checks = eta_errors(batches)
-        if checks:
-            rows.append({"run": str(path.relative_to(root)), **{
-                f"ETA error after {check['share_of_batches']:.0%} of the batches": f"{check['error']:+.0%} "
-                f"({check['eta_seconds']:.1f} s said, {check['left_seconds']:.1f} s left)" for check in checks}})
-    return rows
+def eta_plan(batches: list[list], seconds: list[float]) -> dict:
+    """The job's ETA plan as plain data: each batch's planned ``seconds`` shared equally over its
+    prompts, the mean per prompt length. A batch of the job then costs the sum of its prompts' shares,
+    which is the model's own batch seconds for the batches planned here (the job run next, in one
+    process) and a batch's worth of similar prompts when the job splits them otherwise (several
+    processes, a resume after a kill)."""
+    shares: dict[int, list[float]] = collections.defaultdict(list)
+    for batch, planned in zip(batches, seconds):
+        for prompt in batch:
+            shares[len(prompt.token_ids)].append(planned / len(batch))
+    return {"seconds_per_prompt_by_tokens": [[tokens, statistics.fmean(each)] for tokens, each in sorted(shares.items())],
+            "prompts": sum(len(batch) for batch in batches), "batches": len(batches)}

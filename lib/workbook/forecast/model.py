@@ -6,7 +6,7 @@ into batches of the job's size; a static batch decodes until its longest output 
 range, and projects the phases to the other profiles by the hardware ratio that governs each:
 memory bandwidth for decode, compute for prefill and training steps::
 
-    timings = GenerationTimings(...)            # from pilot.measure_generation
+    timings = GenerationTimings(...)            # from pilot.fit_generation
     result = simulate_generation(prompt_lengths, batch_size=32, timings=timings)
     result.seconds, result.batch_seconds        # the whole job; each batch, in run order
 """
@@ -21,12 +21,12 @@ from pathlib import Path
 
 from workbook import gpu
 from workbook.paths import REFERENCE_DIR, REPO_ROOT
+from workbook.recorded_forecast import FORECAST_SUFFIX, TRAINING_FILE_NAME
 
 SECONDS_PER_HOUR = 3600.0
 BOOTSTRAP_DRAWS = 200  # resamples of the pilot's output lengths behind the range
 BOOTSTRAP_PROMPTS = 2_000_000  # prompts simulated over all the draws (at least 20): seconds for a large job
 MINIMUM_SPREAD = 0.03  # the range is never narrower than +-3%: run-to-run noise of a shared machine
-FORECAST_SUFFIX = ".forecast.json"  # beside a generation output: the forecast its job started with
 
 
 @dataclass
@@ -153,7 +153,7 @@ def generation_range(prompt_lengths: list[int], *, prompts_per_call: int, max_ne
     lengths (how long outputs run is the least known part), widened by the timing fit's
     relative error on the pilot's own batches and never narrower than MINIMUM_SPREAD.
     ``simulate``: the job's simulation (default ``simulate_generation``, static batches; a stream's
-    is ``stream_forecast.simulate_stream``)."""
+    is ``stream.simulate_stream``)."""
     simulate = simulate or simulate_generation
     rng = random.Random(seed)
     job = dict(prompts_per_call=prompts_per_call, max_new_tokens=max_new_tokens, timings=timings, processes=processes)
@@ -170,30 +170,10 @@ def widened(low: float, high: float, spread: float) -> tuple[float, float]:
     return low / (1 + spread), high * (1 + spread)
 
 
-def forecast_beside_measured(forecast_file: Path, measured_seconds: float | None, what: str,
-                             after_pilot: bool = False) -> dict | None:
-    """What a run records in its summary: the forecast it started with (the file `workbook forecast`
-    wrote for it, if any) beside its measured wall time and the error; None without a forecast.
-    ``after_pilot``: the run resumed after the pilot's outputs, so it is compared with the time the
-    forecast left for it (``remaining_wall_seconds``), not the whole job's."""
-    if not forecast_file.is_file():
-        return None
-    made = json.loads(forecast_file.read_text())
-    predicted = made["remaining_wall_seconds"] if after_pilot else made["predicted_wall_seconds"]
-    scale = predicted / made["predicted_wall_seconds"] if made["predicted_wall_seconds"] else 1.0
-    return {"file": str(forecast_file), "compared_with": "remaining after the pilot" if after_pilot else "whole job",
-            "predicted_wall_seconds": predicted,
-            "predicted_wall_seconds_range": [bound * scale for bound in made["predicted_wall_seconds_range"]],
-            "pilot_share": made["pilot"].get("share_of_job_batches", made["pilot"].get("share_of_job_steps")),
-            "measured_wall_seconds": None if measured_seconds is None else round(measured_seconds, 3),
-            "measured": what,
-            "error": None if not measured_seconds else round((predicted - measured_seconds) / measured_seconds, 4)}
-
-
 def forecast_files(root: Path) -> list[Path]:
     """Every forecast `workbook forecast` wrote under ``root`` (beside outputs, in training folders),
     newest first."""
-    found = list(root.rglob(f"*{FORECAST_SUFFIX}")) + list(root.rglob("forecast.json"))
+    found = list(root.rglob(f"*{FORECAST_SUFFIX}")) + list(root.rglob(TRAINING_FILE_NAME))
     return sorted((path for path in found if path.is_file()), key=lambda path: path.stat().st_mtime, reverse=True)
 
 
@@ -211,8 +191,6 @@ def forecast_points(root: Path) -> list[dict]:
                            "measured_seconds": recorded["measured_wall_seconds"],
                            "kind": "training" if path.name == "training_metrics.json" else "generation"})
     return points
-
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -394,6 +372,8 @@ class Forecast:
     notes: list[str] = field(default_factory=list)
     clock: str = "wall"  # seconds of: 'wall' (what a user waits for) or 'cpu' (this process's CPU time)
     network: dict = field(default_factory=dict)  # what crosses the network over num_nodes (planner.network)
+    # The job's ETA plan, read back by the job (``eta.eta_plan``); generation only, empty for training.
+    eta_plan: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return round_floats(asdict(self))

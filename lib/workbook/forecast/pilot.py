@@ -26,11 +26,22 @@ from typing import Callable
 
 import torch
 
-from workbook import ceilings, job_keys, models, params as params_module, runtime
+from workbook import ceilings, decoding, job_keys, params as params_module, runtime
+from workbook.forecast import eta, model as forecast, regression, startup, stream as stream_forecast
+from workbook.forecast.forward_timer import ForwardTimer
+from workbook.forecast.model import GenerationTimings, OutputLengths, Phases, Peaks
+from workbook.generation import job
+from workbook.generation.engine import in_batches, sort_longest_first
+from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
+from workbook.generation.inputs import read_inputs
 from workbook.paths import OUTPUTS_DIR
-from workbook.planner import forecast, regression, startup, stream_forecast
-from workbook.planner.forward_timer import ForwardTimer
-from workbook.planner.forecast import GenerationTimings, OutputLengths, Phases, Peaks
+from workbook.planner import profile
+from workbook.planner.formulas import kv_cache_bytes_per_token
+from workbook.training import config as training_config
+from workbook.training.loop import EVAL_POINTS
+from workbook.training.prepare import prepare_data
+from workbook.training.processes import launch
+from workbook.training.run_plan import plan_run
 
 PARAMS_USED = job_keys.FORECAST
 DEFAULT_SHARE = 0.1  # the pilot runs at most this share of the job's batches (training: steps), at least one
@@ -142,10 +153,6 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     """Forecast a generation job from a pilot of its own batches on this machine. The pilot's
     outputs go into the job's output (``params['output_path']``, which must be set): the job's
     resume skips them. ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests)."""
-    from workbook.generation import job
-    from workbook.generation.engine import in_batches, sort_longest_first
-    from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
-    from workbook.generation.inputs import read_inputs
 
     entered = startup.seconds_so_far(clock)
     job.require_keys(params)
@@ -155,7 +162,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         inputs = read_inputs(params, files, record_skipped=False)
         share_ = job.prepare_share(params, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
         model, backend, samples = share_.model, share_.backend, params["samples_per_prompt"]
-        context = models.context_length(model)
+        context = decoding.context_length(model)
         # The whole job as a fresh run: every candidate whose prompt leaves room to generate.
         every = [len(share_.token_ids[i]) for i in range(len(share_.examples)) for _ in range(samples)
                  if not context or len(share_.token_ids[i]) < context]
@@ -197,10 +204,11 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     whole = simulate_job(every, **simulate)
     low, high = forecast.generation_range(every, fit_error=fit_error, simulate=simulate_job, **simulate)
     piloted = {(p.index, p.sample) for i in chosen[:piloted_batches] for p in pending[i]}
-    left = [len(p.token_ids) for p in share_.prompts if (p.index, p.sample) not in piloted]
+    left_prompts = [p for p in share_.prompts if (p.index, p.sample) not in piloted]
+    left = [len(p.token_ids) for p in left_prompts]
     remaining = simulate_job(left, **simulate).seconds if left else 0.0
     phases = generation_phases(model, params["dtype"], whole)
-    return _assemble("generate", params, whole.seconds, (low, high), remaining, phases, timings.to_dict(), rank.device, {
+    made = _assemble("generate", params, whole.seconds, (low, high), remaining, phases, timings.to_dict(), rank.device, {
         "batches": piloted_batches, "prompts": rows, "seconds": pilot_seconds, "timed": timed_how,
         "share_of_job_batches": piloted_batches / max(len(forecast.batch_plan(every, backend.prompts_per_call)), 1),
         "batch_indices": chosen[:piloted_batches], "written_to": str(files.output),
@@ -211,13 +219,17 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
             "min": min(every), "median": statistics.median(every), "max": max(every)},
         "max_new_tokens": params["max_new_tokens"], "processes": processes,
         "batch_seconds_planned": whole.batch_seconds}, clock)
+    # The job run next plans its ETA by this model: its batches (as the engine cuts what is left) priced here.
+    left_batches = in_batches(sort_longest_first(left_prompts), backend.prompts_per_call)
+    made.eta_plan = (eta.eta_plan(left_batches, eta.planned_batch_seconds(made.to_dict())(left_batches))
+                     if left_batches else {})
+    return made
 
 
 def run_pilot(params, share_, files, rank, batches: list[list], seconds: float | None, log,
               clock: Callable[[], float] = time.perf_counter) -> list[Call]:
     """Generate ``batches`` through the job's own writer, timing each call; stops early once the
     pilot has run ``seconds`` (after at least one batch)."""
-    from workbook.generation import job
     timer = ForwardTimer(share_.model, rank.device, clock)
     backend, calls, began = share_.backend, [], time.perf_counter()
     original = backend.generate
@@ -252,7 +264,6 @@ def generation_phases(model, dtype: str, whole: forecast.GenerationSimulation) -
     """The simulated job by what bounds each part: decode steps read every weight once and each row's
     KV cache (at an 8B model's planned batch on an 80 GB GPU the cache read outweighs the weights), the
     prefill costs 2 FLOPs per multiplied weight per token."""
-    from workbook.planner.formulas import kv_cache_bytes_per_token
     # An untied input embedding is gathered a row per token, not streamed or multiplied (as the bench counts).
     embedding, head = model.get_input_embeddings().weight, model.get_output_embeddings()
     gathered = 0 if head is not None and head.weight is embedding else embedding.numel()
@@ -271,7 +282,6 @@ def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings
     profiles[params["profile"]] = params  # this run's settings (--set) for its own row
     rows = forecast.profile_rows(phases, params, here, profiles, wall, mode,
                                  processes_here=job_facts.get("processes", 1), num_nodes=params["num_nodes"])
-    from workbook.planner import profile  # the planner says what crosses the network over num_nodes
     network = profile.plan(params, mode=mode).network
     notes = [f"not in the time: the network ({network['explanation']}); the profiles state no network bandwidth"
              ] if params["num_nodes"] > 1 and network["network_bytes_per_node_per_step"] else []
@@ -296,12 +306,6 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     """Forecast a training run from its first steps at the planned micro-batch (a scratch folder:
     the pilot's steps are not reused by the run). The loop times its steps on the wall clock; with
     ``clock='cpu'`` every time is converted by the pilot's CPU/wall ratio."""
-    from workbook.training import config as training_config
-    from workbook.training.loop import EVAL_POINTS
-    from workbook.training.prepare import prepare_data
-    from workbook.training.processes import launch
-    from workbook.training.run_plan import plan_run
-
     entered = startup.seconds_so_far(clock)
     with tempfile.TemporaryDirectory(prefix="forecast-") as scratch:
         config = training_config.config_from_params(params, scratch)

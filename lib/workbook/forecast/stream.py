@@ -23,9 +23,10 @@ import time
 from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
-from workbook.planner import forecast, regression
-from workbook.planner.forecast import GenerationSimulation, OutputLengths
-from workbook.planner.forward_timer import ForwardTimer
+from workbook.forecast import model, regression
+from workbook.forecast.forward_timer import ForwardTimer
+from workbook.forecast.model import GenerationSimulation, OutputLengths
+from workbook.generation import job
 from workbook.planner.paged import paged_layout
 
 
@@ -157,7 +158,7 @@ def queue_outputs(prompt_lengths: list[int], prompts_per_call: int, max_new_toke
     """(prompt, output) lengths of every request in queue order (longest prompt first): each group
     of ``prompts_per_call`` takes, in turn, the lengths the pilot saw nearest its longest prompt."""
     requests = []
-    for batch in forecast.batch_plan(prompt_lengths, prompts_per_call):
+    for batch in model.batch_plan(prompt_lengths, prompts_per_call):
         seen = outputs.nearest(batch[0])
         requests += [(length, min(seen[i % len(seen)], max_new_tokens)) for i, length in enumerate(batch)]
     return requests
@@ -275,7 +276,6 @@ def run_stream_pilot(params, share_, files, rank, batches: list[list], log, cloc
                      ) -> StreamPilot:
     """The chosen batches' prompts as one stream through the job's writer into the job's output,
     every model step timed."""
-    from workbook.generation import job
     backend = share_.backend
     prompts = [prompt for batch in batches for prompt in batch]
     finished: dict[tuple[int, int], int] = {}

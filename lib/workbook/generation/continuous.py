@@ -33,7 +33,7 @@ from workbook.generation.engine import (
     MAX_CONSECUTIVE_ERRORS, BackendOutput, BatchStats, DecodingSettings, GenerationError, Outcome, PartialFailure,
     Prompt, _error_text, finish, sort_longest_first,
 )
-from workbook.planner.eta import remaining_seconds
+from workbook.generation.progress import remaining_seconds
 from workbook.planner.paged import PAGE_SIZE, PagedLayout, paged_layout
 
 FSYNC_EVERY_LINES = 64  # the job's appenders fsync this often (lines) ...
@@ -74,7 +74,7 @@ class ContinuousBackend:
         """Generate every prompt; ``write`` receives each finished request's Outcome at once (it may
         move the completion to ``failed``, as in ``engine.run_batches``). One BatchStats per
         ``batch_size`` finished requests (``token_slots`` None: no padded positions). The ETA is
-        ``planner.eta.remaining_seconds`` over ``planned_batch_seconds`` (the planned seconds of
+        ``progress.remaining_seconds`` over ``planned_batch_seconds`` (the planned seconds of
         each ``batch_size`` prompts in queue order, as ``engine.run_batches`` plans them)."""
         queue = collections.deque(sort_longest_first(prompts) if sort_by_length else prompts)
         prompt_tokens = max((len(p.token_ids) for p in prompts), default=1)

@@ -15,6 +15,8 @@ from typing import Callable
 
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
+from workbook.generation.progress import positions_cost, remaining_seconds
+
 FINISH_EOS, FINISH_LENGTH = "eos", "length"
 # Single examples failing in a row with errors other than out-of-memory: a broken setup, stop.
 MAX_CONSECUTIVE_ERRORS = 3
@@ -206,13 +208,12 @@ def run_batches(backend, prompts: list[Prompt], *, write: Callable[[Outcome], No
 
     ``progress`` is a tqdm bar (or None); a log line every ``log_every_batches`` batches (0: none).
     ``sort_by_length=False`` keeps input order (the benchmark's comparison). The ETA is the
-    forecast's (``planner.eta.remaining_seconds``) over ``planned_seconds(batches)``, each
-    batch's planned seconds (default: ``planner.eta.positions_cost``), not examples left times
+    progress's (``progress.remaining_seconds``) over ``planned_seconds(batches)``, each
+    batch's planned seconds (default: ``progress.positions_cost``), not examples left times
     seconds per example: the first batches hold the longest prompts. A streaming backend
     (``continuous``: one manager for every prompt) runs the whole list itself, writing each prompt as
     it finishes; its ETA counts each ``prompts_per_call`` finished prompts as one batch.
     """
-    from workbook.planner.eta import positions_cost, remaining_seconds
     ordered = sort_longest_first(prompts) if sort_by_length else list(prompts)
     size = backend.prompts_per_call
     batches = in_batches(ordered, size)

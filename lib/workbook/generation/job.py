@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbook import job_keys, jsonl, models, prompt_format, runtime
+from workbook import job_keys, jsonl, models, prompt_format, recorded_forecast, runtime
 from workbook.generation import nodes, records, tensor_parallel, verify
 from workbook.generation.backends import make_backend, resolve_backend
 from workbook.generation.engine import (
@@ -30,7 +30,8 @@ from workbook.generation.files import OutputFiles, lock_output, merge_and_audit,
 from workbook.generation.inputs import (
     Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_text,
 )
-from workbook.planner import eta, forecast, profile
+from workbook.generation.progress import planned_by_prompt
+from workbook.planner import profile
 
 PARAMS_USED = job_keys.GENERATE
 
@@ -281,8 +282,8 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
 
             return run_batches(share.backend, share.prompts, write=write, sort_by_length=sort_by_length,
                                progress=bar, log=log, log_every_batches=params["log_every_batches"],
-                               rank=rank.index, planned_seconds=eta.planned_batch_seconds(
-                                   files.output.with_suffix(forecast.FORECAST_SUFFIX)))
+                               rank=rank.index, planned_seconds=planned_by_prompt(
+                                   recorded_forecast.eta_plan(recorded_forecast.generation_file(files.output))))
     except OSError as error:  # from the appenders, which name the file: a full disk, or one gone read-only
         raise GenerationError(_write_failed_text(error, files, len(examples))) from None
     finally:
@@ -350,8 +351,8 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
                        generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
         if verifier is not None and summary["in_output"]:
             summary["verification"] = _verify(files, params, verifier, log)
-        summary["forecast"] = forecast.forecast_beside_measured(  # the forecast this run started with, if any
-            files.output.with_suffix(forecast.FORECAST_SUFFIX), runtime.process_age_seconds(),
+        summary["forecast"] = recorded_forecast.beside_measured(  # the forecast this run started with, if any
+            recorded_forecast.generation_file(files.output), runtime.process_age_seconds(),
             "this process's start to its summary (start-up included, as forecast)", after_pilot=bool(inputs.done))
         write_summary(files, summary, log=log)
         return summary
