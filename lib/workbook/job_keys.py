@@ -8,7 +8,7 @@ GENERATE = (
     "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path", "prompt_field", "output_path",
     "backend", "do_sample", "temperature", "top_p", "seed", "max_examples", "on_bad_line", "on_long_prompt",
     "use_chat_template", "log_every_batches", "data_parallel_processes", "verifier", "max_accepted_per_prompt",
-    "system_prompt", "samples_per_prompt", "tensor_parallel_size",
+    "system_prompt", "samples_per_prompt", "tensor_parallel_size", "peer_timeout_seconds",
 )
 
 # workbook train (notebook 03)
@@ -20,7 +20,7 @@ TRAIN = (
     "base_batch", "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer",
     "tf32", "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor",
     "save_every_steps", "train_output_dir", "train_processes", "loss_chunk_tokens", "report_to", "precision",
-    "eval_prompts_path", "offload_activations",
+    "eval_prompts_path", "offload_activations", "peer_timeout_seconds",
     "output_path",  # where notebook 02 wrote its outputs: the default training data
     "verifier",  # set: notebook 02 verified its outputs, and the accepted ones are the default training data
 )

@@ -15,7 +15,7 @@ from typing import Callable
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from workbook import runtime
+from workbook import launcher_watch, process_group, runtime
 from workbook.planner import profile
 from workbook.generation import job, tensor_parallel
 from workbook.generation.engine import GenerationError
@@ -24,7 +24,9 @@ from workbook.generation.files import OutputFiles, lock_output, resolve_output_p
 
 @record  # a failing process's traceback reaches the launcher's error instead of "see the logs"
 def _process_entry(params: dict, output_path: str) -> None:
-    job.run_job(params, output_path, lock_held_by_parent=True)
+    launcher_watch.end_with_launcher()  # forked: the watch this process's import started is not in it
+    with process_group.peers_named(GenerationError, params["peer_timeout_seconds"]):
+        job.run_job(params, output_path, lock_held_by_parent=True)
 
 
 def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path | None = None,
@@ -74,6 +76,9 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
     if runtime.inside_launcher() and runtime.launched_processes() != processes:
         log(f"note: running as {runtime.launched_processes()} processes (the launcher's count), not "
             f"data_parallel_processes={processes}")
+    if runtime.launched_processes() > 1:  # a peer that is gone or silent is named, after peer_timeout_seconds at most
+        with process_group.peers_named(GenerationError, params["peer_timeout_seconds"]):
+            return job.run_job(params, output_path, log=log)
     return job.run_job(params, output_path, log=log)
 
 

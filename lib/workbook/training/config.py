@@ -11,7 +11,7 @@ from pathlib import Path
 
 from workbook import arithmetic, job_keys
 from workbook.generation.files import OutputFiles, resolve_input_path, resolve_output_path
-from workbook.params import AUTO
+from workbook.params import AUTO, SCHEMA
 from workbook.planner.profile import Budget
 
 PARAMS_USED = job_keys.TRAIN
@@ -76,6 +76,7 @@ class TrainConfig:
     offload_activations: bool = False  # saved activations to host memory in forward, back in backward (offload)
     report_to: str = "none"  # none | tensorboard | wandb: per-step metrics through accelerate's trackers (tracking)
     processes: int = 1
+    peer_timeout_seconds: float = SCHEMA["peer_timeout_seconds"].default  # a process waits this long for the others at an exchange (process_group)
     profile: str = "cpu"
     peak_bf16_tflops: float = 0.0
     peak_fp16_tflops: float = 0.0
@@ -83,6 +84,8 @@ class TrainConfig:
     budget: Budget = field(default_factory=Budget)  # the memory the planner plans against (default: this machine's RAM)
     seed: int = SEED
     stop_after_steps: int | None = None  # end this invocation early, as if interrupted (resume tests, spot machines)
+    # Run only these steps of the plan (ascending), each with the rows the run gives it: the forecast's pilot.
+    run_only_steps: tuple[int, ...] = ()
     synthetic_examples: int = 512  # preset models only: random sequences of max_seq_length tokens
 
 
@@ -124,6 +127,7 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
         attn_implementation=params["attn_implementation"], dataloader_workers=params["dataloader_workers"],
         pin_memory=params["pin_memory"], prefetch_factor=params["prefetch_factor"],
         save_every_steps=params["save_every_steps"], processes=params["train_processes"],
+        peer_timeout_seconds=params["peer_timeout_seconds"],
         loss_chunk_tokens=params["loss_chunk_tokens"], report_to=params["report_to"],
         precision=params["precision"], offload_activations=params["offload_activations"],
         profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],

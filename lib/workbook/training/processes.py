@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from workbook import runtime
+from workbook import launcher_watch, process_group, runtime
 from workbook.training.config import RESULT_FILE, TrainConfig, TrainError
 from workbook.training.loop import train
 from workbook.training.prepare import PreparedData
@@ -27,6 +27,9 @@ def launch(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
     warning = runtime.missing_gpu_warning(config.profile, config.budget.gpu_count)
     if warning and not runtime.inside_launcher():
         print(warning, file=sys.stderr, flush=True)
+    if runtime.launched_processes() > 1:  # a peer that is gone or silent is named, after peer_timeout_seconds at most
+        with process_group.peers_named(TrainError, config.peer_timeout_seconds):
+            return train(config, prepared)
     if config.processes == 1 or runtime.inside_launcher():
         return train(config, prepared)
     from accelerate import notebook_launcher
@@ -37,8 +40,15 @@ def launch(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
     result_path = Path(config.output_dir) / RESULT_FILE
     result_path.unlink(missing_ok=True)
     port = os.environ.get("MASTER_PORT") or str(runtime.free_port())
-    notebook_launcher(train, args=(config, prepared), num_processes=config.processes, use_port=port)
+    notebook_launcher(_process_entry, args=(config, prepared), num_processes=config.processes, use_port=port)
     if not result_path.is_file():
         raise TrainError(f"the {config.processes} training processes ended without writing {result_path}; "
                          "see their output above")
     return json.loads(result_path.read_text())
+
+
+def _process_entry(config: TrainConfig, prepared: PreparedData | None) -> dict:
+    """One forked training process: it ends with this one (a fork has no watch of its own yet)."""
+    launcher_watch.end_with_launcher()
+    with process_group.peers_named(TrainError, config.peer_timeout_seconds):
+        return train(config, prepared)
