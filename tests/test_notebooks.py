@@ -33,7 +33,40 @@ def test_start_rejects_a_parameter_papermill_injected_with_a_typo(tmp_path):
         notebook.start(namespace, "00_test")
     del namespace["In"]
     session = notebook.start(namespace, "00_test")
-    assert session.run_dir == tmp_path and session.params == {"profile": "cpu", "dtype": "fp32"}
+    # Nothing injected (a notebook opened in JupyterLab): the profile its cell names, whole.
+    assert session.run_dir == tmp_path and session.params == params.load(PARAMS_DIR / "cpu.yaml")
+
+
+def parameters_cell_namespace(path, injected: dict) -> dict:
+    """A notebook's namespace as papermill leaves it: its parameters cell run, then the cell papermill
+    injects (its `# Parameters` header and literals, as papermill writes them) run over it."""
+    from papermill.translators import PythonTranslator
+    cell = nbformat.read(path, as_version=4).cells[1].source
+    injected_cell = "# Parameters\n" + PythonTranslator.codify(injected)
+    namespace = {"In": ["", cell, injected_cell]}
+    exec(cell, namespace)
+    exec(injected_cell, namespace)
+    return namespace
+
+
+@pytest.mark.parametrize("profile", ["cpu", "h100", "h100x8", "v100"])
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if "05_" not in p.name], ids=lambda p: p.stem)
+def test_plain_papermill_with_a_profile_runs_with_what_workbook_run_gives_the_notebook(path, profile, tmp_path):
+    # `papermill nb.ipynb out.ipynb -f params/<profile>.yaml` injects only what the file states; the
+    # runner injects every key the notebook declares, resolved. Both must build the same params.
+    import papermill
+    import yaml
+    file_values = yaml.safe_load((PARAMS_DIR / f"{profile}.yaml").read_text())
+    by_papermill = notebook.notebook_params(parameters_cell_namespace(path, file_values), list(file_values), "t")
+    resolved, _, _ = runner.resolve_params(profile, [])
+    given = runner.notebook_parameters(path, resolved, tmp_path)
+    by_runner = notebook.notebook_params(parameters_cell_namespace(path, given), list(given), "t")
+    declared = set(papermill.inspect_notebook(str(path))) - {notebook.RUN_DIR_PARAMETER}
+    assert {key: by_papermill[key] for key in declared} == {key: by_runner[key] for key in declared} \
+        == {key: resolved[key] for key in declared}
+    # What the file states beyond the notebook's keys comes as the file loads it (papermill injects it all).
+    loaded = params.load(PARAMS_DIR / f"{profile}.yaml")
+    assert by_papermill == {key: loaded[key] for key in declared | set(file_values)}
 
 
 @pytest.fixture(scope="module")

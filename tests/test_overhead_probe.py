@@ -31,10 +31,14 @@ def test_apply_writes_the_measured_constant_into_its_profile_line_and_nothing_el
     (tmp_path / "cuda_overhead.json").write_text(json.dumps(result))
     overhead_probe.apply(tmp_path / "cuda_overhead.json", params_dir=tmp_path)
     after = (tmp_path / "h100.yaml").read_text().splitlines()
-    changed = [(old, new) for old, new in zip(before, after) if old != new]
-    assert len(after) == len(before) and len(changed) == 1
-    assert changed[0][1].startswith("cuda_overhead_gib: 0.73   # CUDA context + workspaces, measured on NVIDIA H100")
+    # The profile took the schema's prior: the measured constant becomes a line of its own, at the end.
+    assert after[:-1] == before
+    assert after[-1].startswith("cuda_overhead_gib: 0.73   # CUDA context + workspaces, measured on NVIDIA H100")
     assert params.load(tmp_path / "h100.yaml")["cuda_overhead_gib"] == 0.73
+    # Measured again: that line is rewritten, nothing else.
+    overhead_probe.apply(measured_result(tmp_path, int(0.61 * GiB)), params_dir=tmp_path)
+    again = (tmp_path / "h100.yaml").read_text().splitlines()
+    assert again[:-1] == before and again[-1].startswith("cuda_overhead_gib: 0.61   #")
 
 
 def test_without_a_gpu_the_probe_says_where_to_run_it(tmp_path, capsys):
@@ -59,7 +63,7 @@ def measured_result(tmp_path, overhead_bytes):
 
 def test_apply_refuses_a_profile_with_two_cuda_overhead_lines_and_leaves_it_as_it_was(tmp_path):
     # Which line would the planner read? Neither is rewritten; the error says why.
-    text = (PARAMS_DIR / "h100.yaml").read_text() + "cuda_overhead_gib: 0.6\n"
+    text = (PARAMS_DIR / "h100.yaml").read_text() + "cuda_overhead_gib: 0.6\ncuda_overhead_gib: 0.7\n"
     (tmp_path / "h100.yaml").write_text(text)
     with pytest.raises(ValueError, match="expected one 'cuda_overhead_gib:' line, found 2"):
         overhead_probe.apply(measured_result(tmp_path, int(0.73 * GiB)), params_dir=tmp_path)

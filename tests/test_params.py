@@ -1,4 +1,5 @@
-"""Profile files: every key validated, every key consumed, errors that name file, line and key."""
+"""Profile files: defaults written once (the schema), a profile holding only what is its own, every key
+validated and consumed, errors that name file, line and key."""
 
 import ast
 import re
@@ -47,25 +48,28 @@ def test_notebooks_declare_only_known_parameters():
 
 
 def write_profile(tmp_path, name="cpu", **changes):
+    """params/cpu.yaml with each key's line replaced (or added, where the profile takes the default)."""
     text = (PARAMS_DIR / "cpu.yaml").read_text()
     for key, line in changes.items():
-        old = next(l for l in text.splitlines() if l.startswith(f"{key}:"))
-        text = text.replace(old, line)
+        old = next((l for l in text.splitlines() if l.startswith(f"{key}:")), None)
+        text = text.replace(old, line) if old is not None else text + line + "\n"
     path = tmp_path / f"{name}.yaml"
     path.write_text(text)
     return path
 
 
-def test_every_notebook_default_is_the_cpu_profiles_value():
-    # A notebook opened in JupyterLab runs on its parameters cell alone: its defaults must be the
-    # cpu profile's, values and types, or an interactive run and `make run` would differ silently.
-    cpu = params.load(PARAMS_DIR / "cpu.yaml")
+def test_every_notebook_default_is_the_schemas():
+    # The parameters cell is no second place for a default: papermill fills in what a profile file
+    # leaves out from the cell, so a cell value unlike the schema's would make `papermill -f` and
+    # `workbook run` differ silently. Values and types.
+    defaults = params.defaults()
     differing = []
     for path in sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb")):
         for name, declared in papermill.inspect_notebook(str(path)).items():
             default = ast.literal_eval(declared["default"])
-            if name != RUN_DIR_PARAMETER and (default, type(default)) != (cpu[name], type(cpu[name])):
-                differing.append(f"{path.name}: {name} = {declared['default']}, params/cpu.yaml: {cpu[name]!r}")
+            if name != RUN_DIR_PARAMETER and (default, type(default)) != (defaults[name], type(defaults[name])):
+                differing.append(f"{path.name}: {name} = {declared['default']}, the schema's default: "
+                                 f"{defaults[name]!r}")
             # Typed, so `papermill --help-notebook` shows each key's type: the schema's ('auto' besides, if it says so).
             kind = params.SCHEMA[name].kind.__name__ if name != RUN_DIR_PARAMETER else "str"
             if declared["inferred_type_name"] != kind or not declared["help"]:
@@ -117,8 +121,8 @@ def test_wrong_values_are_rejected_with_key_and_expectation(tmp_path, line, mess
 
 
 def test_missing_key_missing_file_duplicate_key_and_wrong_profile_name(tmp_path):
-    with pytest.raises(params.ParamsError, match=r"missing parameter\(s\) dtype"):
-        params.load(write_profile(tmp_path, dtype=""))
+    with pytest.raises(params.ParamsError, match=r"missing parameter\(s\) profile. Add 'profile: cpu'"):
+        params.load(write_profile(tmp_path, profile=""))
     with pytest.raises(params.ParamsError, match=r"no such parameter file.*cpu, h100"):
         params.load(tmp_path / "nope.yaml")
     duplicated = tmp_path / "dup" / "cpu.yaml"
@@ -164,18 +168,52 @@ def test_h100_and_h200_peaks_are_dense_not_sparse():
         assert params.load(PARAMS_DIR / f"{name}.yaml").peak_bf16_tflops == pytest.approx(989.5)
 
 
-def test_every_gpu_profile_states_the_spec_table_figures_of_a_gpu_it_matches():
-    # The spec table is the one place for GPU figures; a profile copies one row so it reads alone.
-    import re
+def test_every_gpu_profile_takes_its_gpus_facts_from_a_spec_table_row_its_pattern_matches():
+    # The spec table is the one place for GPU figures: a profile names its row and restates none of them.
     from workbook import gpu
+    rows = {spec.name: spec for spec in gpu.GPU_SPECS}
     for name, profile in params.load_all().items():
         if not profile["gpu_name_pattern"]:
+            assert profile["gpu"] == "" and profile["gpu_count"] == 0, name
             continue
-        stated = (profile["gpu_memory_gib"], profile["peak_bf16_tflops"], profile["peak_fp16_tflops"],
-                  profile["memory_bandwidth_gbs"])
-        rows = {(spec.memory_gib, spec.peak_bf16_tflops, spec.peak_fp16_tflops, spec.memory_bandwidth_gbs): spec.name
-                for spec in gpu.GPU_SPECS if re.search(profile["gpu_name_pattern"], spec.name)}
-        assert stated in rows, f"params/{name}.yaml states {stated}; its GPUs' rows are {rows}"
+        row = rows[profile["gpu"]]
+        assert re.search(profile["gpu_name_pattern"], row.name), (name, row.name)
+        restated = set(params.stated_keys(PARAMS_DIR / f"{name}.yaml")) & set(params.GPU_FACTS)
+        assert not restated, f"params/{name}.yaml restates {sorted(restated)}, which its row {row.name!r} holds"
+        assert {key: profile[key] for key in params.GPU_FACTS} == \
+            {key: getattr(row, field) for key, field in params.GPU_FACTS.items()}, name
+
+
+def test_each_profile_states_only_its_own_hardware_and_what_differs_from_the_defaults():
+    defaults = params.defaults()
+    for name in PROFILES:
+        path = PARAMS_DIR / f"{name}.yaml"
+        loaded = params.load(path)
+        same = [key for key in params.stated_keys(path)
+                if key not in params.HARDWARE_KEYS and loaded[key] == defaults[key]]
+        assert not same, f"params/{name}.yaml states the schema's defaults for {same}: leave them out"
+
+
+def test_a_key_a_profile_leaves_out_takes_the_schema_default_and_its_gpu_row_the_facts(tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("profile: mine\ngpu: H100 PCIe\ngpu_count: 2\nepochs: 5\n")
+    loaded = params.load(path)
+    assert set(loaded) == set(params.SCHEMA)
+    assert loaded.epochs == 5 and loaded.gpu_count == 2
+    assert loaded.memory_bandwidth_gbs == 2000 and loaded.peak_bf16_tflops == 756.5 and loaded.supports_bf16 is True
+    assert {key: loaded[key] for key in params.SCHEMA if key not in ("profile", "gpu", "gpu_count", "epochs")
+            and key not in params.GPU_FACTS} == {key: value for key, value in params.defaults().items()
+                                                 if key not in ("profile", "gpu", "gpu_count", "epochs")
+                                                 and key not in params.GPU_FACTS}
+    # A fact the file states wins over its row (a variant the table lacks), and so does --set over both.
+    path.write_text("profile: mine\ngpu: H100 PCIe\nmemory_bandwidth_gbs: 1900\n")
+    assert params.load(path).memory_bandwidth_gbs == 1900
+    # --set gpu= takes another row's facts.
+    h100 = params.load(PARAMS_DIR / "h100.yaml")
+    pcie = params.apply_overrides(h100, params.parse_overrides(["gpu=H100 PCIe"]))
+    assert pcie.memory_bandwidth_gbs == 2000 and h100.memory_bandwidth_gbs == 3350
+    with pytest.raises(params.ParamsError, match=r"--set gpu=H100: 'gpu' is 'H100'; expected one of .*'H100 SXM'"):
+        params.parse_overrides(["gpu=H100"])
 
 
 def test_a_dense_peak_is_the_16_bit_one_and_fp32_has_none():
@@ -246,11 +284,10 @@ def test_a_key_set_twice_takes_its_last_value():
     assert params.parse_overrides(["seed=1", "seed=2"]) == {"seed": 2}
 
 
-def test_every_key_left_out_of_a_file_is_named_as_missing(tmp_path):
-    # A key missing from a profile would otherwise surface as a KeyError deep inside a notebook.
-    for key in params.SCHEMA:
-        with pytest.raises(params.ParamsError, match=rf"missing parameter\(s\) {key}\. '{key}': "):
-            params.load(write_profile(tmp_path, **{key: ""}))
+def test_every_key_has_a_valid_default():
+    # A default the schema itself would refuse would surface deep inside a job, not at load.
+    for key, value in params.defaults().items():
+        assert params.validate_value(key, value, "default") == value and type(value) in (params.SCHEMA[key].kind, str), key
 
 
 def test_a_key_given_twice_names_both_lines(tmp_path):

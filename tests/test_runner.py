@@ -3,12 +3,16 @@
 import json
 import os
 import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 
 import nbformat
 import pytest
 
 from workbook import cli, params, runner
-from workbook.paths import NOTEBOOKS_DIR, PARAMS_DIR
+from workbook.paths import NOTEBOOKS_DIR, PARAMS_DIR, REPO_ROOT
 
 
 def make_notebook(path, *sources):
@@ -336,3 +340,23 @@ def test_cell_output_stays_in_the_executed_notebook_unless_the_run_is_verbose(tm
 
     assert cli.main(["run", "--params", "cpu", "--verbose"]) == 0  # papermill logs each cell and its output
     assert "a cell speaking" in caplog.text and "Executing Cell 2" in caplog.text
+
+
+def make_prints(*args: str) -> str:
+    """The command a make target runs with this venv (`make -n`, the set-up step left out)."""
+    venv = Path(sys.executable).parent.parent
+    printed = subprocess.run(["make", "--no-print-directory", "-n", "-o", f"{venv}/.installed", *args, f"VENV={venv}"],
+                             cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
+    return printed.strip().splitlines()[-1]
+
+
+def test_make_run_verbose_brings_the_cells_back_and_make_test_fast_leaves_out_every_slow_kind(pytestconfig):
+    assert make_prints("run").endswith("/workbook run --params auto")
+    assert make_prints("run", "VERBOSE=1").endswith("/workbook run --params auto --verbose")
+    fast = shlex.split(make_prints("test-fast"))
+    expression = fast[fast.index("-m", 2) + 1]
+    left_out = re.findall(r"not (\w+)", expression)
+    assert expression == " and ".join(f"not {marker}" for marker in left_out)
+    assert set(left_out) == {"notebook", "multiprocess", "browser", "slow"}
+    registered = {line.split(":")[0] for line in pytestconfig.getini("markers")}
+    assert set(left_out) <= registered  # an unregistered marker would select nothing, silently

@@ -1,9 +1,13 @@
 """The few helpers every notebook uses: validated parameters, the run folder, tables, saving.
 
 A notebook calls `session = start(globals(), "00_gpu_detection")` right after its parameters
-cell. Parameters come from the notebook's own defaults, papermill's injected cell (`-f`/`-p`), or
-the runner; all are validated against `workbook.params.SCHEMA`. A parameter injected by papermill
-that no schema knows (a typo in a params file or `-p`) is an error here, not papermill's warning.
+cell, whose values are the schema's defaults. The whole profile is built here, once, as
+`params.load` builds it: the defaults, the GPU row's facts, then what papermill injected (`-f
+params/<profile>.yaml`, `-p`, or the runner's values), so a plain papermill run gets exactly what
+`workbook run` gives. A notebook run with nothing injected (opened in JupyterLab) loads the profile
+its `profile` names. A value edited in the cell (one that differs from its default) wins in both.
+A parameter injected by papermill that no schema knows (a typo in a params file or `-p`) is an
+error here, not papermill's warning.
 """
 
 from __future__ import annotations
@@ -51,6 +55,29 @@ def injected_parameter_names(namespace: dict) -> list[str]:
     return names
 
 
+def notebook_params(namespace: dict, injected: list[str], where: str) -> params_module.Params:
+    """The profile a notebook runs with, from its namespace (validated). With a profile injected
+    (`-f params/<profile>.yaml`, or the runner): the keys the notebook declares or was given, built as
+    `params.load` builds a profile from its file (the schema's defaults, the GPU row's facts, the
+    injected values). Without one (JupyterLab, or papermill with `-p` alone): the whole profile file
+    the cell's `profile` names, with the injected values over it. Values edited in the cell (unlike
+    their defaults) count as given in both."""
+    given = {key: params_module.validate_value(key, namespace[key], where)
+             for key in params_module.SCHEMA if key in namespace}
+    defaults = params_module.defaults()
+    stated = {key: value for key, value in given.items()
+              if key in injected or (value, type(value)) != (defaults[key], type(defaults[key]))}
+    if "profile" in injected:
+        # Only these keys: the runner injects the declared ones alone, so the rest would be defaults, not the
+        # profile's. The runner checked its whole profile; a papermill -f file is checked on what is here.
+        values = params_module.resolve(stated, where, check=False)
+        values = params_module.Params({key: values[key] for key in given})
+        params_module.check_consistency(values, where)
+        return values
+    base = params_module.load(params_module.profile_path(given.get("profile", defaults["profile"])))
+    return params_module.apply_overrides(base, {key: value for key, value in stated.items() if key != "profile"})
+
+
 @dataclass
 class Session:
     """One notebook's view of a run: its validated parameters and the folder it writes to."""
@@ -74,7 +101,7 @@ class Session:
 
 
 def start(namespace: dict, notebook: str) -> Session:
-    """Validate the notebook's parameters and open (or create) the run folder.
+    """Build the notebook's params (see the module's docstring) and open (or create) the run folder.
 
     `namespace` is the notebook's `globals()`: every schema key found there is validated, and so is
     every name papermill injected. A run folder given as `run_dir` is used as is (the runner passes
@@ -86,8 +113,7 @@ def start(namespace: dict, notebook: str) -> Session:
     if unknown:
         # validate_value raises with a did-you-mean hint for the first unknown name.
         params_module.validate_value(unknown[0], namespace[unknown[0]], where)
-    values = params_module.Params({key: params_module.validate_value(key, namespace[key], where)
-                                   for key in params_module.SCHEMA if key in namespace})
+    values = notebook_params(namespace, injected, where)
     run_dir_value = namespace.get(RUN_DIR_PARAMETER) or ""
     run_dir = Path(run_dir_value) if run_dir_value else new_run_dir(values.get("profile", "adhoc"))
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -97,15 +97,18 @@ def packed_training_step(model, config, device: torch.device) -> str:
 
 
 def apply(result_path: str | Path, params_dir: Path = PARAMS_DIR) -> Path:
-    """Write a probe's constant into its profile's ``cuda_overhead_gib`` line (comment included)."""
+    """Write a probe's constant into its profile's ``cuda_overhead_gib`` line (comment included); a
+    profile that still takes the schema's prior (no such line) gets the line at its end."""
     result = json.loads(Path(result_path).read_text())
     path = params_dir / f"{result['profile']}.yaml"
     text = path.read_text()
     gib = result["overhead_bytes"] / GiB
     line = (f"cuda_overhead_gib: {gib:.2f}   # CUDA context + workspaces, measured on {result['hardware_name']} "
-            f"({result['date']}, torch {result['torch']}) by python -m workbook.planner.overhead_probe")
+            f"(torch {result['torch']}) by python -m workbook.planner.overhead_probe")
     updated, count = re.subn(r"(?m)^cuda_overhead_gib:.*$", line, text)
-    if count != 1:
+    if count == 0:
+        updated = text + ("" if text.endswith("\n") else "\n") + line + "\n"
+    elif count != 1:
         raise ValueError(f"{path}: expected one 'cuda_overhead_gib:' line, found {count}")
     path.write_text(updated)
     try:
