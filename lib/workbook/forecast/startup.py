@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from workbook import runtime
+from workbook import launcher_watch, runtime
 from workbook.paths import REPO_ROOT
 
 
@@ -39,7 +39,8 @@ def fresh_process(entry: str) -> FreshProcess | None:
     modules = ["workbook.cli", entry, *sorted(name for name in sys.modules
                                               if name.startswith("transformers.models.") and ".modeling_" in name)]
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ready', flush=True)"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))}
+    env = launcher_watch.child_environment(  # it ends with this process, killed or not
+        {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))})
     began = time.perf_counter()
     try:
         child = subprocess.Popen([sys.executable, "-c", code, *modules], stdout=subprocess.PIPE,
