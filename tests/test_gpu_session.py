@@ -70,7 +70,7 @@ def test_a_step_that_would_take_all_it_is_given_leaves_the_later_steps_their_res
 
 @pytest.mark.parametrize("profile", ["h100", "h200"])
 def test_every_command_of_every_call_names_options_and_keys_that_exist(profile, tmp_path):
-    cli_source = (REPO_ROOT / "lib/workbook/cli.py").read_text()
+    cli_source = "".join((REPO_ROOT / "lib/workbook" / name).read_text() for name in ("cli.py", "arguments.py"))
     profile_params = params.load(params.profile_path(profile))
     for call, steps in gpu_session.calls(profile, tmp_path).items():
         for step in steps:
@@ -157,7 +157,7 @@ def test_the_ceilings_command_writes_its_record(tmp_path):
     assert ceilings.main(["--profile", "cpu", "--out", str(tmp_path), "--copy-mib", "8", "--matmul-size", "256",
                           "--repeats", "2"]) == 0
     record = json.loads((tmp_path / "ceilings.json").read_text())
-    assert record["command"] == "python -m workbook.ceilings --profile cpu --out " + str(tmp_path) + \
+    assert record["command"] == "workbook ceilings --profile cpu --out " + str(tmp_path) + \
         " --copy-mib 8 --matmul-size 256 --repeats 2"
     assert record["measured"]["copy_gb_per_second"] > 0.1 and record["hardware"]
     assert ceilings.load(tmp_path) == record

@@ -6,7 +6,7 @@ Datasheet peaks are never reached (an H100's 3.35 TB/s copies at roughly 85-90%)
 fraction over the datasheet mixes the engine's waste with the hardware's; over the measured
 ceiling it is the engine's alone. The benchmarks state both::
 
-    python -m workbook.ceilings --profile h100 --out outputs/reference/h100   # ceilings.json + .md
+    workbook ceilings --profile h100 --out outputs/reference/h100   # ceilings.json + .md
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = measure(repeats=args.repeats, copy_bytes=args.copy_mib and args.copy_mib * 2 ** 20,
                        matmul_size=args.matmul_size)
     record = {"what": "the device's measured copy bandwidth and dense matmul throughput beside the profile's "
-                      "datasheet figures", "command": "python -m workbook.ceilings " + " ".join(argv),
+                      "datasheet figures", "command": "workbook ceilings " + " ".join(argv),
               "measured": ceilings.to_dict(), "datasheet": against_datasheet(ceilings, params),
               "hardware": gpu.detect(), "versions": gpu.software_versions()}
     out = Path(args.out)

@@ -265,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_parser.add_argument("--only", help="comma-separated beginnings of case names: only the first case "
                                   "each matches (a smoke pass)")
     calibrate_parser.add_argument("--overhead-from", help="an overhead probe's cuda_overhead.json "
-                                  "(python -m workbook.planner.overhead_probe): plan each case's CUDA context with it")
+                                  "(workbook overhead-probe): plan each case's CUDA context with it")
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
 
     for name, (handler, what) in JOBS.items():

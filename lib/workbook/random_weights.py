@@ -2,7 +2,7 @@
 load only directories (the generation job refuses a preset name: it writes text) run a real
 architecture's speed and memory with nothing downloaded::
 
-    python -m workbook.random_weights --preset Llama-3.1-8B --out /tmp/llama-3.1-8b-random --device cuda
+    workbook random-weights --preset Llama-3.1-8B --out /tmp/llama-3.1-8b-random --device cuda
     workbook generate --params h100 --set model=/tmp/llama-3.1-8b-random ...
 
 The weights are ``models.build_random``'s, the benchmarks' own (built on the device in the dtype),

@@ -2,8 +2,8 @@
 beside one direct call of transformers' continuous batching. Writes ``continuous_batching.json``
 and ``continuous_batching.md``.
 
-    python -m workbook.bench.continuous_batching --out outputs/reference/cpu     # CPU, tiny model, minutes
-    python -m workbook.bench.continuous_batching --model Llama-3.1-8B --device cuda --dtype bf16 \\
+    workbook bench-continuous --out outputs/reference/cpu     # CPU, tiny model, minutes
+    workbook bench-continuous --model Llama-3.1-8B --device cuda --dtype bf16 \\
         --examples 512 --max-new-tokens 1024 --memory-gib 40 --workloads uneven --repeats 1 \\
         --time-budget-seconds 330 --out outputs/reference/h100     # GPU: random bf16 weights, ~6 min
 
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
             "(counting.pass_cost, refilled slots: prefill at the compute peak, decode steps reading the weights once "
             "and each token's context once at the bandwidth), over the arm's median"),
         "stopped": stopped,
-        "command": "python -m workbook.bench.continuous_batching " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "workbook bench-continuous " + " ".join(sys.argv[1:] if argv is None else argv),
         "results": results,
     }
     (out / "continuous_batching.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -1,8 +1,8 @@
 """Benchmark of the generation engine (not a test): what it costs over a bare ``generate`` loop, and
 what sorting prompts by length gains. Writes ``generate_bench.json`` and ``generate_bench.md``.
 
-    python -m workbook.bench.engine_overhead                    # CPU, tiny model, ~1-2 minutes
-    python -m workbook.bench.engine_overhead --model llama-3.1-8b --device cuda --dtype bf16 --profile h200 \\
+    workbook bench-engine-overhead                    # CPU, tiny model, ~1-2 minutes
+    workbook bench-engine-overhead --model llama-3.1-8b --device cuda --dtype bf16 --profile h200 \\
         --examples 512 --batch-size 64 --max-new-tokens 256 --prompt-tokens 32 1024
 
 Arms, on the same prompts and batch size, each timed with the device synchronized, after one warm-up
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": described, "device": str(device), "dtype": args.dtype, "torch": torch.__version__,
         "threads": torch.get_num_threads(), "profile": args.profile,
         "weights_read_bound_output_tokens_per_second": round(bound, 1) if bound else None,
-        "command": "python -m workbook.bench.engine_overhead " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "workbook bench-engine-overhead " + " ".join(sys.argv[1:] if argv is None else argv),
         "results": results,
     }
     (out / "generate_bench.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -2,7 +2,7 @@
 the README's reference section report, read from the files the session's calls wrote (``gpu_session``),
 never typed in.
 
-    python -m workbook.bench.gpu_summary outputs/reference/h100       # writes SUMMARY.md there
+    workbook gpu-summary outputs/reference/h100       # writes SUMMARY.md there
 
 It reads, anywhere under the folder: ``ceilings.json``, ``cuda_overhead.json``, ``memory_accuracy.json``
 (issue 10's planner accuracy), every ``benchmark.json`` (generation against the roofline and the seeds,
@@ -105,7 +105,7 @@ def markdown(folder: Path, table: list[dict], files: dict) -> str:
     return "\n".join([
         f"# {folder.name}: the GPU session's figures against the open issues' goals", "",
         f"Hardware: {_hardware_text(hardware)}", "",
-        "Each row comes from the file in its source column (`python -m workbook.bench.gpu_summary "
+        "Each row comes from the file in its source column (`workbook gpu-summary "
         f"{folder}` rewrites this page).", "", notebook.markdown_table(table), "", published.vllm_line(), ""])
 
 

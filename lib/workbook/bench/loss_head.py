@@ -2,7 +2,7 @@
 against the chunked loss (``loss_chunk_tokens: N``), which computes logits only at the positions that
 carry loss, as the share of such positions falls (prompt tokens carry none in SFT).
 
-    PYTHONPATH=lib python -m workbook.bench.loss_head --out outputs/reference/cpu
+    workbook bench-loss-head --out outputs/reference/cpu
 
 Forward and backward of the loss alone, from the head's input (random, a real model's head shape), median
 of ``--repeats`` runs; writes ``loss_head.json`` and ``loss_head.md``.
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     shares = [float(share) for share in args.shares.split(",")]
     rows = measure(args.positions, args.hidden_size, args.vocab, args.chunk, shares, args.repeats, device)
     hardware = runtime.device_description(device)
-    command = "python -m workbook.bench.loss_head " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "workbook bench-loss-head " + " ".join(argv if argv is not None else sys.argv[1:])
     what = (f"forward + backward of the training loss from the head's input: {args.positions} positions, hidden "
             f"{args.hidden_size}, vocab {args.vocab:,}, fp32, on {hardware}; median of {args.repeats}; full logits "
             f"(cross-entropy over every position) against the chunked loss ({args.chunk} loss positions per chunk, "

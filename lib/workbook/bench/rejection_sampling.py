@@ -3,7 +3,7 @@ answers per question, keep the ones a verifier accepts, fine-tune on them, and s
 questions before and after. A benchmark, not a test: it writes ``rejection_sampling.json`` and
 ``.md``.
 
-    python -m workbook.bench.rejection_sampling --out outputs/reference/cpu
+    workbook bench-rejection-sampling --out outputs/reference/cpu
 
 The task is the tiny model's arithmetic asked in words it was not trained on ("What's 23 + 45?",
 ``arithmetic.variant_task_records``: the cpu profile's default run uses the same task from its
@@ -89,7 +89,7 @@ def run(args: argparse.Namespace, work: Path, log=print) -> dict:
         "seconds": timings,
         "threads": torch.get_num_threads(),
         "versions": gpu.software_versions(),
-        "command": "python -m workbook.bench.rejection_sampling " + " ".join(args.argv),
+        "command": "workbook bench-rejection-sampling " + " ".join(args.argv),
     }
 
 

@@ -108,7 +108,7 @@ def make_backend(name: str, model, settings: DecodingSettings, batch_size: int):
 
 def resolve_backend(params, reference_dir: Path = REFERENCE_DIR) -> tuple[str, str]:
     """(backend, why). ``auto`` reads the profile's continuous-batching benchmark
-    (``python -m workbook.bench.continuous_batching``): continuous where it beat length-sorted static
+    (``workbook bench-continuous``): continuous where it beat length-sorted static
     batches on uneven outputs (teacher outputs are uneven), static where it did not, where nothing
     was measured for this profile, or under tensor parallelism (which continuous cannot run)."""
     name, profile_name = params["backend"], params["profile"]
@@ -121,7 +121,7 @@ def resolve_backend(params, reference_dir: Path = REFERENCE_DIR) -> tuple[str, s
     path = Path(reference_dir) / profile_name / MEASUREMENT_FILE
     if not path.exists():
         return "static", (f"backend auto -> static: nothing measured for the {profile_name} profile ({path} is "
-                          f"missing); python -m workbook.bench.continuous_batching --out {path.parent} measures it")
+                          f"missing); workbook bench-continuous --out {path.parent} measures it")
     try:
         report = json.loads(path.read_text())
         results = {result["workload"]: result for result in report["results"]}
@@ -133,11 +133,11 @@ def resolve_backend(params, reference_dir: Path = REFERENCE_DIR) -> tuple[str, s
         ratio = None if measured is None else float(measured["continuous_vs_static"])
     except (ValueError, KeyError, TypeError) as error:
         raise GenerationError(f"backend auto reads {path}, which is not a continuous-batching benchmark report "
-                              f"({type(error).__name__}: {error}); rerun python -m workbook.bench.continuous_batching "
+                              f"({type(error).__name__}: {error}); rerun workbook bench-continuous "
                               f"--out {path.parent}, or set backend to static or continuous.") from None
     if ratio is None:
         return "static", (f"backend auto -> static: {path} compares no continuous with static run (its time budget "
-                          f"ran out first); python -m workbook.bench.continuous_batching --out {path.parent} measures it")
+                          f"ran out first); workbook bench-continuous --out {path.parent} measures it")
     chosen = "continuous" if ratio >= 1 else "static"
     return chosen, (f"backend auto -> {chosen}: on the {profile_name} profile ({report.get('device')}, "
                     f"{report.get('model')}) continuous batching ran at {ratio}x the speed of length-sorted static "

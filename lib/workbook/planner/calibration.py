@@ -2,7 +2,7 @@
 
 Run it once per GPU profile and keep the JSON beside the profile's reference outputs::
 
-    python -m workbook.planner.calibration --out outputs/reference/h200 --profile h200
+    workbook calibrate --out outputs/reference/h200 --profile h200
 
 On a CUDA machine it runs ``calibration_grid(profile)``: every case builds a preset model from its
 config with RANDOM bf16 weights directly on the GPU (nothing is downloaded; memory depends on
@@ -353,7 +353,7 @@ def _probed_overhead(path: str | None) -> int | None:
 
 def command_line(out_dir: str | Path, profile_name: str) -> str:
     """The command that reproduces a calibration."""
-    return f"python -m workbook.planner.calibration --out {out_dir} --profile {profile_name}"
+    return f"workbook calibrate --out {out_dir} --profile {profile_name}"
 
 
 def _case_line(record: dict) -> str:
@@ -369,9 +369,9 @@ def _case_line(record: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m workbook.planner.calibration --out DIR --profile NAME``: CPU checks, then the grid."""
+    """``workbook calibrate --out DIR --profile NAME``: CPU checks, then the grid."""
     parser = argparse.ArgumentParser(
-        prog="python -m workbook.planner.calibration",
+        prog="workbook calibrate",
         description="Compare the memory planner with measured GPU peaks (memory_accuracy.json); "
                     "without a GPU, run only the exact CPU checks (cpu_exact_checks.json).",
     )

@@ -1,8 +1,8 @@
 """The CUDA context and library workspaces of one GPU, measured once by its own probe and written into
 that GPU's profile (``cuda_overhead_gib``), never fitted to the calibration grid.
 
-    python -m workbook.planner.overhead_probe --profile h100 --out outputs/reference/h100   # on the GPU
-    python -m workbook.planner.overhead_probe --apply outputs/reference/h100/cuda_overhead.json   # here
+    workbook overhead-probe --profile h100 --out outputs/reference/h100   # on the GPU
+    workbook overhead-probe --apply outputs/reference/h100/cuda_overhead.json   # here
 
 Memory outside PyTorch's allocator (total - free - reserved, ``runtime.peak_memory``) grows as the
 process loads what a job loads: the context itself, cuBLAS/cuBLASLt handles and workspaces, the
@@ -104,7 +104,7 @@ def apply(result_path: str | Path, params_dir: Path = PARAMS_DIR) -> Path:
     text = path.read_text()
     gib = result["overhead_bytes"] / GiB
     line = (f"cuda_overhead_gib: {gib:.2f}   # CUDA context + workspaces, measured on {result['hardware_name']} "
-            f"(torch {result['torch']}) by python -m workbook.planner.overhead_probe")
+            f"(torch {result['torch']}) by workbook overhead-probe")
     updated, count = re.subn(r"(?m)^cuda_overhead_gib:.*$", line, text)
     if count == 0:
         updated = text + ("" if text.endswith("\n") else "\n") + line + "\n"
@@ -120,7 +120,7 @@ def apply(result_path: str | Path, params_dir: Path = PARAMS_DIR) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbook.planner.overhead_probe",
+    parser = argparse.ArgumentParser(prog="workbook overhead-probe",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", help="the GPU profile in params/ this GPU is (its training model is probed)")
     parser.add_argument("--out", help=f"folder for {RESULT_FILE}")
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give --profile and --out (on the GPU), or --apply JSON (here)")
     if not torch.cuda.is_available():
         print("error: the probe measures a CUDA GPU's memory and there is none here; run it on the GPU the "
-              f"profile describes: python -m workbook.planner.overhead_probe --profile {args.profile} --out DIR",
+              f"profile describes: workbook overhead-probe --profile {args.profile} --out DIR",
               file=sys.stderr)
         return 2
     profile = params.load(params.profile_path(args.profile))
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"profile": args.profile, **measure(profile["bench_train_model"], device),
               "hardware_name": torch.cuda.get_device_name(device), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "hardware": gpu.detect(), "versions": gpu.software_versions(),
-              "command": f"python -m workbook.planner.overhead_probe --profile {args.profile} --out {args.out}",
+              "command": f"workbook overhead-probe --profile {args.profile} --out {args.out}",
               "what": "memory outside PyTorch's allocator (total - free - reserved) after each stage, in a fresh "
                       "process; the constant is the largest"}
     out = Path(args.out)
