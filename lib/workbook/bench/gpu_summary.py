@@ -1,13 +1,13 @@
-"""A lent GPU's results against every goal the open issues set, in one table: what the closing note and
+"""A lent GPU's results against every goal the workbook sets, in one table: what a session reports and
 the README's reference section report, read from the files the session's calls wrote (``gpu_session``),
 never typed in.
 
     workbook gpu-summary outputs/reference/h100       # writes SUMMARY.md there
 
 It reads, anywhere under the folder: ``ceilings.json``, ``cuda_overhead.json``, ``memory_accuracy.json``
-(issue 10's planner accuracy), every ``benchmark.json`` (generation against the roofline and the seeds,
-MFU, the memory settings, the seeds' claims), ``continuous_batching.json`` (issue 19) and
-``forecast.json`` (issue 18). A goal none of them measured says so.
+(the planner's accuracy), every ``benchmark.json`` (generation against the roofline and the seeds,
+MFU, the memory settings, the seeds' claims), ``continuous_batching.json`` (continuous against static) and
+``forecast.json`` (the forecast against its run). A goal none of them measured says so.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from workbook.bench.report import failed_points
 from workbook.units import GiB
 
 SUMMARY_FILE = "SUMMARY.md"
-GOAL_ISSUES = dict(zip(GOALS, ("10", "10", "10", "20", "10")))
-CONTINUOUS_GOAL = 1.5  # issue 19: continuous at least 1.5x static-sorted on uneven outputs, the same memory
-FORECAST_GOAL = 0.10  # issue 18: the forecast within 10% of the measured wall time
+GOAL_AREAS = dict(zip(GOALS, ("reference", "reference", "reference", "lean training", "reference")))
+CONTINUOUS_GOAL = 1.5  # continuous at least 1.5x static-sorted on uneven outputs, the same memory
+FORECAST_GOAL = 0.10  # the forecast within 10% of the measured wall time
 
 
 def found(folder: Path) -> dict[str, list[tuple[str, dict]]]:
@@ -39,21 +39,21 @@ def found(folder: Path) -> dict[str, list[tuple[str, dict]]]:
 def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
     table = []
 
-    def add(issue: str, goal: str, measured: str, met: str, source: str) -> None:
-        table.append({"issue": issue, "goal": goal, "measured": measured, "met": met, "source": source})
+    def add(area: str, goal: str, measured: str, met: str, source: str) -> None:
+        table.append({"area": area, "goal": goal, "measured": measured, "met": met, "source": source})
 
     for source, record in files["ceilings.json"]:
         measured, sheet = record["measured"], record["datasheet"]
-        add("10", "measured ceilings beside the datasheet", f"copy {measured['copy_gb_per_second']:,.0f} GB/s "
+        add("reference", "measured ceilings beside the datasheet", f"copy {measured['copy_gb_per_second']:,.0f} GB/s "
             f"({_share(sheet['copy_share_of_datasheet'])} of the datasheet), bf16 matmul "
             f"{measured['matmul_tflops']:,.0f} TFLOP/s ({_share(sheet['matmul_share_of_datasheet'])})", "n/a (a fact)",
             source)
     for source, record in files["cuda_overhead.json"]:
-        add("10", "CUDA context constant measured by its own probe", f"{record['overhead_bytes'] / GiB:.2f} GiB "
+        add("reference", "CUDA context constant measured by its own probe", f"{record['overhead_bytes'] / GiB:.2f} GiB "
             f"({record['hardware_name']})", "measured", source)
     for source, record in files["memory_accuracy.json"]:
         summary = record["summary"]
-        add("10", "planner: median |error| <= 1.5%, max <= 4%, no case the planner says fits runs out of memory",
+        add("reference", "planner: median |error| <= 1.5%, max <= 4%, no case the planner says fits runs out of memory",
             f"median {_share(summary['median_abs_relative_error'], 2)}, max {_share(summary['max_abs_relative_error'], 2)}"
             f" over {summary['counted_toward_goal']} cases ({len(record.get('cases', []))} of {record.get('cases_planned', '?')} run, "
             f"{len(summary.get('failed', []))} failed); out of memory: {len(summary['out_of_memory'])}; context "
@@ -62,7 +62,7 @@ def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
     goals, claims = {goal: [] for goal in GOALS}, {}
     for source, record in files["benchmark.json"]:
         if failed := failed_points(record):  # a path that broke on this GPU: what to fix before the next session
-            add("10", "every benchmark point runs", f"{len(failed)} failed: {'; '.join(failed)}"[:1000], "no", source)
+            add("reference", "every benchmark point runs", f"{len(failed)} failed: {'; '.join(failed)}"[:1000], "no", source)
     for source, record in files["benchmark.json"]:
         for row in record["goals"]:
             goals.setdefault(row["goal"], []).append((row, source))
@@ -75,15 +75,15 @@ def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
         measured = [(row, source) for row, source in goals[goal] if row["met"] != "n/a"]
         fallback = goals[goal][-1:] or [({"measured": "not measured in this session", "met": "n/a"}, "")]
         for row, source in measured or fallback:
-            add(GOAL_ISSUES[goal], goal, row["measured"], row["met"], source)
+            add(GOAL_AREAS[goal], goal, row["measured"], row["met"], source)
     for (row, source) in claims.values():
-        add("10", f"seed {row['seed']}: {row['claim']}", row["measured"], "n/a (a claim)", source)
+        add("reference", f"seed {row['seed']}: {row['claim']}", row["measured"], "n/a (a claim)", source)
     for source, record in files["continuous_batching.json"]:
         for result in record["results"]:
             fractions = result.get("roofline_fraction") or result.get("bandwidth_roofline_fraction") or {}  # before 11-24
             best = max(filter(None, fractions.values()), default=None)
             ratio = result["continuous_vs_static"]
-            add("19", f"continuous >= {CONTINUOUS_GOAL}x static-sorted at the same memory ({result['workload']} outputs)",
+            add("continuous batching", f"continuous >= {CONTINUOUS_GOAL}x static-sorted at the same memory ({result['workload']} outputs)",
                 f"{'not measured (the time budget ran out first)' if ratio is None else f'{ratio}x'}; batches "
                 f"{result['batch_size']}; best fraction of the roofline {_share(best)}; continuous ran "
                 f"attention {result.get('continuous_attention') or 'not recorded'}",
@@ -93,7 +93,7 @@ def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
         for case in record["cases"]:
             wall = case.get("wall") or {}
             error = wall.get("median_error")
-            add("18", f"forecast from a pilot within {FORECAST_GOAL:.0%} of the measured wall time: {case['case']}",
+            add("forecast", f"forecast from a pilot within {FORECAST_GOAL:.0%} of the measured wall time: {case['case']}",
                 "not finished" if error is None else f"{error:+.1%} (median of {len(wall['errors'])})",
                 "n/a" if error is None else ("yes" if abs(error) <= FORECAST_GOAL else "no"), source)
     return table
@@ -103,7 +103,7 @@ def markdown(folder: Path, table: list[dict], files: dict) -> str:
     hardware = next((record["hardware"] for records in files.values() for _, record in records
                      if isinstance(record.get("hardware"), dict)), None)
     return "\n".join([
-        f"# {folder.name}: the GPU session's figures against the open issues' goals", "",
+        f"# {folder.name}: the GPU session's figures against the workbook's goals", "",
         f"Hardware: {_hardware_text(hardware)}", "",
         "Each row comes from the file in its source column (`workbook gpu-summary "
         f"{folder}` rewrites this page).", "", notebook.markdown_table(table), "", published.vllm_line(), ""])
