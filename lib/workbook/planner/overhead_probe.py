@@ -29,6 +29,9 @@ import torch
 
 from workbook import gpu, params, presets, runtime
 from workbook.paths import PARAMS_DIR
+from workbook.planner.architectures import model_attention, training_attention
+from workbook.planner.shape import model_shape
+from workbook.training import packed_attention
 from workbook.units import GiB
 
 RESULT_FILE = "cuda_overhead.json"
@@ -82,10 +85,6 @@ def measure(model_name: str, device: torch.device, read: Callable[[torch.device]
 def packed_training_step(model, config, device: torch.device) -> str:
     """A backward over two packed rows through the attention the trainer runs them with (flex attention
     on a GPU: Triton kernels compiled and loaded as modules, outside PyTorch's allocator); its name."""
-    from workbook.planner.architectures import model_attention, training_attention
-    from workbook.planner.shape import model_shape
-    from workbook.training import packed_attention
-
     packed_attention.register()
     attention = training_attention(model_shape(config), "sdpa", "packing", 128, on_gpu=device.type == "cuda")
     model.set_attn_implementation(model_attention(attention))
