@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from workbook import gpu, models, runtime
+from workbook import gpu, models, process_group, runtime
 from workbook.planner.architectures import model_attention
 from workbook.training import batches, checkpoints, evaluation, packed_attention, report, tracking
 from workbook.training.config import (
@@ -45,12 +45,14 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
     its tokenizer to ``<output_dir>/final`` (LoRA: the adapters).
     """
     from accelerate import Accelerator
-    from accelerate.utils import DistributedType
+    from accelerate.utils import DistributedType, InitProcessGroupKwargs
 
     started = time.perf_counter()
     _refuse_fsdp_on_cpu()
     accelerator = Accelerator(mixed_precision=accelerate_mixed_precision(config), cpu=not torch.cuda.is_available(),
                               dynamo_backend="inductor" if config.torch_compile else None,
+                              kwargs_handlers=[InitProcessGroupKwargs(**process_group.init_options(
+                                  config.peer_timeout_seconds))],
                               **tracking.accelerator_kwargs(config.report_to, config.output_dir))
     try:
         device = accelerator.device
@@ -71,7 +73,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         model, model_description, lora = load_training_model(config, device, prepared.max_seq_length)
         total_parameters = sum(p.numel() for p in model.parameters())
         trainable_parameters = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        optimizer, optimizer_description = _build_optimizer(model, config, run.learning_rate,
+        optimizer, optimizer_description = build_optimizer(model, config, run.learning_rate,
                                                             fused=device.type == "cuda" and not fsdp)
         model, optimizer = accelerator.prepare(model, optimizer)
 
@@ -106,6 +108,8 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
             _print(accelerator, f"note: {short_run}")
         eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
         stop_at = run.total_steps if config.stop_after_steps is None else min(run.total_steps, config.stop_after_steps)
+        if config.run_only_steps:
+            stop_at = min(stop_at, max(config.run_only_steps) + 1)
         progress = _progress_bar(accelerator, run.total_steps, start_step)
         world = accelerator.num_processes
         # On CPU the activations are in host memory already: nothing to offload.
@@ -116,32 +120,21 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
         model.train()
         step_started = time.perf_counter()
         while step < stop_at:
-            epoch, step_in_epoch = divmod(step, run.steps_per_epoch)
-            loader = _epoch_loader(config, prepared, rows, run, collator, epoch, step_in_epoch,
+            if config.run_only_steps:  # the forecast's pilot: the next of its steps, served as the run serves it
+                step = min(s for s in config.run_only_steps if s >= step)
+            epoch = step // run.steps_per_epoch
+            epoch_end = min(stop_at, (epoch + 1) * run.steps_per_epoch)
+            in_epoch = [s - epoch * run.steps_per_epoch for s in (
+                [s for s in config.run_only_steps if step <= s < epoch_end] if config.run_only_steps else range(step, epoch_end))]
+            loader = _epoch_loader(config, prepared, rows, run, collator, epoch, in_epoch,
                                    accelerator.process_index, world, device)
             iterator = iter(loader)
-            for _ in range(step_in_epoch, run.steps_per_epoch):
+            for step_in_epoch in in_epoch:
+                step = epoch * run.steps_per_epoch + step_in_epoch
                 micro_batches = [next(iterator) for _ in range(run.gradient_accumulation_steps)]
-                local_targets = sum(float(batch["target_tokens"]) for batch in micro_batches)
-                # Loss tokens of the whole effective batch; stays on the device (no synchronisation here).
-                global_targets = accelerator.reduce(torch.tensor(local_targets, device=device, dtype=torch.float64),
-                                                    "sum").clamp(min=1.0)
-                loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-                for index, batch in enumerate(micro_batches):
-                    last = index == len(micro_batches) - 1
-                    with contextlib.nullcontext() if last else accelerator.no_sync(model):
-                        with offloading():
-                            batch_loss = evaluation.loss_sum(model, batch, device, config.loss_chunk_tokens)
-                        # The mean over every loss token of the effective batch: DDP averages gradients
-                        # over processes, hence x world.
-                        accelerator.backward(batch_loss * world / global_targets.to(batch_loss.dtype))
-                    loss_sum += batch_loss.detach().double()
-                grad_norm = accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
                 learning_rate = learning_rate_at(step, run.learning_rate, config.warmup_steps, run.total_steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = learning_rate
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                loss_sum, global_targets, grad_norm = optimizer_step(
+                    accelerator, model, optimizer, micro_batches, learning_rate, config.loss_chunk_tokens, offloading)
                 host_counts = torch.tensor([sum(float(b["tokens"]) for b in micro_batches),
                                             sum(float(b["length_squares"]) for b in micro_batches)], dtype=torch.float64)
                 counts = torch.cat([loss_sum.reshape(1), host_counts.to(device)])
@@ -197,6 +190,35 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
             release_pinned_host_memory()
 
 
+def optimizer_step(accelerator, model, optimizer, micro_batches: list[dict], learning_rate: float,
+                   loss_chunk_tokens: int = 0, offloading=contextlib.nullcontext):
+    """One optimizer step over one effective batch's ``micro_batches`` (forward and backward of each,
+    clipping, AdamW, gradients set to None): the step ``train`` runs, and the one ``planner.trace``
+    traces on fake tensors. Returns (this process's loss sum, the effective batch's loss tokens, both
+    on the device, and the gradient norm before clipping)."""
+    device, world = accelerator.device, accelerator.num_processes
+    local_targets = sum(float(batch["target_tokens"]) for batch in micro_batches)
+    # Loss tokens of the whole effective batch; stays on the device (no synchronisation here).
+    global_targets = accelerator.reduce(torch.tensor(local_targets, device=device, dtype=torch.float64),
+                                        "sum").clamp(min=1.0)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    for index, batch in enumerate(micro_batches):
+        last = index == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else accelerator.no_sync(model):
+            with offloading():
+                batch_loss = evaluation.loss_sum(model, batch, device, loss_chunk_tokens)
+            # The mean over every loss token of the effective batch: DDP averages gradients
+            # over processes, hence x world.
+            accelerator.backward(batch_loss * world / global_targets.to(batch_loss.dtype))
+        loss_sum += batch_loss.detach().double()
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+    for group in optimizer.param_groups:
+        group["lr"] = learning_rate
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, global_targets, grad_norm
+
+
 def _print(accelerator, text: str) -> None:
     if accelerator.is_main_process:
         print(text, flush=True)
@@ -237,8 +259,9 @@ def _set_tf32(enabled: bool, device: torch.device) -> bool:
     return enabled
 
 
-def load_training_model(config: TrainConfig, device: torch.device, seq_len: int):
+def load_training_model(config: TrainConfig, device: torch.device, seq_len: int, load=models.load_model):
     """(model on device, description, lora?) with checkpointing and LoRA applied as configured.
+    ``load`` is ``models.load_model`` or a function like it (the trace builds the model on meta).
 
     Full fine-tuning keeps fp32 master weights (bf16/fp16 run under autocast: the planner's
     "mixed precision"); LoRA freezes the base in ``dtype`` and trains fp32 adapters (PEFT's default).
@@ -248,8 +271,8 @@ def load_training_model(config: TrainConfig, device: torch.device, seq_len: int)
     # Packed rows: an attention path with no seq x seq mask where there is one (training/packed_attention.py).
     attention = packed_attention.training_attention_for(config, seq_len)
     packed_attention.register()
-    loaded = models.load_model(config.model, config.dtype if pure else "fp32", device,
-                               attn_implementation=model_attention(attention))
+    loaded = load(config.model, config.dtype if pure else "fp32", device,
+                  attn_implementation=model_attention(attention))
     model, description = loaded.model, f"{loaded.description}, attention {attention}"
     model.config.use_cache = False  # training: a cache would also disable packed-sequence masks
     if config.grad_checkpointing:
@@ -271,7 +294,7 @@ def load_training_model(config: TrainConfig, device: torch.device, seq_len: int)
     return model, description, lora
 
 
-def _build_optimizer(model, config: TrainConfig, learning_rate: float, *, fused: bool):
+def build_optimizer(model, config: TrainConfig, learning_rate: float, *, fused: bool):
     """AdamW (fused kernel on CUDA) or bitsandbytes' 8-bit AdamW; weight decay on matrices only
     (not on norms and biases, the usual practice)."""
     trainable = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -291,13 +314,13 @@ def _build_optimizer(model, config: TrainConfig, learning_rate: float, *, fused:
 
 
 class _RankBatches(torch.utils.data.Sampler):
-    """This process's micro-batches of one epoch from ``first_step`` on: step s takes global
-    micro-batches s x A x W ... (s + 1) x A x W - 1, process r every W-th of them, so any split of
-    the same effective batch over processes and accumulation sees the same examples per step."""
+    """This process's micro-batches of one epoch's ``steps``: step s takes global micro-batches
+    s x A x W ... (s + 1) x A x W - 1, process r every W-th of them, so any split of the same
+    effective batch over processes and accumulation sees the same examples per step."""
 
-    def __init__(self, micro_batches, first_step, steps, accumulation, rank, world):
+    def __init__(self, micro_batches, steps, accumulation, rank, world):
         self.batches = [micro_batches[s * accumulation * world + k * world + rank]
-                        for s in range(first_step, steps) for k in range(accumulation)]
+                        for s in steps for k in range(accumulation)]
 
     def __iter__(self):
         return iter(self.batches)
@@ -306,11 +329,11 @@ class _RankBatches(torch.utils.data.Sampler):
         return len(self.batches)
 
 
-def _epoch_loader(config, prepared, rows, run, collator, epoch, first_step, rank, world, device):
+def _epoch_loader(config, prepared, rows, run, collator, epoch, steps, rank, world, device):
     lengths = [example.length for example in prepared.train]
     micro_batches = batches.epoch_micro_batches(rows, lengths, config.padding, micro_batch_size=run.micro_batch_size,
                                                  seed=config.seed, epoch=epoch)
-    sampler = _RankBatches(micro_batches, first_step, run.steps_per_epoch, run.gradient_accumulation_steps, rank, world)
+    sampler = _RankBatches(micro_batches, steps, run.gradient_accumulation_steps, rank, world)
     return data_loader(prepared, sampler, collator, config, device)
 
 

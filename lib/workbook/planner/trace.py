@@ -1,0 +1,372 @@
+"""The peak of the real step, measured without a GPU: the workbook's own code run on fake tensors.
+
+``FakeTensorMode`` gives every tensor a shape, a dtype and a storage size but no data, so each op runs
+only its shape rule: the model is built from its config (no weights read, any size, on this CPU),
+then the training step ``workbook train`` runs (``training.loop.optimizer_step``: its LoRA,
+checkpointing, chunked loss, packed rows and attention path, precision and AdamW; two steps, so
+that the optimizer states exist) or generation as the engine runs it (prefill, the first decode step
+and the last, with the backend's cache), while ``live_tensors.LiveTensors`` counts the bytes alive
+after every op, by kind. The peak is a moment: what is alive then, not a sum of everything.
+
+What a CPU trace cannot see is added and named (``Trace.not_seen``): the CUDA context and the
+allocator's rounding stay the profile's constants until a GPU measures them; kernels that differ
+between CPU and GPU (flex attention, bitsandbytes) are named where the trace runs another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from workbook import models, presets
+from workbook.planner.live_tensors import KINDS, LiveTensors
+from workbook.units import format_bytes
+
+TRAINING_STEPS = 2  # the second step is the steady one: AdamW's states exist from the first step's end
+TRAINING_PHASES = ("forward", "loss", "backward", "gradient clipping", "optimizer step")
+GENERATION_PHASES = ("prefill", "first decode step", "last decode step")
+
+
+class TraceError(ValueError):
+    """The step cannot run on fake tensors: the message names the op and the module that ran it."""
+
+
+class NotACausalLanguageModel(ValueError):
+    """An encoder-only or encoder-decoder config: the workbook trains and generates causal LMs only."""
+
+
+@dataclass
+class Trace:
+    """The peak of one traced job, when it happened and what it held."""
+
+    mode: str  # "train" or "generate"
+    model: str
+    peak_bytes: int  # tensors alive at the peak (no CUDA context, no allocator rounding)
+    phase: str  # when: forward, loss, backward, gradient clipping, optimizer step; prefill, ... decode step
+    by_kind: dict[str, int]  # the peak's bytes by kind (live_tensors.KINDS), zeros left out
+    phase_peaks: dict[str, int]  # the most bytes alive in each phase
+    seconds: float  # wall time of the trace
+    settings: dict  # what was traced
+    not_seen: list[str] = field(default_factory=list)  # what the trace leaves to the profile's constants
+    substitutions: list[str] = field(default_factory=list)  # where the CPU trace ran another kernel than a GPU
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def lines(self) -> list[str]:
+        """The trace in words, for the CLI and notebook 01."""
+        kinds = ", ".join(f"{kind} {format_bytes(value)}" for kind, value in self.by_kind.items())
+        phases = ", ".join(f"{phase} {format_bytes(value)}" for phase, value in self.phase_peaks.items())
+        lines = [f"trace on fake tensors ({self.seconds:.1f} s): peak {format_bytes(self.peak_bytes)} "
+                 f"({self.peak_bytes:,} B) in {self.phase}: {kinds}",
+                 f"trace: the most alive in each phase: {phases}"]
+        lines += [f"trace: {text}" for text in self.substitutions + self.not_seen]
+        return lines
+
+
+def refuse_non_causal(model: str) -> None:
+    """NotACausalLanguageModel for an encoder-only (BERT) or encoder-decoder (T5) config, naming what
+    the workbook plans instead; a causal LM passes."""
+    config = presets.load_config(models.model_source(model))
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    decoder_only = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(config, "is_encoder_decoder", False)
+    if decoder_only:
+        return
+    kind = ("an encoder-decoder" if getattr(config, "is_encoder_decoder", False)
+            else "an encoder-only" if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING else "not a causal")
+    raise NotACausalLanguageModel(
+        f"model {model!r} ({config.model_type}) is {kind} model: the workbook trains and generates causal language "
+        "models (decoder-only, AutoModelForCausalLM) and plans only those; nothing is planned for it. Plan a "
+        f"decoder-only model instead: a preset ({', '.join(presets.preset_names()[:4])}, ...) or a local directory "
+        "whose config.json is a causal LM")
+
+
+# ----------------------------------------------------------------------------------------------
+# Fake models.
+
+
+def _on_meta(model: str, dtype, device, *, attn_implementation: str = models.DEFAULT_ATTENTION):
+    """``models.load_model``'s signature: the architecture on the meta device (no storage, no init)."""
+    return models.build_random(model, dtype, "meta", attn_implementation=attn_implementation)
+
+
+def materialize(module: torch.nn.Module, fake_mode) -> torch.nn.Module:
+    """Every meta parameter and buffer of ``module`` replaced by a fake CPU tensor of its shape and dtype
+    (tied ones stay tied). PEFT's adapters are added on meta first: on fake tensors its weight swap fails."""
+    made: dict[int, torch.Tensor] = {}
+    with fake_mode:
+        for child in module.modules():
+            for name, parameter in list(child._parameters.items()):
+                if parameter is not None:
+                    if id(parameter) not in made:
+                        made[id(parameter)] = torch.nn.Parameter(
+                            torch.empty(parameter.shape, dtype=parameter.dtype, device="cpu"),
+                            requires_grad=parameter.requires_grad)
+                    child._parameters[name] = made[id(parameter)]
+            for name, buffer in list(child._buffers.items()):
+                if buffer is not None:
+                    if id(buffer) not in made:
+                        made[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
+                    child._buffers[name] = made[id(buffer)]
+    return module
+
+
+def fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    # Real inputs are allowed: the batch's token ids stay real (the attention reads the packed
+    # examples' spans from the position ids, the chunked loss the loss positions from the targets).
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def _named_failures(model: torch.nn.Module):
+    """A failure on fake tensors as a TraceError naming the op and the innermost module running it."""
+    running: list[str] = []
+    names = {module: name for name, module in model.named_modules()}
+
+    def enter(module, args):
+        running.append(names.get(module, type(module).__name__) or type(module).__name__)
+
+    def leave(module, args, output):
+        if running:
+            running.pop()
+
+    handles = [module.register_forward_pre_hook(enter) for module in names] + \
+              [module.register_forward_hook(leave) for module in names]
+    try:
+        yield
+    except TraceError:
+        raise
+    except Exception as error:
+        where = running[-1] if running else "outside any module (the step's own code)"
+        kind = type(error).__name__
+        first = (str(error).strip().splitlines() or [kind])[0][:300]
+        raise TraceError(f"the trace cannot run on fake tensors: {kind} in {where} "
+                         f"({type(_find_module(model, where)).__name__ if running else 'step'}): {first}") from error
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _find_module(model, name: str):
+    try:
+        return model.get_submodule(name) if name else model
+    except AttributeError:
+        return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Training.
+
+
+def trace_batch(config, micro_batch_size: int, seq_len: int) -> dict:
+    """A micro-batch of ``micro_batch_size`` full rows of ``seq_len`` tokens, as ``workbook train`` collates
+    synthetic rows (``prepare.synthetic_documents``: packed documents when packing), every token carrying loss."""
+    from workbook.training.batches import Collator
+    from workbook.training.examples import TokenizedExample
+    from workbook.training.prepare import synthetic_documents
+    pieces = synthetic_documents(seq_len) if config.padding == "packing" else [seq_len]
+    rows = [[TokenizedExample([1] * size, [1] * size, f"trace {row}.{piece}") for piece, size in enumerate(pieces)]
+            for row in range(micro_batch_size)]
+    collator = Collator(config.padding, seq_len, 0,
+                        flatten=config.padding == "packing" and config.attn_implementation == "flash_attention_2")
+    return collator(rows)
+
+
+def trace_training(config, *, steps: int = TRAINING_STEPS, fake: bool = True, on_gpu: bool = True) -> Trace:
+    """The peak of ``config``'s (a TrainConfig) training step, traced over ``steps`` optimizer steps on fake
+    tensors (``fake=False``: the same on real tensors with random weights, the tiny model's check). ``on_gpu``: the run it plans
+    is on a GPU (the fused AdamW the loop uses there); the peak is the last step's."""
+    from accelerate import Accelerator
+
+    from workbook.training import loop
+    from workbook.training.config import accelerate_mixed_precision
+
+    refuse_non_causal(config.model)
+    started = time.perf_counter()
+    seq_len, micro_batch_size = int(config.max_seq_length), int(config.micro_batch_size)
+    substitutions, not_seen = [], _not_seen()
+    mixed = accelerate_mixed_precision(config)
+    if mixed == "fp16":
+        substitutions.append("fp16 autocast traced as bf16 autocast (accelerate runs no fp16 on CPU): the same bytes")
+        mixed = "bf16"
+    if config.optimizer == "adamw-8bit":
+        raise TraceError("optimizer adamw-8bit (bitsandbytes) has no CPU kernels to trace; trace with optimizer adamw "
+                         "and read the plan's optimizer_states term for the 8-bit states")
+    if config.dtype in ("int8", "int4"):
+        raise TraceError(f"dtype {config.dtype} (bitsandbytes 4/8-bit layers) has no CPU kernels to trace, and "
+                         "workbook train does not run it (QLoRA is planned only)")
+    # No device placement: the model is on the CPU already, and moving fake parameters swaps them (torch refuses).
+    accelerator = Accelerator(mixed_precision=mixed, cpu=True, device_placement=False)
+    mode = fake_mode() if fake else None
+    tracker = LiveTensors(real_when_no_fake_input=fake)
+    hooks = []
+    try:
+        model, description, _ = loop.load_training_model(config, torch.device("cpu"), seq_len,
+                                                         load=_on_meta if fake else models.build_random)
+        attention = model.config._attn_implementation
+        if fake:
+            materialize(model, mode)
+        # Real tensors, made before the fake mode starts: the step reads their values (loss tokens, spans).
+        micro_batches = [trace_batch(config, micro_batch_size, seq_len) for _ in range(config.gradient_accumulation_steps)]
+        with (mode or contextlib.nullcontext()), tracker, _named_failures(model):
+            tracker.track_module(model)
+            optimizer, _ = loop.build_optimizer(model, config, 1e-4, fused=on_gpu)
+            model, optimizer = accelerator.prepare(model, optimizer)
+            hooks += tracker.track_gradients(model)
+            hooks += _phase_hooks(model, optimizer, tracker)
+            backward, clip = accelerator.backward, accelerator.clip_grad_norm_
+            accelerator.backward = _in_phase(tracker, "backward", backward)
+            accelerator.clip_grad_norm_ = _in_phase(tracker, "gradient clipping", clip)
+            for tensor in [t for batch in micro_batches for t in batch.values()]:
+                tracker.track(tensor, "inputs")
+            model.train()
+            for step in range(steps):
+                if step == steps - 1:
+                    tracker.reset_peak()
+                loop.optimizer_step(accelerator, model, optimizer, micro_batches, 1e-4, config.loss_chunk_tokens)
+                tracker.set_phase("between steps")
+    finally:
+        for handle in hooks:
+            handle.remove()
+        loop.reset_accelerate_state()
+    if attention == "document_sdpa" and on_gpu and config.padding == "packing":
+        substitutions.append("packed rows traced with document_sdpa (sdpa per example); on a GPU the trainer runs "
+                             "flex attention, which has no CPU backward: the same saved tensors per example (output "
+                             "and log-sum-exp), no mask")
+    substitutions.append("CPU autocast's op lists (torch.autocast('cpu')), not CUDA's: the same casts for matmuls "
+                         "and attention")
+    peak = tracker.peak
+    return Trace(
+        mode="train", model=config.model, peak_bytes=peak.bytes, phase=peak.phase,
+        by_kind={kind: peak.by_kind[kind] for kind in KINDS if peak.by_kind.get(kind)},
+        phase_peaks=dict(tracker.phase_peaks), seconds=round(time.perf_counter() - started, 2),
+        settings={"description": description, "micro_batch_size": micro_batch_size, "seq_len": seq_len,
+                  "gradient_accumulation_steps": config.gradient_accumulation_steps, "dtype": config.dtype,
+                  "precision": config.precision, "lora_rank": config.lora_rank,
+                  "grad_checkpointing": config.grad_checkpointing, "loss_chunk_tokens": config.loss_chunk_tokens,
+                  "padding": config.padding, "attention": attention, "optimizer": config.optimizer,
+                  "fused_adamw": on_gpu, "steps": steps, "fake": fake},
+        not_seen=not_seen, substitutions=substitutions,
+    )
+
+
+def _phase_hooks(model, optimizer, tracker: LiveTensors) -> list:
+    """Phases from the model's own hooks: forward while it runs (what it makes is kept for backward),
+    the loss after it, the optimizer step around ``optimizer.step`` (its states counted as such after)."""
+    def step_done(optimizer, args, kwargs):
+        tracker.track_optimizer(optimizer)
+        tracker.set_phase("after the optimizer step")
+
+    return [model.register_forward_pre_hook(lambda module, args: tracker.set_phase("forward", "activations")),
+            model.register_forward_hook(lambda module, args, output: tracker.set_phase("loss", "activations")),
+            optimizer.optimizer.register_step_pre_hook(lambda *_: tracker.set_phase("optimizer step")),
+            optimizer.optimizer.register_step_post_hook(step_done)]
+
+
+def _in_phase(tracker: LiveTensors, phase: str, function):
+    def run(*args, **kwargs):
+        tracker.set_phase(phase)
+        return function(*args, **kwargs)
+    return run
+
+
+def _not_seen() -> list[str]:
+    return ["not seen by a CPU trace: the CUDA context and library workspaces, and the caching allocator's "
+            "rounding and unreusable blocks; they stay the profile's constants (cuda_context, "
+            "allocator_fragmentation) until a GPU measures them (workbook calibrate)"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Generation.
+
+
+def trace_generation(model: str, *, batch_size: int, prompt_len: int, new_tokens: int, dtype: str = "bf16",
+                     backend: str = "static", attn_implementation: str = "sdpa", fake: bool = True) -> Trace:
+    """The peak of generating ``new_tokens`` after ``batch_size`` prompts of ``prompt_len`` tokens as the engine
+    runs it: prefill (logits of the last position only, as ``generate`` keeps), the first decode step and the
+    last (the cache full but for one position: every step between holds less), with the backend's cache
+    (``static``: transformers' dynamic cache; ``static-compiled``: its static cache, preallocated).
+    One row is left-padded by a token, as a batch of unequal prompts is, so the padding mask exists."""
+    from transformers import DynamicCache, StaticCache
+
+    refuse_non_causal(model)
+    if dtype in ("int8", "int4"):
+        raise TraceError(f"dtype {dtype} (bitsandbytes 4/8-bit layers) has no CPU kernels to trace")
+    if backend not in ("static", "static-compiled"):
+        raise TraceError(f"backend {backend!r}: the trace runs the static backends (static, static-compiled); the "
+                         "continuous backend's paged cache runs in transformers' manager thread, which fake tensors "
+                         "do not follow: read the plan's paged terms")
+    started = time.perf_counter()
+    mode = fake_mode() if fake else None
+    tracker = LiveTensors(real_when_no_fake_input=fake)
+    loaded = (_on_meta if fake else models.build_random)(model, dtype, "cpu", attn_implementation=attn_implementation)
+    built = loaded.model
+    if fake:
+        materialize(built, mode)
+    text_config = built.config.get_text_config(decoder=True)
+    total = prompt_len + new_tokens
+    with (mode or contextlib.nullcontext()), tracker, _named_failures(built), torch.no_grad():
+        tracker.track_module(built)
+        cache = (StaticCache(config=text_config, max_cache_len=total) if backend == "static-compiled"
+                 else DynamicCache(config=text_config))
+        with torch.device("cpu"):
+            input_ids = torch.ones((batch_size, prompt_len), dtype=torch.long)
+            mask = torch.ones((batch_size, prompt_len), dtype=torch.long)
+        mask[-1, 0] = 0  # one left-padded row
+        for tensor in (input_ids, mask):
+            tracker.track(tensor, "inputs")
+
+        def forward(ids, mask, position: int, keep: int = 1):
+            positions = torch.arange(position, position + ids.shape[1], device="cpu")
+            output = built(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
+                           cache_position=positions, logits_to_keep=keep)
+            for tensor in _cache_tensors(cache):
+                tracker.track(tensor, "kv_cache")
+            # generate copies the last position's logits to fp32 and picks the next token from them
+            logits = output.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+            return logits.argmax(-1, keepdim=True)
+
+        tracker.set_phase("prefill")
+        next_ids = forward(input_ids, mask, 0)
+        mask = torch.cat([mask, mask.new_ones((batch_size, 1))], dim=-1)
+        if new_tokens > 1:
+            tracker.set_phase("first decode step")
+            next_ids = forward(next_ids, mask, prompt_len)
+        if new_tokens > 2:
+            # The steps between hold less than the last: the cache is filled without counting them.
+            tracker.recording = False
+            tracker.set_phase("filling the cache")
+            filler = torch.ones((batch_size, new_tokens - 3), dtype=torch.long, device="cpu")
+            if filler.shape[1]:
+                mask = torch.cat([mask, mask.new_ones(filler.shape)], dim=-1)
+                forward(filler, mask, prompt_len + 1)
+            del filler
+            tracker.recording = True
+            mask = torch.cat([mask, mask.new_ones((batch_size, 1))], dim=-1)
+            tracker.set_phase("last decode step")
+            forward(next_ids, mask, total - 2)
+    peak = tracker.peak
+    return Trace(
+        mode="generate", model=model, peak_bytes=peak.bytes, phase=peak.phase,
+        by_kind={kind: peak.by_kind[kind] for kind in KINDS if peak.by_kind.get(kind)},
+        phase_peaks={phase: value for phase, value in tracker.phase_peaks.items() if phase in GENERATION_PHASES},
+        seconds=round(time.perf_counter() - started, 2),
+        settings={"batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
+                  "backend": backend, "cache": type(cache).__name__,
+                  "attention": built.config._attn_implementation, "fake": fake},
+        not_seen=_not_seen(),
+    )
+
+
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    tensors = []
+    for layer in getattr(cache, "layers", []):
+        for name in ("keys", "values"):
+            value = getattr(layer, name, None)
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+    return tensors
