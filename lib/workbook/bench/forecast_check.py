@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from workbook import gpu, models, params as params_module
+from workbook import gpu, launcher_watch, models, params as params_module
 from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 from workbook.bench.forecast_report import markdown
 from workbook.generation.files import OutputFiles, resolve_input_path
@@ -106,7 +106,8 @@ def command(argv: list[str], session: Session) -> tuple[float, float, subprocess
         raise NotFinished(f"no time left in the budget to start python {' '.join(argv[:3])}")
     began, cpu_began = time.perf_counter(), _children_cpu_seconds()
     process = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=session.env, cwd=REPO_ROOT, start_new_session=True)
+                               env=launcher_watch.child_environment(session.env), cwd=REPO_ROOT,
+                               start_new_session=True)  # its own group; it still ends with this process
     try:
         stdout, stderr = process.communicate(timeout=left)
     except BaseException as stop:  # the deadline, or Ctrl-C, which no longer reaches the command's own group

@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 
 from workbook.paths import MODELS_DIR, OUTPUTS_DIR, REPO_ROOT
-from workbook import gpu, params
+from workbook import gpu, launcher_watch, params
 
 RESERVE_SECONDS = 20  # kept back from the last step: the summary and copying the results
 BUDGET_MARGIN_SECONDS = 20  # a step's own budget is this much less than it is given: its imports and writing
@@ -173,8 +173,10 @@ def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float
     """Run ``steps`` in order within ``budget_seconds``; returns one record per step."""
     deadline = clock() + budget_seconds - RESERVE_SECONDS
     # Offline: the device reaches no network, so a lookup on the Hub fails at once instead of timing out.
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))}
+    # Each step ends with this process if it is killed (launcher_watch), as it does at the budget's end.
+    env = launcher_watch.child_environment({
+        **os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))})
     records = []
     with log_path.open("a") as log:
         for step in steps:

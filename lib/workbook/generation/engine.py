@@ -15,6 +15,7 @@ from typing import Callable
 
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
+from workbook import process_group
 from workbook.generation.progress import positions_cost, remaining_seconds
 
 FINISH_EOS, FINISH_LENGTH = "eos", "length"
@@ -165,6 +166,8 @@ def generate_with_split(backend, prompts: list[Prompt], log: Callable[[str], Non
             part = [prompt for i, prompt in enumerate(part) if i not in partial.completed]
             failure = partial.error
         except Exception as error:  # out of memory, or anything one example could cause
+            if process_group.is_exchange_failure(error):
+                raise  # a tensor-parallel peer is gone or silent: no example's fault, and no retry reaches it
             failure = error
         else:
             outcome.completed += list(zip(part, output.completions))

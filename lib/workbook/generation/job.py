@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbook import job_keys, jsonl, models, prompt_format, recorded_forecast, runtime
+from workbook import job_keys, jsonl, models, process_group, prompt_format, recorded_forecast, runtime
 from workbook.generation import nodes, records, tensor_parallel, verify
 from workbook.generation.backends import make_backend, resolve_backend
 from workbook.generation.engine import (
@@ -31,6 +31,7 @@ from workbook.generation.inputs import (
     Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_text,
 )
 from workbook.generation.progress import planned_by_prompt
+from workbook.params import SCHEMA
 from workbook.planner import profile
 
 PARAMS_USED = job_keys.GENERATE
@@ -75,10 +76,12 @@ class Rank:
             torch.distributed.destroy_process_group()
 
 
-def current_rank(tensor_parallel_size: int = 1) -> Rank:
+def current_rank(tensor_parallel_size: int = 1,
+                 peer_timeout_seconds: float = SCHEMA["peer_timeout_seconds"].default) -> Rank:
     if runtime.launched_processes() > 1:
         from accelerate import PartialState
-        state = PartialState(cpu=not torch.cuda.is_available())  # gloo on CPU, NCCL on GPUs
+        state = PartialState(cpu=not torch.cuda.is_available(),  # gloo on CPU, NCCL on GPUs
+                             **process_group.init_options(peer_timeout_seconds))
         return Rank(state.process_index, state.num_processes, state.device, state, tensor_parallel_size)
     return Rank(0, 1, runtime.default_device())
 
@@ -317,7 +320,7 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
     verifier = _verifier(params)  # a mistyped verifier stops the job before hours of generation
     layout = tensor_parallel.launched_layout(params)  # a size the model or launcher cannot run stops here
     params = {**params, "tensor_parallel_size": layout.tensor_parallel_size}  # 'auto' resolved, for the planner
-    rank = current_rank(layout.tensor_parallel_size)
+    rank = current_rank(layout.tensor_parallel_size, params["peer_timeout_seconds"])
     files = OutputFiles(Path(output_path))
     began = time.perf_counter()
     with output_locked(files, rank, held_by_parent=lock_held_by_parent):
