@@ -82,6 +82,8 @@ def test_full_run_on_cpu_profile_leaves_a_complete_run_folder(cpu_run):
     assert manifest["status"] == "ok" and manifest["profile"] == "cpu"
     assert [entry["name"] for entry in manifest["notebooks"]] == [p.stem for p in NOTEBOOKS]
     assert all(entry["seconds"] > 0 for entry in manifest["notebooks"])
+    # `workbook run`'s line per notebook carries its headline figure, read from the metrics it wrote.
+    assert not [entry for entry in manifest["notebooks"] if entry["headline"].startswith("ok")], manifest["notebooks"]
     assert manifest["git"]["commit"] and manifest["versions"]["torch"] and manifest["params"]["dtype"] == "fp32"
     assert manifest["started_at"] <= manifest["finished_at"]
     for path in NOTEBOOKS:
