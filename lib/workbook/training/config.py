@@ -86,6 +86,8 @@ class TrainConfig:
     stop_after_steps: int | None = None  # end this invocation early, as if interrupted (resume tests, spot machines)
     # Run only these steps of the plan (ascending), each with the rows the run gives it: the forecast's pilot.
     run_only_steps: tuple[int, ...] = ()
+    # Run only these steps of the plan (ascending), each with the rows the run gives it: the forecast's pilot.
+    run_only_steps: tuple[int, ...] = ()
     synthetic_examples: int = 512  # preset models only: random sequences of max_seq_length tokens
 
 
