@@ -167,6 +167,12 @@ def test_generation_workers_end_with_a_killed_torchrun_and_the_rerun_writes_ever
     seconds = start_then_kill(command, tmp_path, kill_when=lambda: True)
     record_seconds(f"generation {layout}, start-up", seconds)
     assert seconds < GONE_WITHIN_SECONDS and written() == 0
+    # Loaded: the model is in every worker, the group joined, generation about to start.
+    log = tmp_path / "launch.log"
+    starts = log.read_text().count(" to generate with ")
+    seconds = start_then_kill(command, tmp_path, kill_when=lambda: log.read_text().count(" to generate with ") > starts)
+    record_seconds(f"generation {layout}, loaded", seconds)
+    assert seconds < GONE_WITHIN_SECONDS
     # Mid-run: a few batches written.
     seconds = start_then_kill(command, tmp_path, kill_when=lambda: written() >= 4)
     record_seconds(f"generation {layout}, mid-run", seconds)
@@ -196,22 +202,26 @@ def test_notebook_launchers_forked_workers_end_with_it_and_release_the_output_lo
     assert ids_in(out / "teacher.jsonl") == ids
 
 
-def test_training_workers_end_with_a_killed_torchrun_and_the_rerun_continues_the_same_run(tmp_path, untrained_tiny):
+@pytest.mark.parametrize("launcher", ["torchrun", "notebook_launcher"])
+def test_training_workers_end_with_their_killed_launcher_and_the_rerun_continues_the_same_run(tmp_path, untrained_tiny,
+                                                                                            launcher):
     pairs = "".join(json.dumps({"input": f"What is {i} + {2 * i}?", "output": str(3 * i)}) + "\n" for i in range(60))
     (tmp_path / "pairs.jsonl").write_text(pairs)
-    command = torchrun(*TRAIN[:4], f"model={untrained_tiny}", *TRAIN[4:])
+    train = [*TRAIN[:5], f"model={untrained_tiny}", *TRAIN[5:]]
+    # torchrun starts both processes; `workbook train` forks them itself (accelerate's notebook_launcher).
+    command = torchrun(*train) if launcher == "torchrun" else [sys.executable, *train]
     saved = lambda: sorted((tmp_path / "run" / "training" / "checkpoints").glob("step-*/workbook_state.json"))
     seconds = start_then_kill(command, tmp_path, kill_when=lambda: True)
-    record_seconds("training torchrun x2, start-up", seconds)
+    record_seconds(f"training {launcher} x2, start-up", seconds)
     assert seconds < GONE_WITHIN_SECONDS and not saved()
     seconds = start_then_kill(command, tmp_path, kill_when=lambda: len(saved()) >= 2)
-    record_seconds("training torchrun x2, mid-run", seconds)
+    record_seconds(f"training {launcher} x2, mid-run", seconds)
     assert seconds < GONE_WITHIN_SECONDS
     resumable = json.loads(saved()[-1].read_text())["step"]
     assert 2 <= resumable < 12
     finish(command, tmp_path)
     metrics = json.loads((tmp_path / "run" / "training_metrics.json").read_text())
-    assert metrics["status"] == "finished"
+    assert metrics["status"] == "finished" and metrics["settings"]["processes"] == 2
     assert metrics["steps"]["reached"] == 12 and resumable <= metrics["steps"]["resumed_from"] < 12
     assert [record["step"] for record in metrics["history"]] == list(range(1, 13))  # one run's curve, no step twice
     assert (tmp_path / "run" / "training" / "final" / "config.json").is_file()
