@@ -79,7 +79,9 @@ def _cmd_plan(args) -> int:
         if key in params_module.SCHEMA and not (key == "dtype" and value in ("int8", "int4")):
             params_module.validate_value(key, value, flags.get(key, f"--{key.replace('_', '-')}"))
     options = []
+    from workbook.planner import trace
     try:
+        trace.refuse_non_causal(args.model or profile["model"])  # BERT, T5: exit 2, what is planned instead
         result = planner_profile.plan(profile, mode=args.mode, batch_size=args.batch_size, **overrides)
         if result.mode == "train" and not result.fits:  # its alternatives (LoRA among them) can be refused too
             from workbook.planner import fit
@@ -89,14 +91,18 @@ def _cmd_plan(args) -> int:
         return 2
     from workbook.planner import accelerate_estimate
     beside = accelerate_estimate.beside_plan(result, args.model or profile["model"])
+    traced = trace.traced_plan({**profile, **overrides}, result) if args.trace else None
     if args.json:
         print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice(),
-                          "ways_to_fit": options, "accelerate_estimate_memory": beside}, indent=2, default=str))
+                          "ways_to_fit": options, "accelerate_estimate_memory": beside,
+                          **({"trace": traced} if traced else {})}, indent=2, default=str))
     else:
         print(planner_profile.plan_text(result, profile["profile"]))
         print(accelerate_estimate.comparison_line(beside))
         if options:
             print("\n".join(fit.ways_to_fit_lines(options)))
+        if traced:
+            print("\n".join(trace.traced_plan_lines(traced)))
     if result.max_batch_size == 0:
         print(f"error: {result.advice()}", file=sys.stderr)
         return 3
@@ -254,6 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "safety_margin)")
     plan_parser.add_argument("--num-nodes", type=int, help="machines of the profile's GPUs (default: the profile's "
                              "num_nodes); the plan says what crosses the network between them")
+    plan_parser.add_argument("--trace", action="store_true",
+                             help="also run the step on fake tensors (no weights, no GPU; seconds to a minute) and show "
+                                  "its peak, when it happens and what it holds, beside the plan")
     plan_parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan_parser.set_defaults(handler=_cmd_plan)
 

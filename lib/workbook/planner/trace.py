@@ -313,6 +313,16 @@ def trace_generation(model: str, *, batch_size: int, prompt_len: int, new_tokens
         tracker.track_module(built)
         cache = (StaticCache(config=text_config, max_cache_len=total) if backend == "static-compiled"
                  else DynamicCache(config=text_config))
+        update = cache.update
+
+        def counted_update(key_states, value_states, layer_idx, *args, **kwargs):
+            # what the cache keeps is counted as kv_cache the moment it has it
+            result = update(key_states, value_states, layer_idx, *args, **kwargs)
+            for tensor in _cache_tensors(cache):
+                tracker.track(tensor, "kv_cache")
+            return result
+
+        cache.update = counted_update
         with torch.device("cpu"):
             input_ids = torch.ones((batch_size, prompt_len), dtype=torch.long)
             mask = torch.ones((batch_size, prompt_len), dtype=torch.long)
@@ -324,8 +334,6 @@ def trace_generation(model: str, *, batch_size: int, prompt_len: int, new_tokens
             positions = torch.arange(position, position + ids.shape[1], device="cpu")
             output = built(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True,
                            cache_position=positions, logits_to_keep=keep)
-            for tensor in _cache_tensors(cache):
-                tracker.track(tensor, "kv_cache")
             # generate copies the last position's logits to fp32 and picks the next token from them
             logits = output.logits[:, -1, :].to(copy=True, dtype=torch.float32)
             return logits.argmax(-1, keepdim=True)
@@ -370,3 +378,117 @@ def _cache_tensors(cache) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
     return tensors
+
+
+# ----------------------------------------------------------------------------------------------
+# A plan's settings traced, and the trace beside the plan.
+
+OVERHEAD_TERMS = ("cuda_context", "allocator_fragmentation")  # the profile's constants: no CPU trace sees them
+# Which plan terms hold what each traced kind holds (the plan's activations are the saved tensors (training) or
+# one layer's transients (generation), its logits term the logits and their gradients: the trace's
+# activations, temporaries and inputs).
+GROUPS = {
+    "weights": (("weights", "lora_adapters"), ("parameters",)),
+    "gradients": (("gradients", "ddp_gradient_buckets"), ("gradients",)),
+    "optimizer states": (("optimizer_states",), ("optimizer_states",)),
+    "autocast weight copies": (("autocast_weight_copies",), ("autocast_weight_copies",)),
+    "KV cache": (("kv_cache",), ("kv_cache",)),
+    "activations, logits and temporaries": (("activations", "logits_and_loss", "logits"),
+                                            ("activations", "temporaries", "inputs")),
+}
+
+
+def train_config(settings: dict, micro_batch_size: int):
+    """The TrainConfig ``workbook train`` would build from a profile's ``settings`` (with a plan's overrides)
+    at ``micro_batch_size``: the run the trace runs. Synthetic rows of seq_len tokens stand in for the data."""
+    from workbook.training.config import TrainConfig
+    return TrainConfig(
+        model=settings["model"], data_path="", data_description="synthetic rows (trace)", output_dir="",
+        max_seq_length=int(settings["seq_len"]), micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=int(settings.get("gradient_accumulation_steps", 1)),
+        padding=settings.get("padding", "packing"), dtype=settings["dtype"],
+        precision=settings.get("precision", "mixed"), lora_rank=int(settings.get("lora_rank", 0)),
+        lora_targets=settings.get("lora_targets", ""), grad_checkpointing=bool(settings.get("grad_checkpointing")),
+        attn_implementation=settings.get("attn_implementation", "sdpa"),
+        loss_chunk_tokens=int(settings.get("loss_chunk_tokens", 0)), optimizer=settings.get("optimizer", "adamw"),
+        offload_activations=bool(settings.get("offload_activations", False)))
+
+
+def trace_plan(settings: dict, plan) -> Trace:
+    """The trace of what ``plan`` (planned from ``settings``: a profile and its overrides) plans: one process's
+    training step or generation. A TraceError says what cannot be traced (and the plan still stands)."""
+    on_gpu = settings.get("gpu_count", 0) > 0
+    if plan.mode == "train":
+        if settings.get("sharding", "none") != "none":
+            raise TraceError("sharding fsdp: the trace runs one process, unsharded; read the plan's FSDP terms")
+        if settings.get("offload_activations"):
+            raise TraceError("offload_activations copies to pinned host memory on CUDA only; the trace runs without "
+                             "it: trace with offload_activations false and read the plan's activations term")
+        return trace_training(train_config(settings, plan.batch_size), on_gpu=on_gpu)
+    if plan.tensor_parallel_size > 1:
+        raise TraceError(f"tensor_parallel_size {plan.tensor_parallel_size}: the trace runs one unsharded process")
+    backend = settings.get("backend", "static")
+    traced = trace_generation(settings["model"], batch_size=plan.batch_size, prompt_len=plan.lengths["prompt_len"],
+                              new_tokens=plan.lengths["new_tokens"], dtype=plan.dtype,
+                              backend="static" if backend == "auto" else backend,
+                              attn_implementation=settings.get("attn_implementation", "sdpa"))
+    if backend == "auto":
+        traced.substitutions.append("backend auto traced as static (the continuous backend is not traced)")
+    return traced
+
+
+def beside_plan(plan, trace: Trace) -> dict:
+    """The trace beside the plan, group by group (``GROUPS``), tensors only: the plan's total without
+    its CUDA context and fragmentation terms against the trace's peak; then the trace with those
+    profile constants added, the figure to hold against the GPU."""
+    terms = {term.name: term.bytes for term in plan.terms}
+    groups = []
+    for name, (plan_terms, kinds) in GROUPS.items():
+        planned = sum(terms.get(term, 0) for term in plan_terms)
+        traced = sum(trace.by_kind.get(kind, 0) for kind in kinds)
+        if planned or traced:
+            groups.append({"group": name, "plan_bytes": planned, "trace_bytes": traced,
+                           "plan_terms": [term for term in plan_terms if term in terms]})
+    plan_tensors = sum(value for name, value in terms.items() if name not in OVERHEAD_TERMS)
+    constants = {name: terms.get(name, 0) for name in OVERHEAD_TERMS}
+    fragmentation = plan.settings.get("fragmentation_fraction", 0.0)
+    return {
+        "groups": groups,
+        "plan_tensor_bytes": plan_tensors,
+        "trace_peak_bytes": trace.peak_bytes,
+        "plan_over_trace": round(plan_tensors / trace.peak_bytes, 4) if trace.peak_bytes else None,
+        "trace_with_profile_constants_bytes": (trace.peak_bytes + constants["cuda_context"]
+                                               + int(trace.peak_bytes * fragmentation)),
+    }
+
+
+def beside_plan_lines(comparison: dict) -> list[str]:
+    """The comparison in words: one line per group, then the totals."""
+    lines = ["trace beside the plan (tensors; the plan adds every term, the trace reads one moment):"]
+    for group in comparison["groups"]:
+        lines.append(f"  {group['group']:<38} plan {format_bytes(group['plan_bytes']):>10}   "
+                     f"trace {format_bytes(group['trace_bytes']):>10}")
+    ratio = comparison["plan_over_trace"]
+    lines.append(f"  {'tensors at the peak':<38} plan {format_bytes(comparison['plan_tensor_bytes']):>10}   "
+                 f"trace {format_bytes(comparison['trace_peak_bytes']):>10}"
+                 + (f"   (plan {100 * (ratio - 1):+.1f}%)" if ratio else ""))
+    lines.append(f"  trace + the profile's CUDA context and fragmentation: "
+                 f"{format_bytes(comparison['trace_with_profile_constants_bytes'])}")
+    return lines
+
+
+def traced_plan(settings: dict, plan) -> dict:
+    """``workbook plan --trace``'s ``trace`` block: the trace of ``plan`` and the two beside each other, or
+    ``error`` naming what could not be traced (the plan itself still stands)."""
+    try:
+        traced = trace_plan(settings, plan)
+    except TraceError as error:
+        return {"error": str(error)}
+    return {**traced.to_dict(), "beside_plan": beside_plan(plan, traced)}
+
+
+def traced_plan_lines(block: dict) -> list[str]:
+    if "error" in block:
+        return [f"trace: {block['error']}; the plan above is the analytical one alone"]
+    trace = Trace(**{key: value for key, value in block.items() if key in Trace.__dataclass_fields__})
+    return trace.lines() + beside_plan_lines(block["beside_plan"])
