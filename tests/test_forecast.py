@@ -3,13 +3,14 @@ distribution, its outputs kept by the job (generated once), and the ETA from the
 
 import dataclasses
 import json
+import math
 import random
 
 import pytest
 import torch
 
 from workbook import bench, cli, generation, params, recorded_forecast
-from workbook.forecast import eta, model as forecast, pilot, regression, startup, stream as stream_forecast
+from workbook.forecast import eta, model as forecast, pilot, regression, startup, stream as stream_forecast, training_steps
 from workbook.forecast.model import GenerationTimings, OutputLengths
 from workbook.generation import progress
 from workbook.paths import PARAMS_DIR
@@ -628,6 +629,11 @@ def test_a_training_forecast_over_two_nodes_names_the_gradient_all_reduce(tmp_pa
     assert result.job["total_steps"] < run_plan.plan_run(config, prepared, processes=1).total_steps
     assert "all-reduce" in result.network["explanation"] and result.network["network_bytes_per_node_per_step"] > 0
     assert any(note.startswith("not in the time: the network") for note in result.notes)
+    # The pilot ran steps of this node's own run, drawn across it, not its first steps.
+    here = run_plan.plan_run(config, prepared, processes=1)
+    assert result.pilot["step_indices"] == training_steps.pick_steps(
+        here.total_steps, here.steps_per_epoch, max(2, math.floor(0.05 * result.job["total_steps"])))
+    assert max(result.pilot["step_indices"]) > here.total_steps // 2
 
 
 def test_a_forecast_without_output_path_leaves_a_run_folder_that_generate_finishes(tmp_path, tiny_model_path,
@@ -808,3 +814,91 @@ def test_the_eta_plan_left_beside_the_output_prices_the_jobs_batches_as_the_fore
     # Without a plan (an older forecast, or none) the job plans by positions.
     (tmp_path / "old.forecast.json").write_text(json.dumps(made))
     assert recorded_forecast.eta_plan(tmp_path / "old.forecast.json") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# The training pilot: steps drawn across the run, each step of the run priced by what it holds.
+
+
+def test_the_training_pilots_steps_are_spread_over_every_epoch_not_the_first_ones():
+    steps = training_steps.pick_steps(total_steps=300, steps_per_epoch=50, count=30)
+    assert len(steps) == 30 and steps != list(range(30))
+    # Evenly over the run, so every epoch in proportion (15 pairs over 6 epochs: 2 or 3 pairs each).
+    assert all(sum(s // 50 == epoch for s in steps) in (4, 6) for epoch in range(6))
+    every = training_steps.pick_steps(total_steps=300, steps_per_epoch=50, count=60)
+    assert [sum(s // 50 == epoch for s in every) for epoch in range(6)] == [10] * 6
+    # In pairs of neighbours within one epoch: a step that starts its epoch's loader always has one that does not.
+    pairs = [steps[i:i + 2] for i in range(0, len(steps), 2)]
+    assert all(b == a + 1 and a // 50 == b // 50 for a, b in pairs)
+    # The first, middle and last tenth of the run are each timed; never the last step (it would finish the run).
+    assert all(any(begin * 300 <= s < end * 300 for s in steps) for begin, end in training_steps.PHASES.values())
+    assert max(steps) < 299
+    # An epoch of one step has no neighbour in it: the pair spans two epochs.
+    assert training_steps.pick_steps(10, 1, 4) == [1, 2, 5, 6] and training_steps.pick_steps(1, 1, 4) == [0]
+    assert training_steps.loader_starts([3, 4, 51, 52, 55], 50) == [True, False, True, False, False]
+
+
+def test_each_step_of_the_run_holds_the_rows_the_loop_serves_it():
+    """A step's content is what the loop's loader gives it: epoch e's micro-batches, step s taking
+    s x A x W up to (s + 1) x A x W - 1, per process; a new epoch deals the rows out afresh."""
+    from types import SimpleNamespace
+    from workbook.training import batches
+    lengths = [5, 60, 7, 3, 40, 9, 12, 30, 2, 50, 8, 6]
+    rows = batches.plan_rows(lengths, "packing", 64)
+    run = SimpleNamespace(gradient_accumulation_steps=1, processes=2, micro_batch_size=1, steps_per_epoch=len(rows) // 2,
+                          total_steps=len(rows))  # two epochs
+    contents = training_steps.run_step_contents(rows, lengths, "packing", run, seed=0)
+    assert len(contents) == run.total_steps
+    for epoch in range(2):
+        micro = batches.epoch_micro_batches(rows, lengths, "packing", micro_batch_size=1, seed=0, epoch=epoch)
+        for step in range(run.steps_per_epoch):
+            documents = [lengths[i] for batch in micro[2 * step:2 * step + 2] for row in batch for i in row]
+            content = contents[epoch * run.steps_per_epoch + step]
+            assert (content.tokens, content.attention_pairs) == (sum(documents) / 2, sum(n * n for n in documents) / 2)
+    assert contents[:run.steps_per_epoch] != contents[run.steps_per_epoch:]  # the order changes with the epoch
+
+
+def test_a_step_the_pilot_did_not_run_is_priced_by_what_it_holds():
+    """Steps whose seconds follow 0.01 + 1e-5 per token + 2e-7 per attention pair: the model fitted to
+    a few of them prices every other step, a row of few long documents dearer than one of many short."""
+    truth = training_steps.StepModel(0.01, 1e-5, 2e-7)
+    rng = random.Random(0)
+    contents = [training_steps.StepContent(tokens, tokens * rng.choice([8, 64, 500]))
+                for tokens in (rng.randint(200, 1000) for _ in range(200))]
+    timed = [3, 4, 50, 51, 100, 101, 150, 151]
+    model = training_steps.fit([contents[s] for s in timed], [truth.seconds(contents[s]) for s in timed])
+    assert [model.seconds(c) for c in contents] == pytest.approx([truth.seconds(c) for c in contents], rel=1e-6)
+    assert model.fit_error == pytest.approx(0.0, abs=1e-9)
+    few_long = training_steps.StepContent(512, 2 * 256 ** 2)
+    many_short = training_steps.StepContent(512, 32 * 16 ** 2)
+    assert model.seconds(few_long) > model.seconds(many_short)
+    # Per phase of the run (first, middle and last tenth): the mean of the steps in it.
+    phases = training_steps.phase_means([1.0] * 10 + [2.0] * 80 + [3.0] * 10)
+    assert phases == {"first tenth": 1.0, "middle tenth": 2.0, "last tenth": 3.0}
+    assert training_steps.phase_means([None] * 10 + [2.0] * 90)["first tenth"] is None
+
+
+def test_the_loop_runs_only_the_pilots_steps_each_with_the_rows_the_run_gives_it(tmp_path):
+    """The pilot's steps run through the training loop itself (its loader, its step, its timing), each
+    with the rows the whole run would give that step, so a step's time in the pilot is the run's."""
+    from workbook import training
+    from workbook.training import batches, prepare, run_plan
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"input": f"What is {i} + {i % 9}?" + " please" * (i % 7),
+                                        "output": str(i + i % 9)}) + "\n" for i in range(48)))
+    config = training.TrainConfig(model="tiny", data_path=str(data), data_description="test data",
+                                  output_dir=str(tmp_path / "out"), validation_fraction=0.0, micro_batch_size=2,
+                                  learning_rate=1e-3, max_steps=0, epochs=3, warmup_steps=0, save_every_steps=0,
+                                  dtype="fp32", tf32=False, dataloader_workers=0, pin_memory=False,
+                                  use_chat_template=False)
+    prepared = prepare.prepare_data(config, log=lambda line: None)
+    run = run_plan.plan_run(config, prepared)
+    lengths = [example.length for example in prepared.train]
+    contents = training_steps.run_step_contents(batches.plan_rows(lengths, config.padding, prepared.max_seq_length),
+                                                lengths, config.padding, run, config.seed)
+    chosen = training_steps.pick_steps(run.total_steps, run.steps_per_epoch, 6)
+    assert len({step // run.steps_per_epoch for step in chosen}) == 3  # every epoch
+    result = training.train(dataclasses.replace(config, run_only_steps=tuple(chosen)), prepared)
+    assert [record["step"] for record in result["history"]] == [step + 1 for step in chosen]
+    assert [record["tokens"] for record in result["history"]] == [contents[step].tokens for step in chosen]
+    assert result["status"] != "finished"  # the last step is never the pilot's: no final model saved

@@ -42,7 +42,13 @@ def test_the_cpu_profile_keeps_its_cases_and_its_recorded_command(tmp_path):
     assert names == ["the profile's 1,500 prompts x 8 samples, EOS-ended", "1000 mixed-length prompts x 8 samples, EOS-ended",
                      "1000 mixed-length prompts x 8 samples, fixed length (cut at max_new_tokens 3)",
                      "1000 mixed-length prompts, EOS-ended, continuous backend (one sample each, up to 16 new tokens)",
-                     "training, 100 steps (shipped sample, micro-batch 4)"]
+                     "training, 100 steps (shipped sample, micro-batch 4)",
+                     "training, 400 steps of 3,000 pairs of widely mixed lengths (packing, micro-batch 16: rows change "
+                     "in cost across the epoch)"]
+    mixed = forecast_check.cases(args, tmp_path, on_gpu=False)[-1][2]
+    assert f"train_data_path={tmp_path / 'mixed-pairs.jsonl'}" in mixed and "padding=packing" in mixed
+    only = forecast_check.cases(arguments("--only-training"), tmp_path, on_gpu=False)
+    assert [mode for _, mode, _ in only] == ["train", "train"]
     assert forecast_check.command_line(args) == (
         "PYTHONPATH=lib python -m workbook.bench.forecast_check --out outputs/reference/cpu --mixed-prompts 1000 "
         "--train-steps 100 --train-micro-batch 4 --threads 1 --repeats 3")
@@ -151,3 +157,26 @@ def test_the_markdown_lists_unfinished_cases_and_the_projection_beside_seed_000(
     h200 = next(line for line in lines if line.startswith("| h200 |"))
     assert h200.startswith("| h200 | 84.0 s | $0.0500 | projected | 6.67 h | $14.29 | ~2-3 h; $1.00-2.40")
     assert next(line for line in lines if line.startswith("| cpu |")).startswith("| cpu | - | - | not projected | - | - | - |")
+
+
+def test_the_mixed_length_training_set_holds_short_and_long_pairs(tmp_path):
+    pairs = [json.loads(line) for line in forecast_check.mixed_training_pairs(tmp_path / "pairs.jsonl", 500).read_text().splitlines()]
+    lengths = sorted(len(pair["input"]) for pair in pairs)
+    assert len(pairs) == 500 and lengths[len(lengths) // 2] < 30 and lengths[-1] > 10 * lengths[len(lengths) // 2]
+
+
+def test_the_runs_steps_are_set_beside_the_step_model_per_phase_without_the_loader_starts():
+    """The run's own step seconds per phase (first, middle and last tenth of its steps), each epoch's
+    first step (the loader's start, the warm-up) left out, against the forecast's planned step."""
+    history = [{"step": step, "seconds": 5.0 if (step - 1) % 10 == 0 else (0.2 if step <= 50 else 0.1)}
+               for step in range(1, 101)]
+    made = {"job": {"steps_per_epoch": 10},
+            "pilot": {"step_model": {"planned_step_seconds_by_phase": {"first tenth": 0.22, "middle tenth": 0.1,
+                                                                       "last tenth": 0.09}}}}
+    phases = forecast_check.step_phases(made, history)
+    assert phases["first tenth"] == {"planned_step_seconds": 0.22, "measured_step_seconds": 0.2, "error": 0.1}
+    assert phases["last tenth"]["error"] == pytest.approx(-0.1)
+    row = {"case": "mixed", "phases": {phase: {key: [value] for key, value in entry.items()}
+                                       for phase, entry in phases.items()}}
+    lines = forecast_report.phase_lines({"cases": [row]})
+    assert "| mixed | first tenth | 0.2200 | 0.2000 | +10.0% |" in lines

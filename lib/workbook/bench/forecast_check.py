@@ -10,7 +10,11 @@ as a fresh run into another output, each command in its own process as a user wo
 compares the forecast's ``predicted_wall_seconds`` with the job's measured wall time (process
 start to exit). Cases on the cpu profile (the tiny model): the shipped prompts; a generated set of
 mixed-length prompts with outputs that end at end of sequence, and the same cut at a fixed length;
-a training run of a few hundred steps, in all about 10 minutes of a 2-core CPU. On a GPU profile:
+a training run of a few hundred steps on the shipped sample; and a training run on pairs of widely
+mixed lengths (packing: a row of a few long examples costs more attention than one of many short
+ones, and each epoch deals the rows out afresh), where the run's own step times per phase (first
+tenth, middle tenth, last tenth of its steps) are set beside the forecast's step model; in all about
+15 minutes of a 2-core CPU (``--only-training``: the training cases alone). On a GPU profile:
 the mixed-length prompts at a fixed output length (``--max-new-tokens``: random weights rarely end
 a sequence) and the training run; the markdown adds the generation forecast's projection to every
 profile beside seed 000's claims for its own job.
@@ -44,7 +48,9 @@ from workbook import gpu, launcher_watch, models, params as params_module
 from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 from workbook.bench.forecast_report import markdown
 from workbook.generation.files import OutputFiles, resolve_input_path
+from workbook.forecast import training_steps
 from workbook.paths import REPO_ROOT
+from workbook.training.config import RESULT_FILE
 from workbook.generation.progress import ETA_CHECKPOINTS, eta_errors
 from workbook.recorded_forecast import FORECAST_SUFFIX
 
@@ -52,6 +58,7 @@ GOAL = 0.10  # |forecast - measured| / measured
 RESERVE_SECONDS = 15  # kept back from --time-budget-seconds: stopping a command and writing the results
 # The options a GPU check adds, with their defaults: the recorded command names one only when it differs,
 # so the cpu reference's command reads (and reproduces) as before.
+MIXED_TRAINING = (3000, 400, 16)  # the mixed-length training case: pairs, steps, micro-batch (packed rows)
 GPU_OPTIONS = {"profile": "cpu", "generate_model": "tiny", "train_model": "tiny", "max_new_tokens": 256,
                "time_budget_seconds": None}
 
@@ -66,6 +73,22 @@ def mixed_prompts(path: Path, count: int, seed: int = 0) -> Path:
         preamble = " ".join(rng.choice(words) for _ in range(int(rng.random() ** 2 * 25)))
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         lines.append({"id": f"mixed-{i:05d}", "input": f"{preamble} What is {a} + {b}?".strip()})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def mixed_training_pairs(path: Path, count: int, seed: int = 0) -> Path:
+    """Input/output pairs of widely mixed lengths: most a short question (~25 tokens of the tiny
+    model's characters), one in five behind a preamble of 40 to 400 tokens. Packed, a row then holds
+    one or two long examples (many attention pairs) or many short ones (few)."""
+    rng = random.Random(seed)
+    words = ["please", "answer", "the", "following", "question", "carefully", "and", "briefly", "now"]
+    lines = []
+    for i in range(count):
+        long = rng.random() < 0.2
+        preamble = " ".join(rng.choice(words) for _ in range(rng.randint(6, 60) if long else rng.randint(0, 2)))
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        lines.append({"id": f"pair-{i:05d}", "input": f"{preamble} What is {a} + {b}?".strip(), "output": str(a + b)})
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
 
@@ -181,6 +204,10 @@ def check(name: str, mode: str, settings: list[str], fresh: list[str], session: 
                       "job_spread": round((max(measured) - min(measured)) / statistics.median(measured), 4),
                       "pilot": entries[0]["pilot"]}
     row["job"] = trials[0]["job"]
+    if any(trial.get("phases") for trial in trials):  # the step model against the run's steps, per phase
+        row["phases"] = {phase: {key: [trial["phases"][phase][key] for trial in trials if trial.get("phases")]
+                                 for key in ("planned_step_seconds", "measured_step_seconds", "error")}
+                         for phase in training_steps.PHASES}
     if any(trial.get("eta") for trial in trials):  # each trial's ETA error at each checkpoint
         row["eta_errors"] = {str(share): [next((c["error"] for c in trial.get("eta", []) if c["share_of_batches"] == share),
                                                None) for trial in trials] for share in ETA_CHECKPOINTS}
@@ -219,6 +246,9 @@ def _trial(name: str, mode: str, settings: list[str], fresh: list[str], session:
     summary = OutputFiles(output).summary if output else None
     if summary and summary.is_file():
         trial["eta"] = eta_errors(json.loads(summary.read_text())["batch_list"])
+    trained = _train_output(fresh)
+    if trained and (trained / RESULT_FILE).is_file():
+        trial["phases"] = step_phases(forecasts["wall"][0], json.loads((trained / RESULT_FILE).read_text())["history"])
     for clock, (result, seconds) in forecasts.items():
         predicted, (low, high) = result["predicted_wall_seconds"], result["predicted_wall_seconds_range"]
         error = (predicted - measured[clock]) / measured[clock]
@@ -235,6 +265,23 @@ def _trial(name: str, mode: str, settings: list[str], fresh: list[str], session:
     if session.projects:
         trial["profiles"] = forecast["profiles"]
     return trial
+
+
+def step_phases(made: dict, history: list[dict]) -> dict:
+    """The forecast's step model (mean planned seconds of a step) against the run's own steps, over
+    the first, middle and last tenth of the run. The run's steps that start an epoch's loader are
+    left out, as the pilot leaves its own out of the model (the loader's start, the warm-up)."""
+    every = made["job"]["steps_per_epoch"]
+    measured = training_steps.phase_means([None if (record["step"] - 1) % every == 0 else record["seconds"]
+                                           for record in history])
+    planned = made["pilot"]["step_model"]["planned_step_seconds_by_phase"]
+    return {phase: {"planned_step_seconds": round(planned[phase], 5), "measured_step_seconds": round(measured[phase], 5),
+                    "error": round((planned[phase] - measured[phase]) / measured[phase], 4)}
+            for phase in training_steps.PHASES if planned.get(phase) and measured.get(phase)}
+
+
+def _train_output(settings: list[str]) -> Path | None:
+    return next((Path(item.split("=", 1)[1]) for item in settings if item.startswith("train_output_dir=")), None)
 
 
 def _output(settings: list[str]) -> Path | None:
@@ -278,8 +325,14 @@ def cases(args, work: Path, on_gpu: bool) -> list[tuple[str, str, list[str]]]:
              [f"prompts_path={mixed}", "verifier=", "max_new_tokens=16", "samples_per_prompt=1", "backend=continuous"]),
         ]
     train = [f"max_steps={args.train_steps}", "save_every_steps=0", f"micro_batch_size={args.train_micro_batch}"]
-    return [*generation[:1 if args.only_first else None],
-            (f"training, {args.train_steps} steps (shipped sample, micro-batch {args.train_micro_batch})", "train", train)]
+    training = [(f"training, {args.train_steps} steps (shipped sample, micro-batch {args.train_micro_batch})", "train", train)]
+    if not on_gpu:
+        pairs = mixed_training_pairs(work / "mixed-pairs.jsonl", args.mixed_train_examples)
+        training.append((f"training, {args.mixed_train_steps} steps of {args.mixed_train_examples:,} pairs of widely mixed "
+                         f"lengths (packing, micro-batch {args.mixed_train_micro_batch}: rows change in cost across the epoch)",
+                         "train", [f"train_data_path={pairs}", f"max_steps={args.mixed_train_steps}", "save_every_steps=0",
+                                   f"micro_batch_size={args.mixed_train_micro_batch}", "padding=packing"]))
+    return [*([] if args.only_training else generation[:1 if args.only_first else None]), *training]
 
 
 def run(args, work: Path, log=say) -> dict:
@@ -305,7 +358,7 @@ def run(args, work: Path, log=say) -> dict:
                 continue
         pilot, fresh = ((f"output_path={work / f'pilot-{index}.jsonl'}", f"output_path={work / f'fresh-{index}.jsonl'}")
                         if mode == "generate" else
-                        (f"train_output_dir={work / 'pilot-train'}", f"train_output_dir={work / 'fresh-train'}"))
+                        (f"train_output_dir={work / f'pilot-train-{index}'}", f"train_output_dir={work / f'fresh-train-{index}'}"))
         rows.append(check(name, mode, settings + [pilot], settings + [fresh], session, args.repeats))
     models_named = ("tiny model" if args.generate_model == args.train_model == "tiny" else
                     f"generation: {args.generate_model}, training: {args.train_model}")
@@ -350,7 +403,11 @@ def command_line(args) -> str:
                for key, default in GPU_OPTIONS.items() if (value := getattr(args, key)) != default]
     return " ".join([f"PYTHONPATH=lib python -m workbook.bench.forecast_check --out {args.out} --mixed-prompts "
                      f"{args.mixed_prompts} --train-steps {args.train_steps} --train-micro-batch {args.train_micro_batch} "
-                     f"--threads {args.threads} --repeats {args.repeats}", *changed])
+                     f"--threads {args.threads} --repeats {args.repeats}", *changed,
+                     *([f"--mixed-train-examples {args.mixed_train_examples} --mixed-train-steps {args.mixed_train_steps} "
+                        f"--mixed-train-micro-batch {args.mixed_train_micro_batch}"] if MIXED_TRAINING != (
+                         args.mixed_train_examples, args.mixed_train_steps, args.mixed_train_micro_batch) else []),
+                     *(["--only-training"] if args.only_training else [])])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -359,6 +416,13 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-prompts", type=int, default=3000, help="prompts in the generated mixed-length set (a job of a few thousand)")
     parser.add_argument("--train-steps", type=int, default=300, help="optimizer steps of the training run (a few hundred)")
     parser.add_argument("--train-micro-batch", type=int, default=4, help="small, so a few hundred steps stay minutes")
+    parser.add_argument("--mixed-train-examples", type=int, default=MIXED_TRAINING[0],
+                        help="pairs in the generated training set of widely mixed lengths")
+    parser.add_argument("--mixed-train-steps", type=int, default=MIXED_TRAINING[1],
+                        help="optimizer steps of the training run on it (several epochs)")
+    parser.add_argument("--mixed-train-micro-batch", type=int, default=MIXED_TRAINING[2], help="its micro-batch (packed rows)")
+    parser.add_argument("--only-training", action="store_true", help="run the training cases alone (the generation "
+                        "cases take most of the check's time)")
     parser.add_argument("--only-first", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="trials per case, back to back: the machine's own "
                         "spread between runs of the same job is part of the answer")

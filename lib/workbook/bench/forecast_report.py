@@ -36,6 +36,7 @@ def markdown(result: dict) -> str:
               "|---|" + "---|" * len(eta[0]["eta_errors"])] + [
         f"| {row['case']} | " + " | ".join(", ".join("-" if e is None else f"{e:+.0%}" for e in errors)
                                            for errors in row["eta_errors"].values()) + " |" for row in eta] if eta else []
+    lines += phase_lines(result)
     unfinished = [f"- {row['case']}, trial {stopped['trial']}: {stopped['reason'].splitlines()[0]}"
                   + (f" (its forecast: {stopped['forecast']['predicted_seconds']:.1f} s)" if stopped["forecast"] else "")
                   for row in result["cases"] if (stopped := row.get("not_finished"))]
@@ -47,6 +48,24 @@ def markdown(result: dict) -> str:
     if "seed_000" in result:
         lines += projection_lines(result)
     return "\n".join(lines) + "\n"
+
+
+def phase_lines(result: dict) -> list[str]:
+    """Each training case's step model (the pilot's steps drawn across the run, every step priced by
+    what it holds) against the run's own steps, per phase of the run; one figure per trial."""
+    rows = [row for row in result["cases"] if row.get("phases")]
+    if not rows:
+        return []
+    lines = ["", "A training step as the forecast's step model prices it (mean over the phase's steps) against the "
+             "run's own steps in that phase (mean; the steps that start an epoch's loader left out of both, as the "
+             "pilot leaves them out of its model); one figure per trial:", "",
+             "| case | phase of the run | planned s/step | measured s/step | error |", "|---|---|---|---|---|"]
+    for row in rows:
+        for phase, entry in row["phases"].items():
+            lines.append(f"| {row['case']} | {phase} | {', '.join(f'{v:.4f}' for v in entry['planned_step_seconds'])} | "
+                         f"{', '.join(f'{v:.4f}' for v in entry['measured_step_seconds'])} | "
+                         f"{', '.join(f'{e:+.1%}' for e in entry['error'])} |")
+    return lines
 
 
 def _cores(hardware: dict):

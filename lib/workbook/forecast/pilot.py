@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from workbook import ceilings, decoding, job_keys, params as params_module, runtime
-from workbook.forecast import eta, model as forecast, regression, startup, stream as stream_forecast
+from workbook.forecast import eta, model as forecast, regression, startup, stream as stream_forecast, training_steps
 from workbook.forecast.forward_timer import ForwardTimer
 from workbook.forecast.model import GenerationTimings, OutputLengths, Phases, Peaks
 from workbook.generation import job
@@ -37,10 +37,9 @@ from workbook.generation.inputs import read_inputs
 from workbook.paths import OUTPUTS_DIR
 from workbook.planner import profile
 from workbook.planner.formulas import kv_cache_bytes_per_token
-from workbook.training import config as training_config
+from workbook.training import batches, config as training_config
 from workbook.training.loop import EVAL_POINTS
 from workbook.training.prepare import prepare_data
-from workbook.training.processes import launch
 from workbook.training.run_plan import plan_run
 
 PARAMS_USED = job_keys.FORECAST
@@ -303,52 +302,78 @@ def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings
 
 def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | None = None,
                       log: Callable[[str], None] = print, clock: str = "wall") -> forecast.Forecast:
-    """Forecast a training run from its first steps at the planned micro-batch (a scratch folder:
-    the pilot's steps are not reused by the run). The loop times its steps on the wall clock; with
+    """Forecast a training run from a pilot of its own steps drawn across the run (``training_steps``:
+    every epoch it spans, in pairs), run by the training loop itself at the planned micro-batch in a
+    scratch folder (the pilot's steps are not reused by the run); every step of the run, timed or
+    not, is then priced by what it holds. The loop times its steps on the wall clock; with
     ``clock='cpu'`` every time is converted by the pilot's CPU/wall ratio."""
     entered = startup.seconds_so_far(clock)
     with tempfile.TemporaryDirectory(prefix="forecast-") as scratch:
         config = training_config.config_from_params(params, scratch)
         prepared = prepare_data(config, log=log)
         # The run over every node: the same micro-batches and accumulation per process, so more
-        # processes make a larger effective batch and (by epochs) fewer steps.
+        # processes make a larger effective batch and (by epochs) fewer steps. The pilot runs on this
+        # node alone, so its steps are those of a run over this node's processes.
         run = plan_run(config, prepared, processes=config.processes * params["num_nodes"])
-        steps = min(run.total_steps, max(2, math.floor(share * run.total_steps)))
+        here = plan_run(config, prepared) if params["num_nodes"] > 1 else run
+        lengths = [example.length for example in prepared.train]
+        rows = batches.plan_rows(lengths, config.padding, prepared.max_seq_length)
+        contents = training_steps.run_step_contents(rows, lengths, config.padding, run, config.seed)
+        contents_here = (training_steps.run_step_contents(rows, lengths, config.padding, here, config.seed)
+                         if here is not run else contents)
+        chosen = training_steps.pick_steps(here.total_steps, here.steps_per_epoch,
+                                           max(2, math.floor(share * run.total_steps)))
         before_pilot = startup.seconds_so_far(clock)
-        pilot_config = dataclasses.replace(config, stop_after_steps=steps, output_dir=str(Path(scratch) / "pilot"),
+        pilot_config = dataclasses.replace(config, run_only_steps=tuple(chosen), output_dir=str(Path(scratch) / "pilot"),
                                            save_every_steps=0)
-        began, cpu_began = time.perf_counter(), time.process_time()
-        result = launch(pilot_config, prepared)
-        pilot_seconds = time.perf_counter() - began
-        to_clock = (time.process_time() - cpu_began) / pilot_seconds if clock == "cpu" else 1.0
+        result, pilot_seconds, pilot_cpu_seconds = training_steps.run_alone(pilot_config, prepared)
+        to_clock = pilot_cpu_seconds / pilot_seconds if clock == "cpu" else 1.0
     history = [{**r, "seconds": r["seconds"] * to_clock} for r in result["history"]]
-    step_seconds = statistics.median(r["seconds"] for r in history[1:]) if len(history) > 1 else history[0]["seconds"]
-    tokens_per_step = statistics.fmean(r["tokens"] for r in history)
+    measured = [r["seconds"] for r in history]  # history[i] is step chosen[i]
+    # A step that starts an epoch's loader carries the loader's start (the first, the warm-up too), in
+    # the run as here: the model is fitted to the others, as the run's steps are compared without them.
+    starts = training_steps.loader_starts(chosen, here.steps_per_epoch)
+    steady = [i for i, start in enumerate(starts) if not start] or list(range(len(chosen)))
+    model = training_steps.fit([contents_here[chosen[i]] for i in steady], [measured[i] for i in steady])
+    later_starts = [measured[i] - model.seconds(contents_here[chosen[i]]) for i, start in enumerate(starts) if start][1:]
+    loader_start_seconds = max(statistics.fmean(later_starts), 0.0) if later_starts else 0.0
+    planned = [model.seconds(content) for content in contents]  # every step of the run, by what it holds
+    epochs = math.ceil(run.total_steps / run.steps_per_epoch)
+    steps_part = sum(planned) + loader_start_seconds * (epochs - 1)
+    step_seconds = steps_part / run.total_steps
+    tokens_per_step = statistics.fmean(content.tokens for content in contents) * run.processes  # every process's
     validation_tokens = sum(example.length for example in prepared.validation)
     # A validation pass is forward only: a third of a step's FLOPs (2N of 6N) per token.
     evaluation_seconds = step_seconds * validation_tokens / max(tokens_per_step, 1) / 3
     eval_every = max(1, math.ceil(run.total_steps / EVAL_POINTS))
     evaluations = (run.total_steps // eval_every + (1 if run.total_steps % eval_every else 0)) if validation_tokens else 0
-    pilot_evaluations = (steps // eval_every) if validation_tokens else 0
-    fixed = result["time"]["wall_seconds"] * to_clock - steps * step_seconds - pilot_evaluations * evaluation_seconds
+    pilot_every = max(1, math.ceil(here.total_steps / EVAL_POINTS))
+    pilot_evaluations = sum((step + 1) % pilot_every == 0 for step in chosen) if validation_tokens else 0
+    # What the pilot's run spent besides its steps, as priced, and its evaluations: model load, accuracy
+    # before and after, the first validation, the first step's warm-up.
+    fixed = (result["time"]["wall_seconds"] * to_clock - sum(model.seconds(contents_here[step]) for step in chosen)
+             - loader_start_seconds * max(sum(starts) - 1, 0) - pilot_evaluations * evaluation_seconds)
     save_seconds = _save_seconds(result["parameters"], params["dtype"])
     fresh = startup.fresh_process("workbook.training.loop")
     timings = forecast.TrainingTimings(startup.job_startup(clock, entered, before_pilot, fresh), max(fixed, 0.0), step_seconds,
                                        evaluation_seconds, save_seconds, fresh.exit_seconds if fresh else 0.0)
     wall = forecast.simulate_training(run.total_steps, evaluations, timings)
-    # The range: the steps' own spread (coefficient of variation) over the steps' share of the run.
-    variation = statistics.pstdev(r["seconds"] for r in history[1:]) / step_seconds if len(history) > 2 else 0.0
-    steps_part = run.total_steps * step_seconds
-    spread = max(variation * steps_part / wall, forecast.MINIMUM_SPREAD)
-    flops_per_step = statistics.fmean(r["flops"] for r in history)
+    # The range: the steps' own noise about the model (relative RMS) over the steps' share of the run.
+    spread = max(model.fit_error * steps_part / wall, forecast.MINIMUM_SPREAD)
+    flops_per_token = sum(r["flops"] for r in history) / max(sum(r["tokens"] for r in history), 1)
     phases = Phases(decode_seconds=0.0, compute_seconds=steps_part + evaluations * evaluation_seconds,
                     other_seconds=wall - steps_part - evaluations * evaluation_seconds,
-                    compute_flops=flops_per_step * (run.total_steps + evaluations * validation_tokens / tokens_per_step / 3))
+                    compute_flops=flops_per_token * tokens_per_step * (run.total_steps + evaluations * validation_tokens
+                                                                       / tokens_per_step / 3))
     return _assemble("train", params, wall, forecast.widened(wall, wall, spread), wall, phases, timings.to_dict(), runtime.default_device(), {
-                         "steps": steps, "seconds": pilot_seconds, "share_of_job_steps": steps / run.total_steps,
-                         "step_seconds": [r["seconds"] for r in history], "reused_by_the_job": False,
-                         "fresh_process": startup.record(fresh, entered)},
-                     {"total_steps": run.total_steps, "micro_batch_size": run.micro_batch_size,
+                         "steps": len(chosen), "seconds": pilot_seconds, "share_of_job_steps": len(chosen) / run.total_steps,
+                         "step_indices": chosen, "step_seconds": measured, "starts_a_loader": starts,
+                         "step_model": {**model.to_dict(), "loader_start_seconds": loader_start_seconds,
+                                        "fitted_steps": len(steady),
+                                        "planned_step_seconds_by_phase": training_steps.phase_means(planned)},
+                         "reused_by_the_job": False, "fresh_process": startup.record(fresh, entered)},
+                     {"total_steps": run.total_steps, "steps_per_epoch": run.steps_per_epoch,
+                      "micro_batch_size": run.micro_batch_size,
                       "max_seq_length": prepared.max_seq_length, "padding": config.padding,
                       "train_examples": len(prepared.train), "validation_examples": len(prepared.validation),
                       "evaluations": evaluations, "tokens_per_step": tokens_per_step, "processes": run.processes},
