@@ -122,7 +122,8 @@ def _cmd_calibrate(args) -> int:
 def _cmd_forecast(args) -> int:
     from workbook.forecast.command import cli_main
     return cli_main(args.params, args.set, mode=args.mode, as_json=args.json, share=args.pilot_share,
-                    seconds=args.pilot_seconds, clock=args.clock)
+                    seconds=args.pilot_seconds, clock=args.clock, method=args.method,
+                    expected_new_tokens=args.expected_new_tokens, seed_000=args.seed_000)
 
 
 def _cmd_generate(args) -> int:
@@ -299,6 +300,17 @@ def build_parser() -> argparse.ArgumentParser:
             job.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                              help="forecast wall seconds (default), or this process's CPU seconds: a machine "
                                   "shared with other work stretches wall time, not CPU time (use OMP_NUM_THREADS=1)")
+            job.add_argument("--method", choices=("auto", "pilot", "work", "both"), default="auto",
+                             help="pilot: run a share of the job here and time it; work: count the job's FLOPs and "
+                                  "bytes from the model's config and price them on every profile at a measured "
+                                  "efficiency or a labelled prior (no GPU, no weights); both: side by side; auto "
+                                  "(default): the pilot where this machine can run the model, else work")
+            job.add_argument("--expected-new-tokens", type=int, default=0,
+                             help="work: every output's expected length in tokens, where the prompts carry no "
+                                  "reference outputs (default: max_new_tokens, an upper bound)")
+            job.add_argument("--seed-000", metavar="FOLDER",
+                             help="forecast seed 000's job (53,597 prompts, an 8B model, up to 2,048 new tokens) on "
+                                  "every profile from its work, into FOLDER/seed_000_forecast.md and .json")
     for name, (_, what) in TOOLS.items():  # listed here; main() hands their arguments to the tool's own parser
         commands.add_parser(name, help=what, add_help=False)
     return parser

@@ -6,9 +6,10 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from pathlib import Path
 
 from workbook import jsonl, notebook, params as params_module, recorded_forecast, runner
-from workbook.forecast import model as forecast
+from workbook.forecast import model as forecast, roofline, seed_example
 from workbook.forecast.pilot import forecast_generation, forecast_training
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import OUTPUT_FILE_NAME
@@ -45,16 +46,28 @@ def units_seconds(seconds: float) -> str:
 
 
 def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json: bool, share: float,
-             seconds: float | None, clock: str = "wall") -> int:
+             seconds: float | None, clock: str = "wall", method: str = "pilot", expected_new_tokens: int = 0,
+             seed_000: str | None = None) -> int:
     """`workbook forecast`: pilot, forecast, print; the forecast is also written beside the job's
     output (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``) so the
-    run records the forecast it started with."""
+    run records the forecast it started with. ``method`` 'work' forecasts from the job's work
+    without a pilot (``roofline``), 'both' shows the two side by side, 'auto' pilots where this
+    machine can run the model; ``seed_000``: a folder for seed 000's job forecast on every profile."""
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    if seed_000:
+        record = seed_example.write(seed_000, f"workbook forecast --seed-000 {seed_000}", log=say)
+        print(json.dumps(record, indent=2) if as_json else (Path(seed_000) / "seed_000_forecast.md").read_text())
+        return 0
     params, _, _ = runner.resolve_params(params_arg, overrides, log=say)
     mode = mode or params["plan_mode"]
+    method = roofline.pilot_or_work(params) if method == "auto" else method
+    if expected_new_tokens:
+        params = params_module.Params({**params, "expected_new_tokens": expected_new_tokens})
+    if method == "work":
+        return _without_pilot(params, mode, as_json, None, say)
     if not 0 < share <= 1:
         print(f"error: --pilot-share {share}: expected a share of the job in (0, 1], e.g. 0.1", file=sys.stderr)
         return 2
@@ -72,6 +85,9 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
         return 2
     record.parent.mkdir(parents=True, exist_ok=True)
     record.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+    if method == "both":
+        say(f"pilot forecast recorded in {record}")
+        return _without_pilot(params, mode, as_json, result, say)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -103,3 +119,23 @@ def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, sa
         result = forecast_training(params, share=share, seconds=seconds, log=say, clock=clock)
         record = recorded_forecast.training_file(params["train_output_dir"] or notebook.new_run_dir(params["profile"]))
     return result, record
+
+
+def _without_pilot(params, mode: str, as_json: bool, pilot: forecast.Forecast | None, say) -> int:
+    """The forecast from the job's work on every profile (no pilot, no weights, no GPU); a pilot
+    forecast's rows beside it when one was made."""
+    if mode != "generate":
+        print("error: --method work forecasts generation jobs; for a training run use the pilot (--method pilot), "
+              "or workbook.forecast.roofline.training_forecast_rows from Python", file=sys.stderr)
+        return 2
+    try:
+        made = roofline.forecast_without_pilot(params, log=say)
+    except (jsonl.DataError, ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if as_json:
+        print(json.dumps({"without_pilot": made.to_dict(), **({"pilot": pilot.to_dict()} if pilot else {})}, indent=2))
+    else:
+        print("\n".join((forecast_lines(pilot) + [""] if pilot else [])
+                        + roofline.forecast_lines(made, pilot.profiles if pilot else None)))
+    return 0
