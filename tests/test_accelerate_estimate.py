@@ -30,6 +30,7 @@ def command_without_the_hub(monkeypatch):
     return gather
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "Llama-3.1-8B", "Qwen2.5-0.5B"])
 def test_the_figures_are_the_ones_the_command_prints(model, tmp_path, command_without_the_hub):
     directory = tmp_path / model

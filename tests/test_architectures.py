@@ -65,6 +65,7 @@ def test_parameters_are_exact(name):
     assert model_shape(config).parameters == sum(p.numel() for p in built(config).parameters())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SHRUNKEN)
 def test_kv_cache_of_a_real_generate_is_exact(name):
     config = shrunken(name, layers=3)  # Gemma: sliding and full layers, windows shorter than the sequence
@@ -98,6 +99,7 @@ def cpu_attention(config) -> str:
     return training_attention(model_shape(config), "sdpa", "length_grouped", ACTIVATION_CHECK_SEQ_LEN, on_gpu=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ACTIVATION_CHECKED)
 def test_one_layers_saved_activations_are_within_2_percent_of_the_plan(name):
     # The method of planner/exact_checks.py: autograd's saved tensors of a 2-layer model minus a 1-layer one,
@@ -110,6 +112,7 @@ def test_one_layers_saved_activations_are_within_2_percent_of_the_plan(name):
     assert abs(planned - measured) <= 0.02 * measured, (planned, measured)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, target_modules", [(name, "") for name in ACTIVATION_CHECKED]
                          + [("DeepSeek-V2-Lite", MLA_PROJECTIONS)])
 def test_one_lora_layers_saved_activations_are_within_2_percent_of_the_plan(name, target_modules):
@@ -290,6 +293,7 @@ def test_architectures_the_planner_does_not_model_are_refused_naming_what_is_mis
         model_shape(config)
 
 
+@pytest.mark.slow
 def test_the_chunked_loss_soft_caps_gemma_2s_logits_as_the_model_does():
     from workbook.training.batches import loss_sum
     model = built(shrunken("gemma-2-9b")).train()

@@ -195,6 +195,7 @@ def test_measure_case_needs_a_gpu():
         calibration.run_calibration("unused", "h200")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour without a GPU")
 def test_cli_on_cpu_writes_the_exact_checks_and_says_the_gpu_part_is_pending(tmp_path):
     pytest.importorskip("workbook.tiny_model")

@@ -84,6 +84,7 @@ def test_a_preset_is_built_once_as_a_random_weights_directory_on_the_device(tmp_
     assert built["Llama-3.1-8B"]["built_on"] == "cuda" and built["Llama-3.1-8B"]["command_seconds"] == 12.0
 
 
+@pytest.mark.multiprocess
 def test_a_command_past_the_deadline_is_stopped_with_its_children():
     began = time.monotonic()
     child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); " \

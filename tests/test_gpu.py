@@ -177,6 +177,7 @@ def test_spec_table_covers_the_common_rental_gpus_with_sources():
     assert gpu.spec_for_name("NVIDIA A100 80GB PCIe").memory_bandwidth_gbs == 1935
 
 
+@pytest.mark.slow
 def test_cli_gpu_json():
     result = subprocess.run([sys.executable, "-m", "workbook", "gpu", "--json"], capture_output=True,
                             text=True, check=True)

@@ -22,6 +22,7 @@ def python_step(name: str, code: str, needs: int = 0, budget_flag=None) -> gpu_s
     return gpu_session.Step(name, ["-c", code], needs, budget_flag)
 
 
+@pytest.mark.multiprocess
 def test_a_call_keeps_to_its_budget_and_runs_every_step_it_can(tmp_path, monkeypatch):
     monkeypatch.setattr(gpu_session, "RESERVE_SECONDS", 0)
     outputs = tmp_path / "outputs"
@@ -54,6 +55,7 @@ def test_a_call_keeps_to_its_budget_and_runs_every_step_it_can(tmp_path, monkeyp
     assert "| fails | failed (exit 4) |" in gpu_session.table("smoke", records)
 
 
+@pytest.mark.multiprocess
 def test_a_step_that_would_take_all_it_is_given_leaves_the_later_steps_their_reserve(tmp_path, monkeypatch):
     # The training call's first step stops itself at its budget; the steps after it must still get theirs.
     monkeypatch.setattr(gpu_session, "RESERVE_SECONDS", 0)
@@ -171,6 +173,7 @@ def test_a_ceiling_sample_times_runs_back_to_back_and_reports_one_runs_seconds()
     assert len(calls) == 1 + 2 * 3 and 0.002 <= seconds < 0.02
 
 
+@pytest.mark.multiprocess
 def test_a_step_stopped_by_the_budget_takes_its_detached_children_with_it(tmp_path):
     # The forecast check starts each job in a session of its own; a step killed at the budget must not
     # leave such a job running (on the device it would hold the GPU through the later steps).

@@ -119,6 +119,7 @@ def test_generate_caches_all_but_the_last_new_token():
         config, "fp32", batch_size=2, tokens=6 + 5 - 1)
 
 
+@pytest.mark.slow
 def test_the_planned_cache_holds_the_last_steps_append_with_its_old_copy(monkeypatch):
     """DynamicLayer.update appends a token with torch.cat: the old keys (then the old values) live
     beside the longer copy. The largest cache bytes alive at once during generate() must be within
@@ -254,6 +255,7 @@ PRECISIONS = [  # (stored dtype, autocast): pure fp32, pure bf16, bf16 autocast 
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
 @pytest.mark.parametrize("stored, autocast", PRECISIONS)
 def test_activations_per_layer_equal_what_autograd_saves(stored, autocast, attn_implementation):
@@ -279,6 +281,7 @@ LORA_PRECISIONS = [  # (base dtype, autocast): fp32, the trainer's bf16 (autocas
 LOSS_BYTES = dict(log_softmax_per_token=128 * 4, scalar=4)  # fp32 log-softmax (logits_and_loss) and the loss
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "checkpointed"])
 @pytest.mark.parametrize("lora_rank, stored, autocast", [(0, *case) for case in PRECISIONS]
                          + [(8, *case) for case in LORA_PRECISIONS])
@@ -336,6 +339,7 @@ def loss_saved_tensor_bytes(config, stored, autocast, batch, seq_len, loss_chunk
     return sum(activations.values()), sum(weight_copies.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stored, autocast", PRECISIONS)
 def test_the_chunked_loss_saves_no_logits_and_the_plan_holds_one_chunk(stored, autocast):
     config, batch, seq_len, chunk = small_llama(2), 3, 50, 32
@@ -648,6 +652,7 @@ def test_a_training_setting_that_does_not_fit_lists_planned_changes_cheapest_fir
     assert not {"grad_checkpointing true", "loss_chunk_tokens 1024"} & {o["change"] for o in checkpointed}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora_rank, stored, autocast", [(0, "fp32", False), (0, "bf16", False), (0, "fp32", True),
                                                          (8, "fp32", False), (8, "bf16", False)])
 def test_offloaded_activations_are_the_planned_bytes_and_change_no_gradient(lora_rank, stored, autocast):
@@ -684,6 +689,7 @@ def test_offloaded_activations_are_the_planned_bytes_and_change_no_gradient(lora
         lora_rank=lora_rank, gpu_memory_bytes=GiB))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lora_rank", [0, 4], ids=["full", "lora"])
 @pytest.mark.parametrize("attention", ["document_sdpa", "sdpa_block_mask"])
 def test_packed_rows_saved_bytes_match_the_plan_of_the_attention_path_they_run(attention, lora_rank):

@@ -47,6 +47,7 @@ def test_without_a_gpu_the_probe_says_where_to_run_it(tmp_path, capsys):
     assert not (tmp_path / overhead_probe.RESULT_FILE).exists()
 
 
+@pytest.mark.slow
 def test_the_constant_is_the_largest_reading_even_when_a_later_stage_reads_less():
     # A stage may free a workspace it held; the job still reaches the peak: the largest reading, not the last.
     readings = iter([1 * GiB, 2 * GiB, 4 * GiB, 3 * GiB, 3 * GiB])

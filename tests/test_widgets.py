@@ -95,6 +95,7 @@ def test_a_preset_given_in_another_case_is_listed_once(tuner):
     assert len(names) == len(set(names))
 
 
+@pytest.mark.slow
 def test_the_tuner_shows_the_layout_it_plans_a_teacher_bigger_than_one_gpu_with():
     profiles = params.load_all()
     tuner = widgets.PlannerTuner(profiles, presets.preset_names(),
@@ -106,6 +107,7 @@ def test_the_tuner_shows_the_layout_it_plans_a_teacher_bigger_than_one_gpu_with(
     assert tuner.plan.max_batch_size == 0 and "T=1 x D=8" in tuner.max_batch.value
 
 
+@pytest.mark.slow
 def test_the_training_memory_switches_replan_and_an_overfull_setting_lists_what_would_fit(tuner):
     tuner.mode.value = "train"
     tuner.model.value = "Llama-3.2-1B"
