@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import papermill
+import pytest
 import yaml
 
 from browser_helpers import free_port
@@ -28,6 +29,7 @@ def make_lab_command() -> list[str]:
     return shlex.split(printed.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_make_lab_starts_as_root_too(tmp_path):
     # JupyterLab exits at once as root unless told --allow-root; root is the usual user on a rented GPU.
     command = make_lab_command()
