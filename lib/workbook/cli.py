@@ -166,6 +166,8 @@ TOOLS = {
                                  "fine-tuning (sample, verify, train), held-out accuracy before and after"),
     "forecast-check": ("workbook.bench.forecast_check", "benchmark: the forecast against the run it forecast, "
                        "on this machine"),
+    "roofline-check": ("workbook.forecast.roofline_check", "benchmark: the forecast without a pilot (the job's work "
+                       "at an efficiency measured once) against real runs on this machine"),
     "gpu-session": ("workbook.bench.gpu_session", "a lent GPU's call: a sweep of steps, each under its own time "
                     "budget, everything written under one folder (--list shows them)"),
     "gpu-summary": ("workbook.bench.gpu_summary", "a lent GPU's results against every goal, read from the "

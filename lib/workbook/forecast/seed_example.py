@@ -110,3 +110,21 @@ def write(out: str | Path, command: str, log=print) -> dict:
     (out / "seed_000_forecast.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "seed_000_forecast.md").write_text(markdown(made, command))
     return record
+
+
+def table_rows(record: dict) -> list[dict]:
+    """The committed seed 000 forecast (``write``'s JSON) as rows for a table: hours and dollars per
+    profile beside the seed's claim."""
+    rows = []
+    for row in record["rows"]:
+        if row.get("wall_seconds") is None:
+            rows.append({"profile": row["profile"], "hours": "-", "basis": row["basis"]})
+            continue
+        low, high = row["wall_seconds_range"]
+        rows.append({"profile": row["profile"], "batch": row["batch_size"], "hours": round(row["wall_seconds"] / 3600, 2),
+                     "range (h)": f"{low / 3600:.2f}-{high / 3600:.2f}",
+                     "all to 2,048 tokens (h)": round(row["every_output_to_max_new_tokens_seconds"] / 3600, 2),
+                     "USD": f"{row['usd_range'][0]:.2f}-{row['usd_range'][1]:.2f}",
+                     "efficiency": row["efficiency"]["basis"],
+                     "seed's claim": record["seed_claims"].get(row["profile"], "-")})
+    return rows
