@@ -58,7 +58,7 @@ GOAL = 0.10  # |forecast - measured| / measured
 RESERVE_SECONDS = 15  # kept back from --time-budget-seconds: stopping a command and writing the results
 # The options a GPU check adds, with their defaults: the recorded command names one only when it differs,
 # so the cpu reference's command reads (and reproduces) as before.
-MIXED_TRAINING = (3000, 400, 16)  # the mixed-length training case: pairs, steps, micro-batch (packed rows)
+MIXED_TRAINING = (2000, 200, 16)  # the mixed-length training case: pairs, steps, micro-batch (packed rows)
 GPU_OPTIONS = {"profile": "cpu", "generate_model": "tiny", "train_model": "tiny", "max_new_tokens": 256,
                "time_budget_seconds": None}
 
@@ -79,14 +79,14 @@ def mixed_prompts(path: Path, count: int, seed: int = 0) -> Path:
 
 def mixed_training_pairs(path: Path, count: int, seed: int = 0) -> Path:
     """Input/output pairs of widely mixed lengths: most a short question (~25 tokens of the tiny
-    model's characters), one in five behind a preamble of 40 to 400 tokens. Packed, a row then holds
+    model's characters), one in five behind a preamble of 20 to 200 tokens. Packed, a row then holds
     one or two long examples (many attention pairs) or many short ones (few)."""
     rng = random.Random(seed)
     words = ["please", "answer", "the", "following", "question", "carefully", "and", "briefly", "now"]
     lines = []
     for i in range(count):
         long = rng.random() < 0.2
-        preamble = " ".join(rng.choice(words) for _ in range(rng.randint(6, 60) if long else rng.randint(0, 2)))
+        preamble = " ".join(rng.choice(words) for _ in range(rng.randint(3, 30) if long else rng.randint(0, 2)))
         a, b = rng.randint(0, 99), rng.randint(0, 99)
         lines.append({"id": f"pair-{i:05d}", "input": f"{preamble} What is {a} + {b}?".strip(), "output": str(a + b)})
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))

@@ -8,6 +8,8 @@ Where each part lives:
 - ``model``: the job simulated from the pilot's timings (static batches, training steps), its range,
   the cost and the projection to every profile, and what `workbook forecast` records (``Forecast``);
 - ``stream``: the same for a streaming job (the ``continuous`` backend): its scheduler simulated step by step;
+- ``training_steps``: the training pilot's steps (drawn across the run), its run in a fresh process,
+  and the step model that prices every step of the run by what it holds (tokens, attention pairs);
 - ``eta``: the job's ETA plan by the forecast's model, left beside the output for the job's progress;
 - ``startup``: the job's start-up and exit, timed in a fresh process;
 - ``regression`` / ``forward_timer``: the nonnegative least squares and the forward hooks the pilot times with;

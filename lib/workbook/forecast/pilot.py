@@ -326,8 +326,8 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
         before_pilot = startup.seconds_so_far(clock)
         pilot_config = dataclasses.replace(config, run_only_steps=tuple(chosen), output_dir=str(Path(scratch) / "pilot"),
                                            save_every_steps=0)
-        result, pilot_seconds, pilot_cpu_seconds = training_steps.run_alone(pilot_config, prepared)
-        to_clock = pilot_cpu_seconds / pilot_seconds if clock == "cpu" else 1.0
+        result, pilot_seconds, cpu_per_wall = training_steps.run_alone(pilot_config, prepared)
+        to_clock = cpu_per_wall if clock == "cpu" else 1.0
     history = [{**r, "seconds": r["seconds"] * to_clock} for r in result["history"]]
     measured = [r["seconds"] for r in history]  # history[i] is step chosen[i]
     # A step that starts an epoch's loader carries the loader's start (the first, the warm-up too), in

@@ -36,6 +36,7 @@ from workbook.training import batches
 from workbook.training.config import RESULT_FILE, TrainError
 from workbook.training.processes import launch
 
+PILOT_CLOCKS_FILE = "pilot_clocks.json"  # the pilot's run: wall and CPU seconds of its training, from its own process
 PHASES = {"first tenth": (0.0, 0.1), "middle tenth": (0.45, 0.55), "last tenth": (0.9, 1.0)}  # shares of the run's steps
 
 
@@ -139,25 +140,31 @@ def run_alone(config, prepared) -> tuple[dict, float, float]:
     """The pilot's run (``config``: its ``run_only_steps``) in a fresh interpreter that does nothing
     else, as `workbook train`'s process does: not in the forecast's own, which has read, packed and
     priced the data and holds what that left behind. Returns its result (what the loop wrote in its
-    output folder), and its wall and CPU seconds (user + system, the child's)."""
+    output folder), the wall seconds of it all (the interpreter's start included), and the CPU
+    seconds (user + system) per wall second of its training alone, the interpreter's start left out."""
     context = multiprocessing.get_context("spawn")  # a fork would carry this process's state over
     child = context.Process(target=_train_alone, args=(config, prepared), name="forecast-pilot")
-    cpu_before, began = _children_cpu_seconds(), time.perf_counter()
+    began = time.perf_counter()
     child.start()
     child.join()
-    wall, cpu = time.perf_counter() - began, _children_cpu_seconds() - cpu_before
-    result_file = Path(config.output_dir) / RESULT_FILE
-    if child.exitcode != 0 or not result_file.is_file():
+    wall = time.perf_counter() - began
+    result_file, clocks_file = Path(config.output_dir) / RESULT_FILE, Path(config.output_dir) / PILOT_CLOCKS_FILE
+    if child.exitcode != 0 or not result_file.is_file() or not clocks_file.is_file():
         raise TrainError(f"the forecast's pilot run failed (exit code {child.exitcode}; its traceback is printed "
                          "above): fix what it names, or run `workbook train` with the same settings to see it")
-    return json.loads(result_file.read_text()), wall, cpu
+    clocks = json.loads(clocks_file.read_text())
+    return json.loads(result_file.read_text()), wall, clocks["cpu_seconds"] / clocks["wall_seconds"]
 
 
 def _train_alone(config, prepared) -> None:
+    began, cpu_began = time.perf_counter(), _cpu_seconds()
     with contextlib.redirect_stdout(sys.stderr):  # the loop's progress; the forecast's --json owns stdout
         launch(config, prepared)
+    (Path(config.output_dir) / PILOT_CLOCKS_FILE).write_text(json.dumps(
+        {"wall_seconds": time.perf_counter() - began, "cpu_seconds": _cpu_seconds() - cpu_began}))
 
 
-def _children_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def _cpu_seconds() -> float:
+    """This process's CPU seconds and its finished children's (several training processes)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
