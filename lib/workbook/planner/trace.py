@@ -70,13 +70,16 @@ class Trace:
 def refuse_non_causal(model: str) -> None:
     """NotACausalLanguageModel for an encoder-only (BERT) or encoder-decoder (T5) config, naming what
     the workbook plans instead; a causal LM passes."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_MASKED_LM_MAPPING
     config = presets.load_config(models.model_source(model))
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    decoder_only = type(config) in MODEL_FOR_CAUSAL_LM_MAPPING and not getattr(config, "is_encoder_decoder", False)
-    if decoder_only:
+    # BERT's config has a causal class too (BertLMHeadModel, with is_decoder): a masked-LM family that is not
+    # configured as a decoder is an encoder.
+    encoder_decoder = getattr(config, "is_encoder_decoder", False)
+    encoder_only = type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING or (
+        type(config) in MODEL_FOR_MASKED_LM_MAPPING and not getattr(config, "is_decoder", False))
+    if not encoder_decoder and not encoder_only:
         return
-    kind = ("an encoder-decoder" if getattr(config, "is_encoder_decoder", False)
-            else "an encoder-only" if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING else "not a causal")
+    kind = "an encoder-decoder" if encoder_decoder else "an encoder-only"
     raise NotACausalLanguageModel(
         f"model {model!r} ({config.model_type}) is {kind} model: the workbook trains and generates causal language "
         "models (decoder-only, AutoModelForCausalLM) and plans only those; nothing is planned for it. Plan a "
@@ -189,6 +192,9 @@ def trace_training(config, *, steps: int = TRAINING_STEPS, fake: bool = True, on
     started = time.perf_counter()
     seq_len, micro_batch_size = int(config.max_seq_length), int(config.micro_batch_size)
     substitutions, not_seen = [], _not_seen()
+    if config.dtype in ("int8", "int4"):
+        raise TraceError(f"dtype {config.dtype} (bitsandbytes 4/8-bit layers) has no CPU kernels to trace, and "
+                         "workbook train does not run it (QLoRA is planned only)")
     mixed = accelerate_mixed_precision(config)
     if mixed == "fp16":
         substitutions.append("fp16 autocast traced as bf16 autocast (accelerate runs no fp16 on CPU): the same bytes")
@@ -196,9 +202,6 @@ def trace_training(config, *, steps: int = TRAINING_STEPS, fake: bool = True, on
     if config.optimizer == "adamw-8bit":
         raise TraceError("optimizer adamw-8bit (bitsandbytes) has no CPU kernels to trace; trace with optimizer adamw "
                          "and read the plan's optimizer_states term for the 8-bit states")
-    if config.dtype in ("int8", "int4"):
-        raise TraceError(f"dtype {config.dtype} (bitsandbytes 4/8-bit layers) has no CPU kernels to trace, and "
-                         "workbook train does not run it (QLoRA is planned only)")
     # No device placement: the model is on the CPU already, and moving fake parameters swaps them (torch refuses).
     accelerator = Accelerator(mixed_precision=mixed, cpu=True, device_placement=False)
     mode = fake_mode() if fake else None
