@@ -15,6 +15,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from workbook import arithmetic, runtime
 from workbook.paths import REPO_ROOT
@@ -33,7 +34,6 @@ TRAIN = ["-m", "workbook.training", "--params", "cpu", "--set", "train_data_path
 
 @pytest.fixture(scope="module")
 def untrained_tiny(tmp_path_factory):
-    import torch
     from transformers import LlamaForCausalLM
 
     from workbook import tiny_model
@@ -285,3 +285,36 @@ def test_a_child_the_workbook_starts_ends_with_it_even_when_another_process_is_i
     done = subprocess.run([sys.executable, "-c", "import workbook; print('still here')"], env=alone,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and "still here" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_killed_launchers_workers_give_the_gpus_memory_back(tmp_path, untrained_tiny):
+    """torchrun on one or two GPUs, killed mid-run: the memory its workers held is free again within
+    seconds (read through NVML, as nvidia-smi reads it), and the rerun finishes the job."""
+    import pynvml
+    processes = min(2, torch.cuda.device_count())
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(index) for index in range(processes)]
+    used = lambda: [pynvml.nvmlDeviceGetMemoryInfo(handle).used for handle in handles]
+    before = used()
+    ids = prompts_in(tmp_path, 400)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes),
+               *GENERATE, f"model={untrained_tiny}", "max_new_tokens=32"]
+    out = tmp_path / "out"
+    mebibyte = 1 << 20
+    launcher = start(command, tmp_path)
+    wait_until(lambda: lines_in(out.glob("teacher*.jsonl")) >= 4, "output", launcher, folder=tmp_path)
+    held = used()
+    assert all(now > then + 100 * mebibyte for now, then in zip(held, before)), (before, held)  # CUDA contexts
+    seconds = kill_launcher(launcher, descendants(launcher.pid))
+    record_seconds(f"generation torchrun x{processes} on GPU, mid-run", seconds)
+    assert seconds < GONE_WITHIN_SECONDS
+    deadline = time.monotonic() + GONE_WITHIN_SECONDS
+    while any(now > then + 64 * mebibyte for now, then in zip(used(), before)):
+        assert time.monotonic() < deadline, f"GPU memory used {used()} bytes, {before} before the launch"
+        time.sleep(0.1)
+    print(f"GPU memory back to its level before the launch {time.monotonic() - deadline + GONE_WITHIN_SECONDS:.2f} s "
+          f"after the last worker ended (held {[h // mebibyte for h in held]} MiB mid-run)")
+    finish(command, tmp_path)
+    assert ids_in(out / "teacher.jsonl") == ids
