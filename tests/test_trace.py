@@ -107,3 +107,25 @@ def test_the_tracker_counts_a_storage_once_and_frees_it_when_its_last_view_dies(
         del view
         assert tracker.total == 0
     assert tracker.peak.bytes == 1024
+
+
+def test_an_auto_batch_by_trace_is_the_largest_whose_traced_peak_fits_and_is_confirmed_by_a_trace():
+    config = tiny_run(dtype="bf16")
+    traced: dict[int, int] = {}
+
+    def trace_at(batch):
+        import dataclasses
+        result = trace.trace_training(dataclasses.replace(config, micro_batch_size=batch), on_gpu=False)
+        traced[batch] = result.peak_bytes
+        return result
+
+    overhead, fragmentation = 1_000_000, 0.05
+    # a budget between batch 5's traced peak and batch 6's, with the profile's constants on top
+    line = [trace_at(1).peak_bytes, trace_at(2).peak_bytes]
+    per_row = line[1] - line[0]
+    budget = int((line[0] + 4.5 * per_row) * (1 + fragmentation)) + overhead
+    traced.clear()
+    chosen = trace.largest_batch_by_trace(trace_at, budget, overhead, fragmentation)
+    assert chosen["batch"] == 5 and chosen["bytes_per_row"] == per_row
+    assert chosen["confirmed_peak_bytes"] == traced[5]  # confirmed by a trace at the chosen batch
+    assert traced[5] * (1 + fragmentation) + overhead <= budget

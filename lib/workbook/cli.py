@@ -91,7 +91,8 @@ def _cmd_plan(args) -> int:
         return 2
     from workbook.planner import accelerate_estimate
     beside = accelerate_estimate.beside_plan(result, args.model or profile["model"])
-    traced = trace.traced_plan({**profile, **overrides}, result) if args.trace else None
+    traced = (trace.traced_plan({**profile, **overrides}, result, auto_batch=args.batch_size == "auto")
+              if args.trace else None)
     if args.json:
         print(json.dumps({"profile": profile["profile"], **result.to_dict(), "advice": result.advice(),
                           "ways_to_fit": options, "accelerate_estimate_memory": beside,

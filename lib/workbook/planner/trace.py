@@ -118,7 +118,11 @@ def materialize(module: torch.nn.Module, fake_mode) -> torch.nn.Module:
 
 
 def fake_mode():
+    import logging
+
     from torch._subclasses.fake_tensor import FakeTensorMode
+    # torch logs every op fake tensors refuse with its traceback; the trace names it itself (_named_failures)
+    logging.getLogger("torch._subclasses.fake_tensor").setLevel(logging.CRITICAL)
     # Real inputs are allowed: the batch's token ids stay real (the attention reads the packed
     # examples' spans from the position ids, the chunked loss the loss positions from the targets).
     return FakeTensorMode(allow_non_fake_inputs=True)
@@ -480,18 +484,59 @@ def beside_plan_lines(comparison: dict) -> list[str]:
     return lines
 
 
-def traced_plan(settings: dict, plan) -> dict:
+def largest_batch_by_trace(trace_at, budget_bytes: int, overhead_bytes: int = 0, fragmentation_fraction: float = 0.0,
+                           limit: int = 4096) -> dict:
+    """The largest batch whose traced peak, with the profile's CUDA context and fragmentation added, fits
+    ``budget_bytes``: two traces (batch 1 and 2) give the line bytes = fixed + per_row x batch, the line
+    gives the batch, and a trace at that batch confirms it (one row less and traced again while it does
+    not fit). ``trace_at(batch)`` returns a Trace. ``batch`` 0: not even batch 1 fits."""
+    usable = (budget_bytes - overhead_bytes) / (1 + fragmentation_fraction)
+    one = trace_at(1)
+    traces = 1
+    if one.peak_bytes > usable:
+        return {"batch": 0, "traces": traces, "fixed_bytes": None, "bytes_per_row": None,
+                "confirmed_peak_bytes": one.peak_bytes}
+    two = trace_at(2)
+    traces += 1
+    per_row = two.peak_bytes - one.peak_bytes
+    fixed = one.peak_bytes - per_row
+    batch = limit if per_row <= 0 else max(1, min(limit, int((usable - fixed) // per_row)))
+    confirmed = {1: one, 2: two}.get(batch) or trace_at(batch)
+    traces += batch > 2
+    while confirmed.peak_bytes > usable and batch > 1:
+        batch -= 1
+        confirmed = {1: one, 2: two}.get(batch) or trace_at(batch)
+        traces += batch > 2
+    return {"batch": batch, "traces": traces, "fixed_bytes": fixed, "bytes_per_row": per_row,
+            "confirmed_peak_bytes": confirmed.peak_bytes, "confirmed_phase": confirmed.phase}
+
+
+def traced_plan(settings: dict, plan, auto_batch: bool = False) -> dict:
     """``workbook plan --trace``'s ``trace`` block: the trace of ``plan`` and the two beside each other, or
-    ``error`` naming what could not be traced (the plan itself still stands)."""
+    ``error`` naming what could not be traced (the plan itself still stands). ``auto_batch``: also the
+    largest batch by traces (``largest_batch_by_trace``) against the plan's budget."""
+    import dataclasses
     try:
         traced = trace_plan(settings, plan)
+        block = {**traced.to_dict(), "beside_plan": beside_plan(plan, traced)}
+        if auto_batch:
+            block["largest_batch_by_trace"] = largest_batch_by_trace(
+                lambda batch: trace_plan(settings, dataclasses.replace(plan, batch_size=batch)), plan.budget_bytes,
+                plan.settings.get("overhead_bytes", 0), plan.settings.get("fragmentation_fraction", 0.0))
     except TraceError as error:
         return {"error": str(error)}
-    return {**traced.to_dict(), "beside_plan": beside_plan(plan, traced)}
+    return block
 
 
 def traced_plan_lines(block: dict) -> list[str]:
     if "error" in block:
         return [f"trace: {block['error']}; the plan above is the analytical one alone"]
     trace = Trace(**{key: value for key, value in block.items() if key in Trace.__dataclass_fields__})
-    return trace.lines() + beside_plan_lines(block["beside_plan"])
+    lines = trace.lines() + beside_plan_lines(block["beside_plan"])
+    largest = block.get("largest_batch_by_trace")
+    if largest:
+        lines.append(f"largest batch by trace: {largest['batch']} ({largest['traces']} traces: batch 1 and 2 give "
+                     f"{format_bytes(largest['bytes_per_row'] or 0)} per row; the trace at the chosen batch peaks at "
+                     f"{format_bytes(largest['confirmed_peak_bytes'])}, before the profile's CUDA context and "
+                     "fragmentation)")
+    return lines

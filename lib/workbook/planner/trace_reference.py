@@ -1,0 +1,143 @@
+"""The analytical plan beside the fake-tensor trace, per preset and setting: the table that says how far
+the fast plan is from the peak the workbook's own code reaches (``planner.trace``).
+
+    python -m workbook.planner.trace_reference --out outputs/reference/cpu
+
+writes ``trace_vs_plan.json`` (one row per preset x setting, appended as each trace finishes, so a cut
+run keeps its rows) and ``trace_vs_plan.md`` (the table, with the command that made it and the seconds
+each trace took on this machine). A preset whose step cannot run on fake tensors gets a row naming the
+op and module instead of a peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from workbook import presets
+from workbook.planner import trace
+from workbook.planner.generation import plan_generate
+from workbook.planner.training import plan_train
+from workbook.units import GiB
+
+TRAIN_SEQ_LEN = 2048  # tokens per row
+TRAIN_MICRO_BATCH = 2  # rows per micro-batch
+GENERATE_BATCH, PROMPT_LEN, NEW_TOKENS = 8, 512, 256
+UNBOUNDED = 1 << 50  # the comparison plans against no budget: only the terms matter
+
+# Each setting: its label and the TrainConfig fields (training) or the backend (generation) it changes.
+TRAINING_SETTINGS = {
+    "mixed bf16": {"dtype": "bf16", "precision": "mixed"},
+    "pure bf16": {"dtype": "bf16", "precision": "bf16"},
+    "mixed bf16, checkpointing": {"dtype": "bf16", "precision": "mixed", "grad_checkpointing": True},
+    "mixed bf16, chunked loss 1024": {"dtype": "bf16", "precision": "mixed", "loss_chunk_tokens": 1024},
+    "LoRA r16 on bf16": {"dtype": "bf16", "precision": "mixed", "lora_rank": 16},
+    "LoRA r16 on bf16, checkpointing": {"dtype": "bf16", "precision": "mixed", "lora_rank": 16,
+                                        "grad_checkpointing": True},
+}
+GENERATION_SETTINGS = {"static (dynamic cache)": "static", "static-compiled (static cache)": "static-compiled"}
+
+
+def training_row(model: str, label: str, fields: dict) -> dict:
+    """One preset x training setting: the trace on fake tensors and the plan of the same run (the attention the
+    trace ran, fused AdamW as on a GPU, no CUDA context or fragmentation terms)."""
+    from workbook.training.config import TrainConfig
+    config = TrainConfig(model=model, data_path="", data_description="", output_dir="", max_seq_length=TRAIN_SEQ_LEN,
+                         micro_batch_size=TRAIN_MICRO_BATCH, padding="packing", optimizer="adamw",
+                         attn_implementation="sdpa", **{"grad_checkpointing": False, "lora_rank": 0,
+                                                        "loss_chunk_tokens": 0, **fields})
+    traced = trace.trace_training(config, on_gpu=True)
+    plan = plan_train(presets.load_config(model), micro_batch_size=TRAIN_MICRO_BATCH, seq_len=TRAIN_SEQ_LEN,
+                      gpu_memory_bytes=UNBOUNDED, dtype=config.dtype,
+                      mixed_precision=config.precision == "mixed", grad_checkpointing=config.grad_checkpointing,
+                      lora_rank=config.lora_rank, attn_implementation=traced.settings["attention"],
+                      loss_chunk_tokens=config.loss_chunk_tokens, overhead_bytes=0, fragmentation_fraction=0.0)
+    return _row(model, "train", label, plan, traced)
+
+
+def generation_row(model: str, label: str, backend: str) -> dict:
+    traced = trace.trace_generation(model, batch_size=GENERATE_BATCH, prompt_len=PROMPT_LEN, new_tokens=NEW_TOKENS,
+                                    dtype="bf16", backend=backend)
+    plan = plan_generate(presets.load_config(model), batch_size=GENERATE_BATCH, prompt_len=PROMPT_LEN,
+                         new_tokens=NEW_TOKENS, gpu_memory_bytes=UNBOUNDED, dtype="bf16",
+                         attn_implementation=traced.settings["attention"], overhead_bytes=0,
+                         fragmentation_fraction=0.0)
+    return _row(model, "generate", label, plan, traced)
+
+
+def _row(model, mode, label, plan, traced) -> dict:
+    beside = trace.beside_plan(plan, traced)
+    return {"model": model, "mode": mode, "setting": label, "trace_peak_bytes": traced.peak_bytes,
+            "phase": traced.phase, "by_kind": traced.by_kind, "plan_tensor_bytes": beside["plan_tensor_bytes"],
+            "plan_over_trace": beside["plan_over_trace"], "groups": beside["groups"], "seconds": traced.seconds,
+            "attention": traced.settings["attention"]}
+
+
+def rows(models: list[str], modes: tuple[str, ...] = ("train", "generate"), log=print):
+    """Every preset x setting as a row (yielded as each trace finishes); a failure is a row with ``error``."""
+    for model in models:
+        jobs = []
+        if "train" in modes:
+            jobs += [("train", label, lambda m=model, l=label, f=fields: training_row(m, l, f))
+                     for label, fields in TRAINING_SETTINGS.items()]
+        if "generate" in modes:
+            jobs += [("generate", label, lambda m=model, l=label, b=backend: generation_row(m, l, b))
+                     for label, backend in GENERATION_SETTINGS.items()]
+        for mode, label, job in jobs:
+            started = time.perf_counter()
+            try:
+                row = job()
+            except (trace.TraceError, ValueError) as error:
+                row = {"model": model, "mode": mode, "setting": label, "error": str(error),
+                       "seconds": round(time.perf_counter() - started, 2)}
+            log(f"{model} {mode} {label}: " + (f"plan/trace {row['plan_over_trace']}, {row['seconds']} s" if "error" not in row
+                                               else f"not traced ({row['error'][:160]})"))
+            yield row
+            if "error" in row and "cannot run on fake tensors" in row["error"]:
+                break  # the same op stops every setting of this model
+
+
+def markdown(table: list[dict], command: str) -> str:
+    lines = ["# The analytical plan beside the fake-tensor trace", "",
+             f"Made by `{command}` on this machine's CPU (fake tensors: no weights, no GPU). Training: "
+             f"{TRAIN_MICRO_BATCH} x {TRAIN_SEQ_LEN} tokens of packed rows, AdamW (fused, as on a GPU), two steps; "
+             f"generation: batch {GENERATE_BATCH}, {PROMPT_LEN} prompt + {NEW_TOKENS} new tokens, bf16. Bytes are "
+             "tensors only (no CUDA context, no allocator rounding); the plan is planned with the attention the "
+             "trace ran.", "",
+             "| model | mode | setting | trace peak (GiB) | phase | plan (GiB) | plan vs trace | trace seconds |",
+             "|---|---|---|---:|---|---:|---:|---:|"]
+    for row in table:
+        if "error" in row:
+            lines.append(f"| {row['model']} | {row['mode']} | {row['setting']} | not traced | {row['error'][:200]} "
+                         f"| | | {row['seconds']} |")
+            continue
+        lines.append(f"| {row['model']} | {row['mode']} | {row['setting']} | {row['trace_peak_bytes'] / GiB:.2f} | "
+                     f"{row['phase']} | {row['plan_tensor_bytes'] / GiB:.2f} | {100 * (row['plan_over_trace'] - 1):+.1f}% | "
+                     f"{row['seconds']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbook.planner.trace_reference", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="outputs/reference/cpu", help="folder for trace_vs_plan.json and .md")
+    parser.add_argument("--models", default=",".join(presets.preset_names()[1:]),
+                        help="comma-separated presets (default: every preset)")
+    parser.add_argument("--modes", default="train,generate", help="train, generate or both")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    command = "python -m workbook.planner.trace_reference " + " ".join(argv if argv is not None else sys.argv[1:])
+    table = []
+    for row in rows([name.strip() for name in args.models.split(",") if name.strip()],
+                    tuple(args.modes.split(",")), log=lambda line: print(line, flush=True)):
+        table.append(row)
+        (out / "trace_vs_plan.json").write_text(json.dumps({"command": command, "rows": table}, indent=1) + "\n")
+        (out / "trace_vs_plan.md").write_text(markdown(table, command))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
