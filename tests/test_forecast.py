@@ -610,7 +610,10 @@ def test_a_cold_first_start_is_not_charged_to_the_job_run_after_it():
     assert startup.job_startup("wall", entered=48.0, before_pilot=51.0, fresh=warm) == pytest.approx(5.0)
     assert startup.job_startup("wall", entered=1.5, before_pilot=4.5, fresh=warm) == pytest.approx(4.5)  # already warm
     assert startup.job_startup("wall", entered=48.0, before_pilot=51.0, fresh=None) == 51.0  # not measured: its own
-    assert startup.job_startup("cpu", entered=3.0, before_pilot=6.0, fresh=warm) == 6.0
+    assert startup.job_startup("cpu", entered=3.0, before_pilot=6.0, fresh=warm) == 6.0  # no CPU measured: its own
+    # CPU seconds: the fresh process's, not this one's (which imported the forecast's own modules too).
+    lean = dataclasses.replace(warm, cpu_seconds=2.2)
+    assert startup.job_startup("cpu", entered=3.0, before_pilot=6.0, fresh=lean) == pytest.approx(5.2)
     assert forecast.simulate_training(10, 0, forecast.TrainingTimings(5.0, 1.0, 0.5, 0.0, 0.0, exit_seconds=0.5)) == 11.5
 
 

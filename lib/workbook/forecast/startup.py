@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -27,6 +28,7 @@ class FreshProcess:
     startup_seconds: float  # interpreter and imports
     exit_seconds: float
     modules: list[str]
+    cpu_seconds: float | None = None  # its CPU time (user + system), start-up and exit
 
 
 def fresh_process(entry: str) -> FreshProcess | None:
@@ -41,7 +43,7 @@ def fresh_process(entry: str) -> FreshProcess | None:
     code = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\nprint('ready', flush=True)"
     env = launcher_watch.child_environment(  # it ends with this process, killed or not
         {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))})
-    began = time.perf_counter()
+    began, cpu_began = time.perf_counter(), _children_cpu_seconds()
     try:
         child = subprocess.Popen([sys.executable, "-c", code, *modules], stdout=subprocess.PIPE,
                                  stderr=subprocess.DEVNULL, text=True, env=env)
@@ -56,16 +58,24 @@ def fresh_process(entry: str) -> FreshProcess | None:
         return None
     if child.returncode != 0 or ready_line.strip() != "ready":
         return None
-    return FreshProcess(ready - began, time.perf_counter() - ready, modules)
+    return FreshProcess(ready - began, time.perf_counter() - ready, modules, _children_cpu_seconds() - cpu_began)
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def job_startup(clock: str, entered: float, before_pilot: float, fresh: FreshProcess | None) -> float:
     """The job's start-up: this process's own up to the pilot, with its interpreter and imports
-    (``entered``: its age on entering the forecast) as a fresh process takes them now when that is
-    less (wall clock; CPU seconds do not count waiting on a cold disk)."""
-    if clock == "wall" and fresh is not None:
+    (``entered``: its age, or CPU seconds, on entering the forecast) as a fresh process takes them
+    now: on the wall clock when that is less (a cold disk cache), in CPU seconds always (this
+    process imported the forecast's own modules too, generation's for a training run)."""
+    if fresh is None:
+        return before_pilot
+    if clock == "wall":
         return before_pilot - entered + min(entered, fresh.startup_seconds)
-    return before_pilot
+    return before_pilot - entered + (fresh.cpu_seconds if fresh.cpu_seconds is not None else entered)
 
 
 def record(fresh: FreshProcess | None, entered: float) -> dict:
@@ -73,4 +83,4 @@ def record(fresh: FreshProcess | None, entered: float) -> dict:
     if fresh is None:
         return {"measured": False, "this_process_start_seconds": entered}
     return {"measured": True, "startup_seconds": fresh.startup_seconds, "exit_seconds": fresh.exit_seconds,
-            "this_process_start_seconds": entered, "modules": fresh.modules}
+            "cpu_seconds": fresh.cpu_seconds, "this_process_start_seconds": entered, "modules": fresh.modules}
