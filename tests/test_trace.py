@@ -129,3 +129,12 @@ def test_an_auto_batch_by_trace_is_the_largest_whose_traced_peak_fits_and_is_con
     assert chosen["batch"] == 5 and chosen["bytes_per_row"] == per_row
     assert chosen["confirmed_peak_bytes"] == traced[5]  # confirmed by a trace at the chosen batch
     assert traced[5] * (1 + fragmentation) + overhead <= budget
+
+
+def test_a_qlora_plan_says_it_plans_a_run_the_workbook_cannot_make():
+    from workbook.planner.training import plan_train
+    plan = plan_train("Llama-3.2-1B", micro_batch_size=1, seq_len=512, gpu_memory_bytes=80 << 30, dtype="int4",
+                      lora_rank=16)
+    assert any("QLoRA" in note and "cannot make" in note for note in plan.notes)
+    assert not any("QLoRA" in note for note in plan_train("Llama-3.2-1B", micro_batch_size=1, seq_len=512,
+                                                          gpu_memory_bytes=80 << 30, dtype="bf16", lora_rank=16).notes)

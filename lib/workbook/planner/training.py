@@ -128,6 +128,10 @@ def plan_train(
             f"({shape.max_position_embeddings})"
         )
     notes += training_notes(shape.architecture)
+    if dtype in QUANTIZED_DTYPES:
+        notes.append(f"dtype {dtype} with LoRA (QLoRA): workbook train does not run a {dtype} base (bitsandbytes "
+                     "4/8-bit layers), so this plans a run the workbook cannot make; nor can a trace check it (no CPU "
+                     "kernels): the adapters' terms are counted as on a bf16 base, the base's backward as bf16 layers'")
     if attention_implementation_run(shape.architecture.sdpa_supported, attn_implementation) != attn_implementation:
         notes.append(f"{shape.name} refuses {attn_implementation} (transformers: _supports_sdpa = False); "
                      "planned with the eager attention it runs")
