@@ -198,3 +198,29 @@ def test_a_preset_forecast_needs_no_weights_and_no_gpu_and_states_range_and_basi
     assert row["efficiency"]["basis"] == "prior" and "prior" in row["basis"]
     assert row["usd"] == pytest.approx(row["wall_seconds"] / 3600 * 2.5, abs=1e-4)  # h100: $2.5 per GPU-hour
     assert row["work"]["calls"] >= 1 and row["work"]["decode"]["bytes"] > 0
+
+
+def test_auto_pilots_where_the_model_runs_here_and_counts_the_work_elsewhere(tmp_path):
+    params = params_module.load(params_module.profile_path("cpu"))
+    assert roofline.pilot_or_work(params) == "pilot"  # the tiny model: built and run here
+    assert roofline.pilot_or_work({**params, "model": "Llama-3.1-8B"}) == "work"  # a preset: no weights
+    folder = tmp_path / "model"
+    folder.mkdir()
+    small_config().save_pretrained(folder)
+    assert roofline.pilot_or_work({**params, "model": str(folder)}) == "work"  # config.json only
+    (folder / "model.safetensors").write_bytes(b"")
+    assert roofline.pilot_or_work({**params, "model": str(folder)}) == "pilot"
+    h100 = params_module.load(params_module.profile_path("h100"))
+    expected = "pilot" if torch.cuda.is_available() else "work"  # a GPU profile without its GPU here: work
+    assert roofline.pilot_or_work({**h100, "model": str(folder)}) == expected
+
+
+def test_the_report_shows_a_pilot_forecast_beside_the_work_forecast():
+    made = roofline.RooflineForecast(
+        mode="generate", profile="h100", model="m", job={"prompts": 2, "max_new_tokens": 8},
+        lengths={"output_basis": "reference outputs"},
+        rows=[{"profile": "h100", "batch_size": 4, "wall_seconds": 100.0, "wall_seconds_range": [80.0, 150.0],
+               "gpu_hours": 0.03, "usd_range": [0.05, 0.1], "every_output_to_max_new_tokens_seconds": 200.0,
+               "efficiency": {"basis": "prior"}}])
+    lines = "\n".join(roofline.forecast_lines(made, [{"profile": "h100", "wall_seconds": 90.0}]))
+    assert "| pilot forecast |" in lines and "| 90.0 s |" in lines and "| 100.0 s |" in lines

@@ -102,11 +102,16 @@ _measured_here: dict = {}
 
 
 def peaks_for(profile: dict, dtype: str) -> forecast.Peaks | None:
-    """A profile's datasheet peaks, or on the cpu profile this machine's measured ceilings (fp32
-    matmul and copy bandwidth, measured once per process)."""
+    """A profile's datasheet peaks, or on the cpu profile this machine's measured ceilings: those its
+    committed efficiency was measured against (``roofline_efficiency.json``), else measured now
+    (fp32 matmul and copy bandwidth, once per process)."""
     peaks = forecast.profile_peaks(profile, dtype)
     if peaks is not None or profile["gpu_count"] > 0:
         return peaks
+    recorded = REFERENCE_DIR / profile["profile"] / EFFICIENCY_FILE
+    if recorded.is_file() and json.loads(recorded.read_text()).get("peaks"):
+        # The ceilings its efficiency was measured against: a share of other ceilings would mean nothing.
+        return forecast.Peaks(**json.loads(recorded.read_text())["peaks"])
     if "cpu" not in _measured_here:
         measured = ceilings.measure("cpu", copy_bytes=128 * 2 ** 20, matmul_size=1024, repeats=3)
         _measured_here["cpu"] = forecast.Peaks(measured.matmul_flops_per_second, measured.copy_bytes_per_second,
