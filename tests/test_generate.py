@@ -120,7 +120,10 @@ def test_every_backend_the_params_offer_is_proven():
     assert sorted(case[0] for case in EQUALITY_CASES) == sorted(generation.BACKENDS)
 
 
-@pytest.mark.parametrize("backend, prompt_count, batch_sizes", EQUALITY_CASES)
+# torch.compile's case takes minutes on 2 cores: `make test` runs it, `make test-fast` leaves it out.
+@pytest.mark.parametrize("backend, prompt_count, batch_sizes",
+                         [pytest.param(*case, marks=pytest.mark.slow) if case[0] == "static-compiled" else case
+                          for case in EQUALITY_CASES])
 def test_batched_greedy_equals_one_at_a_time(tiny, varied, backend, prompt_count, batch_sizes):
     prompts, settings, reference = varied
     prompts = prompts[:prompt_count]
@@ -251,6 +254,7 @@ class OutOfMemoryAbove:
 
 def test_out_of_memory_splits_the_batch_and_loses_nothing(tmp_path, tiny):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
+@pytest.mark.slow
     run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
     expected_output = tmp_path / "expected.jsonl"
     generation.run_job(job_params(prompts, expected_output, batch_size=8), expected_output, model=tiny[0], **run)
