@@ -110,6 +110,7 @@ def test_a_job_that_fails_with_a_traceback_records_failed_not_running(tmp_path, 
     assert manifest["status"] == "failed" and manifest["error"] == "a bug"
 
 
+@pytest.mark.slow
 def test_a_diverging_run_stops_with_its_step_and_saves_no_final_model(tmp_path, tiny_model_path, capsys):
     # learning_rate 1e9 once trained to a NaN loss, saved the NaN model as final/ and exited 0.
     data = tmp_path / "pairs.jsonl"

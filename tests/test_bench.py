@@ -149,6 +149,7 @@ def test_static_compiled_and_training_compile_are_skipped_with_a_reason_on_cpu()
         (False, False), (False, False), (False, False), (True, True)]
 
 
+@pytest.mark.slow
 def test_the_training_sweep_runs_each_memory_setting_named_as_one_more_point(tmp_path):
     import torch
     from workbook import params as params_module
@@ -268,6 +269,7 @@ def test_an_auto_micro_batch_runs_each_memory_setting_at_the_largest_the_planner
     assert too_big[0]["micro_batch_size"] == "auto" and "not even micro-batch 1 fits" in too_big[0]["skipped"]
 
 
+@pytest.mark.slow
 def test_a_training_point_trains_with_the_profiles_optimizer_lora_targets_and_data_loading(monkeypatch):
     """A bench point measures the profile's training job: the optimizer (whose state the planned
     micro-batch follows), the LoRA targets and the DataLoader settings are the profile's, and the
@@ -608,6 +610,7 @@ def test_an_output_continuous_batching_ended_at_eos_is_compared_up_to_its_eos():
     assert not bench.same_greedy_tokens(None, forced)
 
 
+@pytest.mark.slow
 def test_a_points_figures_come_from_its_median_run(tiny_model_path, tmp_path, monkeypatch):
     from workbook import notebook
     from workbook.bench import report
@@ -625,6 +628,7 @@ def test_a_points_figures_come_from_its_median_run(tiny_model_path, tmp_path, mo
         assert point["examples_per_minute"] == pytest.approx(60 * point["examples"] / sorted(runs)[1])
 
 
+@pytest.mark.slow
 def test_a_benchmark_stopped_part_way_keeps_every_point_it_finished(tiny_model_path, tmp_path, monkeypatch):
     # A lent GPU's call stops a step at its time limit: the points measured before it must be on disk.
     import importlib
@@ -654,6 +658,7 @@ def test_a_benchmark_stopped_part_way_keeps_every_point_it_finished(tiny_model_p
     assert "completions" not in lines[0]  # the outputs stay out of the record
 
 
+@pytest.mark.slow
 def test_a_benchmark_whose_time_budget_runs_out_writes_its_report_with_what_it_measured(
         tiny_model_path, tmp_path, monkeypatch):
     # A lent GPU's call gives the benchmark its time: the point running when it ends is stopped, the rest

@@ -43,6 +43,7 @@ def bare_workbook(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_gpu_and_plan_run_without_the_notebook_stack_or_nvml():
     detected = bare_workbook("gpu", "--json")
     assert detected.returncode == 0, detected.stderr
@@ -153,6 +154,7 @@ def test_help_of_the_command_and_of_gpu_does_not_import_torch():
     assert done.stdout.strip().splitlines()[-1] == "torch imported: False"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [
     ["gpu", "--json"],
     ["plan", "--model", "llama-3.1-8b", "--profile", "h200", "--mode", "generate", "--json"],
@@ -171,6 +173,7 @@ def test_json_into_a_closed_pipe_ends_quietly(command):
     assert done.returncode == 1
 
 
+@pytest.mark.slow
 def test_head_of_the_json_gets_its_line():
     done = subprocess.run(f"{sys.executable} -m workbook gpu --json | head -1", shell=True, capture_output=True,
                           text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}, timeout=300)
@@ -300,6 +303,7 @@ def test_a_notebook_that_lacks_a_key_its_job_reads_is_told_which_and_where_to_de
         training.config_from_params({k: v for k, v in cpu.items() if k not in ("epochs", "precision")}, tmp_path)
 
 
+@pytest.mark.slow
 def test_no_key_a_jobs_notebook_declares_is_noted_as_changing_nothing(capsys):
     # The notebook's parameters cell lists what the job reads: a --set of any of them counts.
     import papermill

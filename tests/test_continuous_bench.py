@@ -10,6 +10,7 @@ from workbook.bench import continuous_batching
 TINY_RUN = ["--examples", "6", "--max-new-tokens", "4", "--threads", "1", "--bandwidth-gbs", "10", "--peak-tflops", "1"]
 
 
+@pytest.mark.slow
 def test_every_arm_generates_the_drawn_lengths_and_the_report_has_the_gpu_figures(tmp_path, tiny_model_path):
     assert continuous_batching.main([*TINY_RUN, "--repeats", "1", "--memory-gib", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "continuous_batching.json").read_text())
@@ -50,6 +51,7 @@ def test_the_time_budget_stops_the_run_and_keeps_what_it_measured(tmp_path, tiny
     assert "Stopped early" in (tmp_path / "continuous_batching.md").read_text()
 
 
+@pytest.mark.slow
 def test_a_budget_that_ends_inside_an_arm_keeps_the_arms_it_finished(tmp_path, tiny_model_path, monkeypatch):
     """The GPU session's uneven workload alone: the budget ends as the third arm (direct) starts. The
     static and continuous arms it finished are the result, their ratio with them; direct says n/a."""

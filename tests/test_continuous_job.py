@@ -15,6 +15,7 @@ def keys(path):
     return [(r["metadata"]["example_id"], r["metadata"]["sample_index"]) for r in read_records(path)]
 
 
+@pytest.mark.slow
 def test_continuous_writes_every_id_and_sample_once_and_logs_the_forecasts_eta(tmp_path, tiny_model_path):
     records = arithmetic.sample_records()[:6]
     prompts = write_prompts(tmp_path / "in.jsonl", records)

@@ -122,6 +122,7 @@ def test_other_errors_propagate_unchanged(error):
     assert calls == [16]  # no back-off for an error that is not out of memory
 
 
+@pytest.mark.slow
 def test_even_batch_one_out_of_memory_says_what_to_change():
     calls = []
     with pytest.raises(NoBatchFitsError, match="even batch size 1") as raised:
@@ -183,6 +184,7 @@ def test_generation_probe_takes_token_ids(tiny):
     assert result.generated_tokens == 5 and result.prompt_tokens == len(ids)
 
 
+@pytest.mark.slow
 def test_finder_with_the_real_generation_probe_returns_the_threshold(tiny):
     model, tokenizer = tiny
     real_probe = generation_probe(model, tokenizer, PROMPT, FORCED_NEW_TOKENS)

@@ -393,6 +393,7 @@ def job_params(prompts_path, output_path, **changes):
     return values
 
 
+@pytest.mark.slow
 def test_the_pilot_writes_a_relative_output_path_where_the_job_will(tmp_path, tiny_model_path, monkeypatch):
     # A relative prompts path falls back to the repository root; an output path never does: the
     # pilot must write where the job then resumes, even when the root holds a file of that name.
@@ -409,6 +410,7 @@ def test_the_pilot_writes_a_relative_output_path_where_the_job_will(tmp_path, ti
     assert len((work / "out.jsonl").read_text().splitlines()) == 4 and (repo / "out.jsonl").read_text() == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["static", "continuous"])
 def test_pilot_outputs_are_kept_by_the_job_and_generated_once(tmp_path, tiny_model_path, backend):
     model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")
@@ -583,6 +585,7 @@ def test_an_fp32_job_is_projected_at_the_16_bit_peak_it_would_run_at_and_the_row
     assert forecast.profile_peaks(here, "bf16").note == ""
 
 
+@pytest.mark.slow
 def test_a_generation_forecast_over_two_nodes_shards_the_prompts_and_sends_nothing_per_token(tmp_path, tiny_model_path):
     from workbook.forecast import command as forecast_command
     model, tokenizer = generation.load_model(str(tiny_model_path), "fp32", "cpu")
@@ -617,6 +620,7 @@ def test_a_cold_first_start_is_not_charged_to_the_job_run_after_it():
     assert forecast.simulate_training(10, 0, forecast.TrainingTimings(5.0, 1.0, 0.5, 0.0, 0.0, exit_seconds=0.5)) == 11.5
 
 
+@pytest.mark.slow
 def test_a_training_forecast_over_two_nodes_names_the_gradient_all_reduce(tmp_path):
     """Two nodes: the same micro-batches per process, so an epoch has half the steps; the gradient
     all-reduce crosses the network every step, and the forecast says it is not in its time."""
@@ -639,6 +643,7 @@ def test_a_training_forecast_over_two_nodes_names_the_gradient_all_reduce(tmp_pa
     assert max(result.pilot["step_indices"]) > here.total_steps // 2
 
 
+@pytest.mark.slow
 def test_a_forecast_without_output_path_leaves_a_run_folder_that_generate_finishes(tmp_path, tiny_model_path,
                                                                                    monkeypatch, capsys):
     # The pilot's folder had outputs but no manifest: notebook 05 could not say what it was, and the job
