@@ -224,3 +224,27 @@ def test_the_report_shows_a_pilot_forecast_beside_the_work_forecast():
                "efficiency": {"basis": "prior"}}])
     lines = "\n".join(roofline.forecast_lines(made, [{"profile": "h100", "wall_seconds": 90.0}]))
     assert "| pilot forecast |" in lines and "| 90.0 s |" in lines and "| 100.0 s |" in lines
+
+
+def test_a_packed_training_run_counts_its_rows_and_steps():
+    model = work.model_work(small_config(), "bf16")
+    # 10 examples of 100 tokens pack into ceil(1,000 / 256) = 4 rows; 2 rows a step: 2 steps an epoch.
+    run = work.training_work(model, [100] * 10, seq_len=256, micro_batch_size=2, accumulation=1, processes=1,
+                             epochs=3, max_steps=0, lora=False, recompute=False)
+    assert (run.steps, run.rows_per_step) == (6, 2)
+    assert run.total.flops == 12 * work.training_step_work(model, 1, 256).flops
+    # A partial last step trains only the rows left: 3 rows, 2 a step, 2 epochs = 6 rows in 4 steps.
+    partial = work.training_work(model, [256] * 3, seq_len=256, micro_batch_size=2, accumulation=1, processes=1,
+                                 epochs=2, max_steps=0, lora=False, recompute=False)
+    assert partial.steps == 4 and partial.total.flops == 6 * work.training_step_work(model, 1, 256).flops
+
+
+def test_a_training_forecast_without_a_pilot_prices_its_steps_at_the_training_prior(capsys):
+    code = cli.main(["forecast", "--params", "h100", "--mode", "train", "--method", "work", "--json",
+                     "--set", "model=Llama-3.2-1B"])
+    assert code == 0
+    made = json.loads(capsys.readouterr().out)["without_pilot"]
+    row = next(row for row in made["rows"] if row["profile"] == "h100")
+    assert made["mode"] == "train" and row["efficiency"]["basis"] == "prior" and "Llama 3" in row["basis"]
+    low, high = row["wall_seconds_range"]
+    assert 0 < low < row["wall_seconds"] < high and row["work"]["total"]["flops"] > 0

@@ -124,12 +124,9 @@ def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, sa
 def _without_pilot(params, mode: str, as_json: bool, pilot: forecast.Forecast | None, say) -> int:
     """The forecast from the job's work on every profile (no pilot, no weights, no GPU); a pilot
     forecast's rows beside it when one was made."""
-    if mode != "generate":
-        print("error: --method work forecasts generation jobs; for a training run use the pilot (--method pilot), "
-              "or workbook.forecast.roofline.training_forecast_rows from Python", file=sys.stderr)
-        return 2
     try:
-        made = roofline.forecast_without_pilot(params, log=say)
+        made = (roofline.forecast_without_pilot(params, log=say) if mode == "generate"
+                else roofline.forecast_training_without_pilot(params))
     except (jsonl.DataError, ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from workbook import ceilings, models, params as params_module, presets, tiny_model
+from workbook import arithmetic, ceilings, models, params as params_module, presets, tiny_model
 from workbook.notebook import markdown_table
 from workbook.forecast import model as forecast
 from workbook.forecast.work import GenerationWork, ModelWork, generation_work, model_work, training_work
@@ -362,19 +362,55 @@ def forecast_lines(result: RooflineForecast, pilot_rows: list[dict] | None = Non
         line = {"profile": row["profile"], "batch": row["batch_size"], "wall": _hours(row["wall_seconds"]),
                 "range": f"{_hours(low)} - {_hours(high)}", "GPU-hours": f"{row['gpu_hours']:.2f}",
                 "USD": f"{row['usd_range'][0]:.2f} - {row['usd_range'][1]:.2f}",
-                "all to max_new_tokens": _hours(row["every_output_to_max_new_tokens_seconds"]),
+                "all to max_new_tokens": _hours(row["every_output_to_max_new_tokens_seconds"])
+                if row.get("every_output_to_max_new_tokens_seconds") else "-",
                 "efficiency": row["efficiency"]["basis"]}
         if pilot_rows is not None:
             other = pilot.get(row["profile"], {})
             line["pilot forecast"] = _hours(other["wall_seconds"]) if other.get("wall_seconds") else "-"
         rows.append(line)
     head = (f"forecast without a pilot ({result.method}): {result.job['prompts']} prompts of {result.model}, up to "
-            f"{result.job['max_new_tokens']} new tokens; outputs: {result.lengths['output_basis']}")
+            f"{result.job['max_new_tokens']} new tokens; outputs: {result.lengths['output_basis']}"
+            if result.mode == "generate" else f"forecast without a pilot ({result.method}): training {result.model} on "
+            f"{result.job['examples']} examples ({result.job['tokens']:,} tokens) of {result.job['train_data_path']}")
     return [head, "", markdown_table(rows)] + [f"note: {note}" for note in result.notes]
 
 
 def _hours(seconds_: float) -> str:
     return f"{seconds_:.1f} s" if seconds_ < 120 else f"{seconds_ / 60:.1f} min" if seconds_ < 7200 else f"{seconds_ / 3600:.2f} h"
+
+
+def training_example_tokens(params, tokenizer=None) -> tuple[list[int], str, str]:
+    """(tokens per training example, where they came from, how they were counted): each record's
+    input as the training formats it (the chat template's user turn) plus its output and the end of
+    sequence, from ``train_data_path`` (else the shipped arithmetic sample)."""
+    path = Path(params["train_data_path"]).expanduser() if params["train_data_path"] else arithmetic.SAMPLE_PROMPTS_PATH
+    examples, _ = records.load_examples(resolve_input_path(str(path)), prompt_field=params["input_field"],
+                                        on_bad_line=params["on_bad_line"])
+    outputs = [e.record.get(params["output_field"]) or "" for e in examples]
+    if tokenizer is not None:
+        inputs = [len(ids) for ids in tokenize_prompts(tokenizer, [e.prompt for e in examples], params["use_chat_template"])]
+        counts = [len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in outputs]
+        how = f"counted with the model's tokenizer ({params['model']})"
+    else:
+        inputs, counts = [estimated_tokens(e.prompt) for e in examples], [estimated_tokens(t) for t in outputs]
+        how = f"estimated: UTF-8 bytes / {BYTES_PER_TOKEN_ESTIMATE:g} per token (the model has no tokenizer)"
+    return [a + b + 1 for a, b in zip(inputs, counts)], _relative(resolve_input_path(str(path))), how
+
+
+def forecast_training_without_pilot(params, *, profiles: dict | None = None, tokenizer=None) -> RooflineForecast:
+    """A packed training run on every profile from its steps' work (compute-bound) at each profile's
+    training efficiency. Nothing runs the model."""
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(params["model"])
+    tokens, path, how = training_example_tokens(params, tokenizer)
+    rows = training_forecast_rows(params, tokens, profiles)
+    return RooflineForecast(
+        mode="train", profile=params["profile"], model=params["model"],
+        job={"examples": len(tokens), "train_data_path": path, "tokens": sum(tokens), "epochs": params["epochs"],
+             "max_steps": params["max_steps"], "prompts": len(tokens), "max_new_tokens": None},
+        lengths={"output_basis": "the training data's own outputs", "token_counts": how}, rows=rows,
+        notes=[f"tokens {how}", "packed rows of the profile's seq_len (max_seq_length 'auto': seq_len); not in the "
+               "time: start-up, loading, validation passes and saving the model"])
 
 
 def training_forecast_rows(params, example_tokens: list[int], profiles: dict | None = None) -> list[dict]:
@@ -401,7 +437,9 @@ def training_forecast_rows(params, example_tokens: list[int], profiles: dict | N
         efficiency = efficiency_for(name, "train")
         gpus = max(_processes(settings, "train"), 1)
         took = [run.total.flops / (peaks.flops * efficiency.compute[i] * gpus) for i in range(3)]
-        rows.append({"profile": name, "micro_batch_size": micro, "wall_seconds": took[1],
+        rows.append({"profile": name, "batch_size": micro, "wall_seconds": took[1],
                      "wall_seconds_range": [took[2], took[0]], **_row_cost(took[1], settings),
+                     "usd_range": [_row_cost(took[2], settings)["usd"], _row_cost(took[0], settings)["usd"]],
+                     "efficiency": {"basis": efficiency.basis, "compute": efficiency.compute[1]},
                      "basis": f"{efficiency.basis} efficiency: {efficiency.source}", "work": run.summary()})
     return rows

@@ -241,5 +241,8 @@ def training_work(model: ModelWork, example_tokens: list[int], *, seq_len: int, 
     rows = max(1, math.ceil(sum(min(t, seq_len) for t in example_tokens) / seq_len))
     per_step = micro_batch_size * accumulation * processes
     steps = max_steps or math.ceil(rows / per_step) * epochs
+    # An epoch's last step takes the rows left, not a full step's.
+    trained_rows = max_steps * per_step if max_steps else rows * epochs
+    row = training_step_work(model, 1, seq_len, lora=lora, recompute=recompute)
     step = training_step_work(model, per_step, seq_len, lora=lora, recompute=recompute)
-    return TrainingWork(steps, per_step, seq_len, step, Work(step.flops * steps, step.bytes * steps, steps))
+    return TrainingWork(steps, per_step, seq_len, step, Work(row.flops * trained_rows, step.bytes * steps, steps))
