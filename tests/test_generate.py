@@ -252,10 +252,9 @@ class OutOfMemoryAbove:
         return getattr(self.model, name)
 
 
+@pytest.mark.slow
 def test_out_of_memory_splits_the_batch_and_loses_nothing(tmp_path, tiny):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
-@pytest.mark.slow
-@pytest.mark.slow
     run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
     expected_output = tmp_path / "expected.jsonl"
     generation.run_job(job_params(prompts, expected_output, batch_size=8), expected_output, model=tiny[0], **run)
@@ -267,8 +266,8 @@ def test_out_of_memory_splits_the_batch_and_loses_nothing(tmp_path, tiny):
     assert outputs_by_id(output) == outputs_by_id(expected_output)
 
 
-def test_an_example_that_runs_out_of_memory_alone_is_recorded_and_retried_on_rerun(tmp_path, tiny):
 @pytest.mark.slow
+def test_an_example_that_runs_out_of_memory_alone_is_recorded_and_retried_on_rerun(tmp_path, tiny):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:6])
     output = tmp_path / "out.jsonl"
     run = dict(tokenizer=tiny[1], log=lambda line: None, show_progress=False)
@@ -299,8 +298,8 @@ class FailsOn:
         return getattr(self.model, name)
 
 
-def test_an_error_is_isolated_to_its_example_and_a_systematic_one_stops_the_run(tmp_path, tiny):
 @pytest.mark.slow
+def test_an_error_is_isolated_to_its_example_and_a_systematic_one_stops_the_run(tmp_path, tiny):
     records = arithmetic.sample_records()[:10]
     prompts = write_prompts(tmp_path / "in.jsonl", records)
     bad_ids = tiny[1](records[4]["input"])["input_ids"]
