@@ -74,12 +74,21 @@ def descendants(pid):
 
 
 def running(pid):
-    """Alive and not a zombie (a dead process its new parent has not reaped yet)."""
+    """Whether any thread of the process still runs. Its main thread alone can read as a zombie while
+    another one, in an fsync say, has not ended yet: the process's files (the output's lock) stay open
+    until the last thread ends."""
     try:
-        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-    except (FileNotFoundError, ProcessLookupError):
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
         return False
-    return state not in ("Z", "X")
+    for task in tasks:
+        try:
+            state = open(f"/proc/{pid}/task/{task}/stat").read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if state not in ("Z", "X"):
+            return True
+    return False
 
 
 def wait_until(condition, what, launcher, seconds=START_SECONDS, folder=None):
