@@ -64,7 +64,8 @@ def test_the_generation_job_loads_it_and_writes_a_record_per_prompt(random_model
 def test_the_trainer_loads_it_and_trains_on_the_shipped_sample(random_model, tmp_path):
     config = training.TrainConfig(model=str(random_model), data_path="", data_description="the shipped sample",
                                   output_dir=str(tmp_path / "out"), validation_fraction=0.0, micro_batch_size=2,
-                                  learning_rate=1e-3, max_steps=2, warmup_steps=0)
+                                  learning_rate=1e-3, max_steps=2, warmup_steps=0, dtype="fp32", tf32=False,
+                                  dataloader_workers=0, pin_memory=False, use_chat_template=False, save_every_steps=0)
     result = training.train(config)
     assert result["status"] == "finished" and result["steps"]["reached"] == 2
     assert result["model_description"].startswith(f"{random_model}: weights from {random_model}")

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from workbook import arithmetic, cli, jsonl, params, planner, runner, training
 from workbook.training import batches as sft_batches, checkpoints, cli as training_cli, examples as sft_examples
-from workbook.training import run_folder, run_plan
+from workbook.training import config as config_module, run_folder, run_plan
 from workbook.paths import NOTEBOOKS_DIR, REPO_ROOT
 from workbook.tiny_model import BOS_ID, EOS_ID, PAD_ID
 
@@ -37,9 +37,16 @@ def write_jsonl(path, records):
     return str(path)
 
 
+# What these tests train with besides the schema's defaults (those of a GPU run): the CPU's dtype and
+# loading, no chat template (the records are plain text), no checkpoints unless a test asks.
+CPU_TEST_SETTINGS = dict(dtype="fp32", tf32=False, dataloader_workers=0, pin_memory=False, use_chat_template=False,
+                         save_every_steps=0)
+
+
 def make_config(tmp_path, data_path="", **changes) -> training.TrainConfig:
     settings = dict(model="tiny", data_path=data_path, data_description="test data", output_dir=str(tmp_path / "out"),
-                    validation_fraction=0.0, micro_batch_size=2, learning_rate=1e-3, max_steps=2, warmup_steps=0)
+                    validation_fraction=0.0, micro_batch_size=2, learning_rate=1e-3, max_steps=2, warmup_steps=0,
+                    **CPU_TEST_SETTINGS)
     settings.update(changes)
     return training.TrainConfig(**settings)
 
@@ -437,6 +444,26 @@ def test_every_profile_gives_a_training_config_and_notebook_03_declares_every_ke
     assert params.SCHEMA["attn_implementation"].choices == planner.ATTENTION_IMPLEMENTATIONS
     assert params.SCHEMA["padding"].choices == sft_batches.PADDINGS
     assert params.SCHEMA["lr_scaling"].choices == run_plan.LR_SCALING_RULES
+
+
+def test_a_training_configs_defaults_are_the_schemas_and_every_key_it_takes_reaches_it(tmp_path):
+    # No second set of defaults: a TrainConfig built in code (a benchmark point, a test) trains as a
+    # profile that leaves the key out would.
+    defaults = params.defaults()
+    config = training.TrainConfig(model="tiny", data_path="", data_description="", output_dir="")
+    taken = config_module.params_fields()
+    assert {"epochs", "micro_batch_size", "warmup_steps", "use_chat_template", "learning_rate"} <= set(taken)
+    assert taken["processes"] == "train_processes"
+    for name, key in taken.items():
+        assert getattr(config, name) == defaults[key], name
+    # Each field comes from its key: a profile with every such key changed gives a config with each changed.
+    changed = {**defaults, "epochs": 7, "micro_batch_size": 3, "warmup_steps": 5, "use_chat_template": False,
+               "learning_rate": 3e-4, "train_processes": 2, "dtype": "fp32", "report_to": "tensorboard",
+               "peer_timeout_seconds": 30.0, "eval_prompts_path": ""}
+    built = training.config_from_params(changed, tmp_path)
+    assert {name: getattr(built, name) for name in taken} == {name: changed[key] for name, key in taken.items()}
+    # ... and every key a training config takes is one the train job declares it reads.
+    assert set(taken.values()) <= set(training.PARAMS_USED)
 
 
 def test_a_preset_trains_on_synthetic_sequences_of_exactly_max_seq_length(tmp_path):

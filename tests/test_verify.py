@@ -98,7 +98,7 @@ def test_verify_output_writes_the_accepted_file_the_trainer_reads_as_it_is(tmp_p
     assert summary["pass_rate_per_prompt"] == {"a": 0.5, "b": 1.0, "c": 0.0}
     config = training.TrainConfig(model=str(tiny_model_path), data_path=str(accepted), data_description="accepted",
                                   output_dir=str(tmp_path / "train"), input_field="input", output_field="output",
-                                  validation_fraction=0.0)
+                                  validation_fraction=0.0, use_chat_template=False)
     prepared = training.prepare_data(config)
     assert len(prepared.train) == 2 and prepared.tokenize_report["skipped"] == 0
     with pytest.raises(VerifyError, match="no such output"):

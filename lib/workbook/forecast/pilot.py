@@ -34,6 +34,7 @@ from workbook.generation import job
 from workbook.generation.engine import in_batches, sort_longest_first
 from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
 from workbook.generation.inputs import read_inputs
+from workbook.generation.settings import GenerationSettings
 from workbook.paths import OUTPUTS_DIR
 from workbook.planner import profile
 from workbook.planner.formulas import kv_cache_bytes_per_token
@@ -154,13 +155,13 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     resume skips them. ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests)."""
 
     entered = startup.seconds_so_far(clock)
-    job.require_keys(params)
-    files = OutputFiles(resolve_output_path(params["output_path"], None))  # where the job writes
+    settings = GenerationSettings.from_params(params)  # the job's own settings, as run_job builds them
+    files = OutputFiles(resolve_output_path(settings.output_path, None))  # where the job writes
     rank = job.Rank(0, 1, runtime.default_device())
     with lock_output(files):
-        inputs = read_inputs(params, files, record_skipped=False)
-        share_ = job.prepare_share(params, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
-        model, backend, samples = share_.model, share_.backend, params["samples_per_prompt"]
+        inputs = read_inputs(settings, files, record_skipped=False)
+        share_ = job.prepare_share(settings, inputs, files, rank, model=model, tokenizer=tokenizer, log=log)
+        model, backend, samples = share_.model, share_.backend, settings.samples_per_prompt
         context = decoding.context_length(model)
         # The whole job as a fresh run: every candidate whose prompt leaves room to generate.
         every = [len(share_.token_ids[i]) for i in range(len(share_.examples)) for _ in range(samples)
@@ -177,10 +178,10 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
                                   call=(lambda: backend.generate(short)) if first and not streaming else None)
         pilot_began = time.perf_counter()
         if streaming:
-            stream = stream_forecast.run_stream_pilot(params, share_, files, rank, [pending[i] for i in chosen], log,
+            stream = stream_forecast.run_stream_pilot(settings, share_, files, rank, [pending[i] for i in chosen], log,
                                                       CLOCKS[clock])
         else:
-            calls = run_pilot(params, share_, files, rank, [pending[i] for i in chosen], seconds, log, CLOCKS[clock])
+            calls = run_pilot(settings, share_, files, rank, [pending[i] for i in chosen], seconds, log, CLOCKS[clock])
         pilot_seconds = time.perf_counter() - pilot_began
     piloted_batches = len(chosen) if streaming else len(calls)
     if not piloted_batches:
@@ -225,7 +226,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     return made
 
 
-def run_pilot(params, share_, files, rank, batches: list[list], seconds: float | None, log,
+def run_pilot(settings, share_, files, rank, batches: list[list], seconds: float | None, log,
               clock: Callable[[], float] = time.perf_counter) -> list[Call]:
     """Generate ``batches`` through the job's own writer, timing each call; stops early once the
     pilot has run ``seconds`` (after at least one batch)."""
@@ -247,7 +248,7 @@ def run_pilot(params, share_, files, rank, batches: list[list], seconds: float |
                 log(f"pilot: stopped after {len(calls)} batches ({seconds:g} s budget)")
                 break
             done, batch_began = len(calls), clock()
-            job.generate_share(params, dataclasses.replace(share_, prompts=batch, bad_lines=[], too_long=[]),
+            job.generate_share(settings, dataclasses.replace(share_, prompts=batch, bad_lines=[], too_long=[]),
                                files, rank, log=lambda line: None, show_progress=False)
             if len(calls) != done + 1:  # a split (out of memory) is not the job's steady state
                 raise job.GenerationError("the pilot's batch was split (out of memory or an error): lower "

@@ -272,7 +272,7 @@ def _lengths(cumulative) -> list[int]:
     return (cumulative[1:] - cumulative[:-1]).tolist() if cumulative is not None and len(cumulative) > 1 else []
 
 
-def run_stream_pilot(params, share_, files, rank, batches: list[list], log, clock: Callable[[], float] = time.perf_counter
+def run_stream_pilot(settings, share_, files, rank, batches: list[list], log, clock: Callable[[], float] = time.perf_counter
                      ) -> StreamPilot:
     """The chosen batches' prompts as one stream through the job's writer into the job's output,
     every model step timed."""
@@ -290,7 +290,7 @@ def run_stream_pilot(params, share_, files, rank, batches: list[list], log, cloc
     backend._completed = completed
     began = clock()
     try:
-        job.generate_share(params, dataclasses.replace(share_, prompts=prompts, bad_lines=[], too_long=[]),
+        job.generate_share(settings, dataclasses.replace(share_, prompts=prompts, bad_lines=[], too_long=[]),
                            files, rank, log=lambda line: None, show_progress=False)
     finally:
         backend._completed = original

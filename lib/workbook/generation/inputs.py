@@ -11,26 +11,27 @@ from workbook import jsonl
 from workbook.generation import records
 from workbook.generation.engine import DecodingSettings, GenerationError
 from workbook.generation.files import OutputFiles, check_resume, resolve_input_path, written_outputs
+from workbook.generation.settings import GenerationSettings
 
 
-def output_settings(params) -> dict:
-    """Everything besides its prompt that makes an output what it is, from params alone (so that a
-    resume is checked before the model loads): the model, its dtype, the chat template's use and
+def output_settings(settings: GenerationSettings) -> dict:
+    """Everything besides its prompt that makes an output what it is, from the settings alone (so that
+    a resume is checked before the model loads): the model, its dtype, the chat template's use and
     the decoding settings as recorded (the model's own token ids follow from the model)."""
-    decoding = DecodingSettings(max_new_tokens=params["max_new_tokens"], eos_token_ids=(), pad_token_id=0,
-                                do_sample=params["do_sample"], temperature=float(params["temperature"]),
-                                top_p=float(params["top_p"]), seed=params["seed"])  # float: 1 and 1.0 alike
-    settings = {"teacher_model": params["model"], "dtype": params["dtype"],
-                "use_chat_template": params["use_chat_template"], "generation_params": decoding.recorded()}
-    if params["system_prompt"]:  # only when set: outputs written without one keep their fingerprint
-        settings["system_prompt"] = system_prompt_record(params)
-    return settings
+    decoding = DecodingSettings(max_new_tokens=settings.max_new_tokens, eos_token_ids=(), pad_token_id=0,
+                                do_sample=settings.do_sample, temperature=float(settings.temperature),
+                                top_p=float(settings.top_p), seed=settings.seed)  # float: 1 and 1.0 alike
+    made = {"teacher_model": settings.model, "dtype": settings.dtype,
+            "use_chat_template": settings.use_chat_template, "generation_params": decoding.recorded()}
+    if settings.system_prompt:  # only when set: outputs written without one keep their fingerprint
+        made["system_prompt"] = system_prompt_record(settings)
+    return made
 
 
-def system_prompt_text(params) -> str:
-    """The system prompt the teacher sees (prompt distillation): params' text, or the file it names
-    as ``@path`` (relative: the working directory, else the repository root); '' for none."""
-    value = params["system_prompt"]
+def system_prompt_text(settings: GenerationSettings) -> str:
+    """The system prompt the teacher sees (prompt distillation): the setting's text, or the file it
+    names as ``@path`` (relative: the working directory, else the repository root); '' for none."""
+    value = settings.system_prompt
     if not value.startswith("@"):
         return value
     path = resolve_input_path(value[1:])
@@ -45,11 +46,11 @@ def system_prompt_text(params) -> str:
                               f"{error.reason}); save it as UTF-8") from error
 
 
-def system_prompt_record(params) -> dict:
+def system_prompt_record(settings: GenerationSettings) -> dict:
     """What each output records of its system prompt: where it came from and a digest, never the
     text in ``input`` (the student is trained on the input without it)."""
-    text = system_prompt_text(params)
-    source = params["system_prompt"] if params["system_prompt"].startswith("@") else "inline (params)"
+    text = system_prompt_text(settings)
+    source = settings.system_prompt if settings.system_prompt.startswith("@") else "inline (params)"
     return {"sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()[:16], "source": source, "characters": len(text)}
 
 
@@ -63,18 +64,18 @@ class Inputs:
     done: set  # (id, sample) of every output already in the output or its parts
 
 
-def read_inputs(params, files: OutputFiles, *, record_skipped: bool) -> Inputs:
+def read_inputs(settings: GenerationSettings, files: OutputFiles, *, record_skipped: bool) -> Inputs:
     """Read the prompts and check them against the output, before any model loads: no prompt at all,
     output_path naming the prompts (or any file this job did not write), and outputs made from
     other prompts or settings each stop with one GenerationError. ``record_skipped``: this process
     (the first) lists the skipped lines in the failures file when no prompt is left."""
-    if params["samples_per_prompt"] > 1 and not params["do_sample"]:
-        raise GenerationError(f"samples_per_prompt is {params['samples_per_prompt']} but do_sample is false: greedy "
+    if settings.samples_per_prompt > 1 and not settings.do_sample:
+        raise GenerationError(f"samples_per_prompt is {settings.samples_per_prompt} but do_sample is false: greedy "
                               "decoding would write the same output every time; set do_sample: true (with a "
                               "temperature) or samples_per_prompt: 1")
-    prompts_path = resolve_input_path(params["prompts_path"])
-    examples, bad_lines = records.load_examples(prompts_path, prompt_field=params["prompt_field"],
-                                                on_bad_line=params["on_bad_line"], max_examples=params["max_examples"])
+    prompts_path = resolve_input_path(settings.prompts_path)
+    examples, bad_lines = records.load_examples(prompts_path, prompt_field=settings.prompt_field,
+                                                on_bad_line=settings.on_bad_line, max_examples=settings.max_examples)
     # The job writes more than the output (failures, accepted, summary, lock, parts): none may be the prompts.
     clash = next((path for path in files.every_file() if path.resolve() == prompts_path.resolve()
                   or (path.exists() and path.samefile(prompts_path))), None)
@@ -84,11 +85,11 @@ def read_inputs(params, files: OutputFiles, *, record_skipped: bool) -> Inputs:
                               "written and resumed there).")
     if not examples:
         raise GenerationError(_no_prompts_text(prompts_path, bad_lines, files, record_skipped))
-    settings = output_settings(params)
+    made = output_settings(settings)
     written = written_outputs(files)
-    check_resume(files, written, examples, prompts_path, settings_fingerprint=records.settings_fingerprint(settings),
-                 teacher_model=settings["teacher_model"], generation_params=settings["generation_params"],
-                 samples_per_prompt=params["samples_per_prompt"])
+    check_resume(files, written, examples, prompts_path, settings_fingerprint=records.settings_fingerprint(made),
+                 teacher_model=made["teacher_model"], generation_params=made["generation_params"],
+                 samples_per_prompt=settings.samples_per_prompt)
     return Inputs(prompts_path, examples, bad_lines, set(written))
 
 

@@ -1,7 +1,8 @@
 """The generation job: from params to outputs on disk, for one process or one of several.
 
-Lock the output, read and check the prompts and what the output already holds (all before any
-model loads), load the model, skip what is written, take this process's share, generate it
+The params become one typed ``GenerationSettings`` at the entry (``run_job``), which every step
+reads. Lock the output, read and check the prompts and what the output already holds (all before
+any model loads), load the model, skip what is written, take this process's share, generate it
 through the engine, write each batch, and (first process) merge and audit::
 
     summary = run_job(params, "out/teacher.jsonl")
@@ -30,6 +31,7 @@ from workbook.generation.files import OutputFiles, lock_output, merge_and_audit,
 from workbook.generation.inputs import (
     Inputs, bad_line_failure, output_settings, read_inputs, system_prompt_text,
 )
+from workbook.generation.settings import GenerationSettings
 from workbook.generation.progress import planned_by_prompt
 from workbook.params import SCHEMA
 from workbook.planner import profile
@@ -109,16 +111,16 @@ def tokenize_prompts(tokenizer, prompts: list[str], use_chat_template: bool,
                                           system_prompt=system_prompt)
 
 
-def decoding_settings(params, model, tokenizer) -> DecodingSettings:
-    if params["do_sample"] and params["temperature"] <= 0:
-        raise GenerationError(f"do_sample is true and temperature is {params['temperature']}; sampling needs "
+def decoding_settings(settings: GenerationSettings, model, tokenizer) -> DecodingSettings:
+    if settings.do_sample and settings.temperature <= 0:
+        raise GenerationError(f"do_sample is true and temperature is {settings.temperature}; sampling needs "
                               "temperature > 0 (or set do_sample: false for greedy decoding).")
-    if params["do_sample"] and params["top_p"] <= 0:
+    if settings.do_sample and settings.top_p <= 0:
         raise GenerationError("do_sample is true and top_p is 0, which keeps no token; use 0 < top_p <= 1.")
-    return DecodingSettings(max_new_tokens=params["max_new_tokens"],
+    return DecodingSettings(max_new_tokens=settings.max_new_tokens,
                             eos_token_ids=models.eos_token_ids(model, tokenizer),
-                            pad_token_id=models.pad_token_id(model, tokenizer), do_sample=params["do_sample"],
-                            temperature=params["temperature"], top_p=params["top_p"], seed=params["seed"])
+                            pad_token_id=models.pad_token_id(model, tokenizer), do_sample=settings.do_sample,
+                            temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
 
 
 @contextlib.contextmanager
@@ -179,31 +181,32 @@ class Share:
     backend_choice: str = ""  # why this backend (backend: auto says what it measured)
 
 
-def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, model=None, tokenizer=None,
+def prepare_share(settings: GenerationSettings, inputs: Inputs, files: OutputFiles, rank: Rank, *, model=None, tokenizer=None,
                   log: Callable[[str], None] = print) -> Share:
     """Load the model, tokenize, skip what is written, and pick this process's share."""
     prompts_path, examples, bad_lines = inputs.prompts_path, inputs.examples, inputs.bad_lines
     if model is None:
-        profile.refuse_over_ram(params, "generate")  # before the weights fill the RAM
+        profile.refuse_over_ram(settings.profile_params, "generate")  # before the weights fill the RAM
         if rank.device.type == "cpu" and rank.count > 1:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.count))
         layout = tensor_parallel.Layout(rank.tensor_parallel_size, rank.count // rank.tensor_parallel_size)
-        model, tokenizer = load_model(params["model"], params["dtype"], rank.device,
+        model, tokenizer = load_model(settings.model, settings.dtype, rank.device,
                                       tensor_parallel.sharding_arguments(layout))
-    settings = decoding_settings(params, model, tokenizer)
-    backend_name, backend_choice = resolve_backend(params)
-    batch_size = profile.resolve_batch_size({**params, "backend": backend_name}, "generate")  # continuous: paged plan
-    backend = make_backend(backend_name, model, settings, batch_size)
-    token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], params["use_chat_template"],
-                                 system_prompt_text(params))
+    sampling = decoding_settings(settings, model, tokenizer)
+    backend_name, backend_choice = resolve_backend(settings.profile_params)
+    batch_size = profile.resolve_batch_size({**settings.profile_params, "backend": backend_name},  # continuous: paged plan
+                                            "generate")
+    backend = make_backend(backend_name, model, sampling, batch_size)
+    token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], settings.use_chat_template,
+                                 system_prompt_text(settings))
     # A candidate is one sample of one example; batch_size counts candidates (sequences), so a batch
     # holds batch_size / samples_per_prompt prompts. Each is its own row: no backend here shares a
     # prompt's prefill between its samples (generate's num_return_sequences copies the prompt
     # before prefill too), which costs prefill compute, not memory the planner did not count.
-    samples = params["samples_per_prompt"]
+    samples = settings.samples_per_prompt
     pending = [(i, s) for i in range(len(examples)) for s in range(samples)
                if (examples[i].example_id, s) not in inputs.done]
-    room = _room_check(params, model, examples, token_ids, sorted({i for i, _ in pending}), prompts_path)
+    room = _room_check(settings, model, examples, token_ids, sorted({i for i, _ in pending}), prompts_path)
     # Every process sorts all candidates alike and takes every count-th: shares of equal length mix,
     # fixed by the input alone, so a process never takes a candidate another one owns.
     by_length = sorted(((i, s) for i in range(len(examples)) for s in range(samples)),
@@ -212,43 +215,43 @@ def prepare_share(params, inputs: Inputs, files: OutputFiles, rank: Rank, *, mod
     share = rank.share  # a tensor-parallel group computes one share together
     mine = [candidate for candidate in nodes.shard(by_length, share.index, share.count) if candidate in pending_set]
     longest = max((len(token_ids[i]) for i, _ in pending), default=0)
-    if params["batch_size"] == "auto" and longest > params["prompt_len"]:
+    if settings.batch_size == "auto" and longest > settings.prompt_len:
         log(f"note: the longest prompt has {longest} tokens but batch_size 'auto' was planned for prompt_len "
-            f"{params['prompt_len']}; a batch that runs out of memory is split and retried (nothing is lost), "
+            f"{settings.prompt_len}; a batch that runs out of memory is split and retried (nothing is lost), "
             "but raising prompt_len gives a batch size that fits from the start.")
     if rank.index == 0:
         each = f" x {samples} samples" if samples > 1 else ""
         log(f"{len(examples)} examples{each} in {prompts_path}; {len(examples) * samples - len(pending)} already in "
-            f"{files.output}; {len(pending)} to generate with {params['model']} ({backend.name}, batch {batch_size}, "
+            f"{files.output}; {len(pending)} to generate with {settings.model} ({backend.name}, batch {batch_size}, "
             f"{rank.count} process{'es' if rank.count > 1 else ''}{_layout_text(rank)}); {len(bad_lines)} bad input "
             "lines skipped")
-        if params["backend"] == "auto":
+        if settings.backend == "auto":
             log(backend_choice)
     return Share(examples, bad_lines, token_ids,
                  prompts=[Prompt(i, token_ids[i], room[i], s) for i, s in mine if room[i] > 0],
                  too_long=[(i, s) for i, s in mine if room[i] <= 0], backend=backend, batch_size=batch_size,
-                 model=model, tokenizer=tokenizer, settings=settings, prompts_path=prompts_path,
+                 model=model, tokenizer=tokenizer, settings=sampling, prompts_path=prompts_path,
                  backend_choice=backend_choice)
 
 
-def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log: Callable[[str], None] = print,
+def generate_share(settings: GenerationSettings, share: Share, files: OutputFiles, rank: Rank, *, log: Callable[[str], None] = print,
                    sort_by_length: bool = True, show_progress: bool = True) -> list[BatchStats]:
     """Generate this process's prompts into its part of the output; failures into its failures part.
     A record that cannot be written fails alone (stage "write"); a full disk stops the job with
     what is safe and how to resume."""
-    examples, teacher, generation_params = share.examples, params["model"], share.settings.recorded()
-    settings = output_settings(params)  # once: with system_prompt '@path' it reads that file
-    fingerprint, system_prompt = records.settings_fingerprint(settings), settings.get("system_prompt")
+    examples, teacher, generation_params = share.examples, settings.model, share.settings.recorded()
+    made = output_settings(settings)  # once: with system_prompt '@path' it reads that file
+    fingerprint, system_prompt = records.settings_fingerprint(made), made.get("system_prompt")
 
     def sample_index(sample: int) -> int | None:  # recorded only with several samples: one-sample records unchanged
-        return sample if params["samples_per_prompt"] > 1 else None
+        return sample if settings.samples_per_prompt > 1 else None
 
-    if params["do_sample"]:  # the ranks of a tensor-parallel group must draw the same tokens
+    if settings.do_sample:  # the ranks of a tensor-parallel group must draw the same tokens
         torch.manual_seed(share.settings.seed + rank.share.index)
     if not rank.writes:  # its group's first rank writes what this one computes too
         return run_batches(share.backend, share.prompts, write=lambda outcome: None, sort_by_length=sort_by_length,
                            log=lambda line: None, log_every_batches=0, rank=rank.index)
-    bar = progress_bar(len(share.prompts), params["interactive"]) if show_progress and rank.index == 0 else None
+    bar = progress_bar(len(share.prompts), settings.interactive) if show_progress and rank.index == 0 else None
     try:
         fsync_every = getattr(share.backend, "fsync_every", None)  # continuous: one line per call, synced by count/time
         with jsonl.LineAppender(files.output_part(rank.share), fsync_every) as outputs, \
@@ -269,7 +272,7 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
                                               error=error, sample_index=sample_index(prompt.sample))
 
             def write(outcome: Outcome) -> None:
-                made = [_output_record(examples[prompt.index], completion, share.tokenizer, params, teacher,
+                made = [_output_record(examples[prompt.index], completion, share.tokenizer, settings, teacher,
                                        generation_params, len(prompt.token_ids), fingerprint,
                                        sample_index(prompt.sample), system_prompt)
                         for prompt, completion in outcome.completed]
@@ -284,7 +287,7 @@ def generate_share(params, share: Share, files: OutputFiles, rank: Rank, *, log:
                 outcome.failed += unwritten
 
             return run_batches(share.backend, share.prompts, write=write, sort_by_length=sort_by_length,
-                               progress=bar, log=log, log_every_batches=params["log_every_batches"],
+                               progress=bar, log=log, log_every_batches=settings.log_every_batches,
                                rank=rank.index, planned_seconds=planned_by_prompt(
                                    recorded_forecast.eta_plan(recorded_forecast.generation_file(files.output))))
     except OSError as error:  # from the appenders, which name the file: a full disk, or one gone read-only
@@ -313,24 +316,24 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
     """This process's share of the job (all of it when alone). Returns the job's summary in the
     first process (which merges the parts and writes ``<output>.summary.json``), None in the others.
 
-    ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests, the benchmark).
+    ``model``/``tokenizer`` preloaded skip loading the model (tests, the benchmark).
     ``lock_held_by_parent``: the process that started this one holds the output's lock (``launch``).
     """
-    require_keys(params)
-    verifier = _verifier(params)  # a mistyped verifier stops the job before hours of generation
-    layout = tensor_parallel.launched_layout(params)  # a size the model or launcher cannot run stops here
-    params = {**params, "tensor_parallel_size": layout.tensor_parallel_size}  # 'auto' resolved, for the planner
-    rank = current_rank(layout.tensor_parallel_size, params["peer_timeout_seconds"])
+    settings = GenerationSettings.from_params(params)  # once: every step below reads these
+    verifier = _verifier(settings)  # a mistyped verifier stops the job before hours of generation
+    layout = tensor_parallel.launched_layout(settings.profile_params)  # a size the model or launcher cannot run stops here
+    settings = settings.replace(tensor_parallel_size=layout.tensor_parallel_size)  # 'auto' resolved, for the planner
+    rank = current_rank(layout.tensor_parallel_size, settings.peer_timeout_seconds)
     files = OutputFiles(Path(output_path))
     began = time.perf_counter()
     with output_locked(files, rank, held_by_parent=lock_held_by_parent):
-        inputs = nodes.in_step(rank, lambda: read_inputs(params, files, record_skipped=rank.index == 0))
+        inputs = nodes.in_step(rank, lambda: read_inputs(settings, files, record_skipped=rank.index == 0))
         shared = nodes.output_folder_shared(files, rank)  # False: a node with its own disk (several nodes)
         inputs.done = nodes.written_anywhere(inputs.done, rank)
-        share = nodes.in_step(rank, lambda: prepare_share(params, inputs, files, rank, model=model,
+        share = nodes.in_step(rank, lambda: prepare_share(settings, inputs, files, rank, model=model,
                                                           tokenizer=tokenizer, log=log))
         engine_began = time.perf_counter()
-        batches = generate_share(params, share, files, rank, log=log, sort_by_length=sort_by_length,
+        batches = generate_share(settings, share, files, rank, log=log, sort_by_length=sort_by_length,
                                  show_progress=show_progress)
         counts = {"rank": rank.index, **summarize(batches, time.perf_counter() - engine_began),
                   "too_long": len(share.too_long), "setup_seconds": round(engine_began - began, 3),
@@ -343,17 +346,17 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         if rank.index != 0:
             return None
         summary = merge_and_audit(files, share.examples, share.bad_lines, every_process,
-                                  samples=params["samples_per_prompt"], log=log)
+                                  samples=settings.samples_per_prompt, log=log)
         # The attention the model ran (continuous: what transformers' manager switched to, when it ran).
         attention = getattr(share.backend, "attention", None) or getattr(share.model.config, "_attn_implementation", None)
         summary.update(backend=share.backend.name, backend_choice=share.backend_choice, batch_size=share.batch_size,
                        attention_implementation=attention,
                        processes=rank.count, tensor_parallel_size=rank.tensor_parallel_size,
                        nodes=runtime.launched_nodes(), parts_sent_over_network_by_ranks=over_network,
-                       model=params["model"], prompts_path=str(share.prompts_path),
-                       generation_params=share.settings.recorded(), device=str(rank.device), dtype=params["dtype"])
+                       model=settings.model, prompts_path=str(share.prompts_path),
+                       generation_params=share.settings.recorded(), device=str(rank.device), dtype=settings.dtype)
         if verifier is not None and summary["in_output"]:
-            summary["verification"] = _verify(files, params, verifier, log)
+            summary["verification"] = _verify(files, settings, verifier, log)
         summary["forecast"] = recorded_forecast.beside_measured(  # the forecast this run started with, if any
             recorded_forecast.generation_file(files.output), runtime.process_age_seconds(),
             "this process's start to its summary (start-up included, as forecast)", after_pilot=bool(inputs.done))
@@ -361,24 +364,24 @@ def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log:
         return summary
 
 
-def _verify(files: OutputFiles, params, verifier, log: Callable[[str], None]) -> dict | None:
+def _verify(files: OutputFiles, settings: GenerationSettings, verifier, log: Callable[[str], None]) -> dict | None:
     """The verification of a finished job; a full disk makes it a warning (every output is safe, and
     `workbook verify` redoes it), not the job's failure."""
     try:
-        return verify.verify_output(files.output, params["verifier"], params["max_accepted_per_prompt"],
+        return verify.verify_output(files.output, settings.verifier, settings.max_accepted_per_prompt,
                                     verifier=verifier)
     except OSError as error:
         if not jsonl.is_disk_full(error):
             raise
         log(f"warning: the disk is full ({error.strerror}), so the verified outputs were not written; free some "
             f"space and run: workbook verify --params ... --set output_path={files.output} "
-            f"verifier={params['verifier']}")
+            f"verifier={settings.verifier}")
         return None
 
 
-def _verifier(params):
+def _verifier(settings: GenerationSettings):
     try:
-        return verify.load_verifier(params["verifier"])
+        return verify.load_verifier(settings.verifier)
     except verify.VerifyError as error:
         raise GenerationError(str(error)) from None
 
@@ -389,18 +392,18 @@ def require_keys(params) -> None:
         raise GenerationError(problem)
 
 
-def _room_check(params, model, examples, token_ids, pending, prompts_path) -> dict[int, int]:
+def _room_check(settings: GenerationSettings, model, examples, token_ids, pending, prompts_path) -> dict[int, int]:
     """New tokens each pending example may have; a prompt that leaves no room fails the run
     ('fail', checked before anything is generated) or is listed in the failures file ('skip')."""
     context = models.context_length(model)
     room = {}
     for i in pending:
-        left = context - len(token_ids[i]) if context else params["max_new_tokens"]
-        room[i] = min(params["max_new_tokens"], left)
+        left = context - len(token_ids[i]) if context else settings.max_new_tokens
+        room[i] = min(settings.max_new_tokens, left)
         if room[i] <= 0:
             problem = jsonl.BadLine(str(prompts_path), examples[i].line, _too_long_text(token_ids[i], model),
                                    examples[i].example_id)
-            jsonl.handle_bad_line(problem, params["on_long_prompt"], "on_long_prompt")
+            jsonl.handle_bad_line(problem, settings.on_long_prompt, "on_long_prompt")
     return room
 
 
@@ -409,12 +412,12 @@ def _too_long_text(ids: list[int], model) -> str:
             f"{models.context_length(model)} tokens")
 
 
-def _output_record(example, completion: Completion, tokenizer, params, teacher, generation_params,
+def _output_record(example, completion: Completion, tokenizer, settings: GenerationSettings, teacher, generation_params,
                    prompt_tokens: int, settings_fingerprint: str, sample_index: int | None,
                    system_prompt: dict | None) -> dict:
     ids = completion.token_ids[:-1] if completion.finish_reason == FINISH_EOS else completion.token_ids
     text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
-    return records.output_record(example, output=text, prompt_field=params["prompt_field"], teacher_model=teacher,
+    return records.output_record(example, output=text, prompt_field=settings.prompt_field, teacher_model=teacher,
                                  generation_params=generation_params, prompt_tokens=prompt_tokens,
                                  output_tokens=len(completion.token_ids), finish_reason=completion.finish_reason,
                                  settings_fingerprint=settings_fingerprint, sample_index=sample_index,

@@ -20,6 +20,7 @@ from workbook.planner import profile
 from workbook.generation import job, tensor_parallel
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
+from workbook.generation.settings import GenerationSettings
 
 
 @record  # a failing process's traceback reaches the launcher's error instead of "see the logs"
@@ -59,7 +60,7 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
         # the prompts and the output first: a bad line or a stale output then fails with its
         # message, not as a crashed process.
         with lock_output(files):
-            job.read_inputs(params, files, record_skipped=True)
+            job.read_inputs(GenerationSettings.from_params(params), files, record_skipped=True)
             files.summary.unlink(missing_ok=True)
             log(f"starting {processes} processes (accelerate notebook_launcher)")
             try:

@@ -6,12 +6,12 @@ params again; the planner is asked with the config's own fields and its ``Budget
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from workbook import arithmetic, job_keys
 from workbook.generation.files import OutputFiles, resolve_input_path, resolve_output_path
-from workbook.params import AUTO, SCHEMA
+from workbook.params import SCHEMA
 from workbook.planner.profile import Budget
 
 PARAMS_USED = job_keys.TRAIN
@@ -33,62 +33,78 @@ class TrainingDiverged(TrainError):
     """The loss stopped being finite: the run stops at that step (a benchmark records the point so)."""
 
 
+def _default(key: str):
+    """The schema's default for a params key: TrainConfig has no defaults of its own to disagree with it."""
+    return SCHEMA[key].default
+
+
+# TrainConfig fields filled from a params key of another name; the other fields that share a key's name
+# are filled from that key, except these: resolved from their key (paths) or no params key at all.
+PARAMS_KEY_OF = {"processes": "train_processes"}
+NOT_FROM_PARAMS = ("data_path", "output_dir", "eval_prompts_path", "seed", "budget")
+
+
 @dataclass
 class TrainConfig:
-    """Everything one training run needs, plain values only (it is passed to every process)."""
+    """Everything one training run needs, plain values only (it is passed to every process). A field
+    named as a params key (or in ``PARAMS_KEY_OF``) takes that key's schema default."""
 
     model: str  # 'tiny', a local HF directory, or a preset name (random weights, synthetic data: benchmarks)
     data_path: str  # JSONL file; '' = the arithmetic sample records built in memory
     data_description: str  # where the data came from, for the report
     output_dir: str  # checkpoints/, final/ and the result JSON
-    on_bad_line: str = "fail"  # a line that is not a JSON object: 'fail' stops at file:line, 'skip' leaves it out (listed)
-    input_field: str = "input"
-    output_field: str = "output"
-    use_chat_template: bool = False
-    max_seq_length: int | str = AUTO
-    length_percentile: float = 100.0
-    padding: str = "packing"
-    validation_fraction: float = 0.1
-    eval_prompts_path: str = ""  # held-out questions scored before and after ('' = the validation split)
-    micro_batch_size: int | str = 8
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-4
-    lr_scaling: str = "none"
-    base_batch: int = 0
-    epochs: int = 1
-    max_steps: int = 0
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    optimizer: str = "adamw"
-    lora_rank: int = 0
-    lora_targets: str = ""  # '' = every linear projection (planner.shape.choose_lora_targets)
-    dtype: str = "fp32"
-    tf32: bool = False
-    grad_checkpointing: bool = False
-    torch_compile: bool = False
-    attn_implementation: str = "sdpa"
-    dataloader_workers: int = 0
-    pin_memory: bool = False
-    prefetch_factor: int = 2
-    save_every_steps: int = 0
-    loss_chunk_tokens: int = 0  # 0: full logits; N: the loss over chunks of N positions (chunked_loss)
-    precision: str = "mixed"  # 16-bit dtypes: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16 training)
-    offload_activations: bool = False  # saved activations to host memory in forward, back in backward (offload)
-    report_to: str = "none"  # none | tensorboard | wandb: per-step metrics through accelerate's trackers (tracking)
-    processes: int = 1
-    peer_timeout_seconds: float = SCHEMA["peer_timeout_seconds"].default  # a process waits this long for the others at an exchange (process_group)
-    profile: str = "cpu"
-    peak_bf16_tflops: float = 0.0
-    peak_fp16_tflops: float = 0.0
-    usd_per_gpu_hour: float = 0.0
+    on_bad_line: str = _default("on_bad_line")  # not a JSON object: 'fail' stops at file:line, 'skip' leaves it out
+    input_field: str = _default("input_field")
+    output_field: str = _default("output_field")
+    use_chat_template: bool = _default("use_chat_template")
+    max_seq_length: int | str = _default("max_seq_length")
+    length_percentile: float = _default("length_percentile")
+    padding: str = _default("padding")
+    validation_fraction: float = _default("validation_fraction")
+    eval_prompts_path: str = _default("eval_prompts_path")  # held-out questions scored before and after ('' = the validation split)
+    micro_batch_size: int | str = _default("micro_batch_size")
+    gradient_accumulation_steps: int = _default("gradient_accumulation_steps")
+    learning_rate: float = _default("learning_rate")
+    lr_scaling: str = _default("lr_scaling")
+    base_batch: int = _default("base_batch")
+    epochs: int = _default("epochs")
+    max_steps: int = _default("max_steps")
+    warmup_steps: int = _default("warmup_steps")
+    weight_decay: float = _default("weight_decay")
+    optimizer: str = _default("optimizer")
+    lora_rank: int = _default("lora_rank")
+    lora_targets: str = _default("lora_targets")  # '' = every linear projection (planner.shape.choose_lora_targets)
+    dtype: str = _default("dtype")
+    tf32: bool = _default("tf32")
+    grad_checkpointing: bool = _default("grad_checkpointing")
+    torch_compile: bool = _default("torch_compile")
+    attn_implementation: str = _default("attn_implementation")
+    dataloader_workers: int = _default("dataloader_workers")
+    pin_memory: bool = _default("pin_memory")
+    prefetch_factor: int = _default("prefetch_factor")
+    save_every_steps: int = _default("save_every_steps")
+    loss_chunk_tokens: int = _default("loss_chunk_tokens")  # 0: full logits; N: the loss over chunks of N positions (chunked_loss)
+    precision: str = _default("precision")  # 16-bit dtypes: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16)
+    offload_activations: bool = _default("offload_activations")  # saved activations to host memory and back (offload)
+    report_to: str = _default("report_to")  # none | tensorboard | wandb: per-step metrics through accelerate's trackers
+    processes: int = _default("train_processes")
+    peer_timeout_seconds: float = _default("peer_timeout_seconds")  # a process waits this long for the others (process_group)
+    profile: str = _default("profile")
+    peak_bf16_tflops: float = _default("peak_bf16_tflops")
+    peak_fp16_tflops: float = _default("peak_fp16_tflops")
+    usd_per_gpu_hour: float = _default("usd_per_gpu_hour")
     budget: Budget = field(default_factory=Budget)  # the memory the planner plans against (default: this machine's RAM)
     seed: int = SEED
     stop_after_steps: int | None = None  # end this invocation early, as if interrupted (resume tests, spot machines)
     # Run only these steps of the plan (ascending), each with the rows the run gives it: the forecast's pilot.
     run_only_steps: tuple[int, ...] = ()
-    # Run only these steps of the plan (ascending), each with the rows the run gives it: the forecast's pilot.
-    run_only_steps: tuple[int, ...] = ()
     synthetic_examples: int = 512  # preset models only: random sequences of max_seq_length tokens
+
+
+def params_fields() -> dict[str, str]:
+    """TrainConfig field -> the params key it is filled from (those ``config_from_params`` copies as they are)."""
+    return {f.name: PARAMS_KEY_OF.get(f.name, f.name) for f in fields(TrainConfig)
+            if f.name not in NOT_FROM_PARAMS and PARAMS_KEY_OF.get(f.name, f.name) in SCHEMA}
 
 
 def accelerate_mixed_precision(config: TrainConfig) -> str:
@@ -114,27 +130,9 @@ def config_from_params(params, run_dir: str | Path) -> TrainConfig:
                                                verified=bool(params["verifier"]))
     output_dir = Path(params["train_output_dir"]) if params["train_output_dir"] else run_dir / TRAINING_DIR_NAME
     return TrainConfig(
-        model=params["model"], data_path=data_path, data_description=description, output_dir=str(output_dir),
-        on_bad_line=params["on_bad_line"],
-        input_field=params["input_field"], output_field=params["output_field"],
-        use_chat_template=params["use_chat_template"], max_seq_length=params["max_seq_length"],
-        length_percentile=params["length_percentile"], padding=params["padding"],
-        validation_fraction=params["validation_fraction"],
-        eval_prompts_path=resolve_eval_path(params["eval_prompts_path"]), micro_batch_size=params["micro_batch_size"],
-        gradient_accumulation_steps=params["gradient_accumulation_steps"], learning_rate=params["learning_rate"],
-        lr_scaling=params["lr_scaling"], base_batch=params["base_batch"], epochs=params["epochs"],
-        max_steps=params["max_steps"], warmup_steps=params["warmup_steps"], weight_decay=params["weight_decay"],
-        optimizer=params["optimizer"], lora_rank=params["lora_rank"], lora_targets=params["lora_targets"], dtype=params["dtype"], tf32=params["tf32"],
-        grad_checkpointing=params["grad_checkpointing"], torch_compile=params["torch_compile"],
-        attn_implementation=params["attn_implementation"], dataloader_workers=params["dataloader_workers"],
-        pin_memory=params["pin_memory"], prefetch_factor=params["prefetch_factor"],
-        save_every_steps=params["save_every_steps"], processes=params["train_processes"],
-        peer_timeout_seconds=params["peer_timeout_seconds"],
-        loss_chunk_tokens=params["loss_chunk_tokens"], report_to=params["report_to"],
-        precision=params["precision"], offload_activations=params["offload_activations"],
-        profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
-        peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
-        budget=Budget.from_params(params),
+        data_path=data_path, data_description=description, output_dir=str(output_dir),
+        eval_prompts_path=resolve_eval_path(params["eval_prompts_path"]), budget=Budget.from_params(params),
+        **{name: params[key] for name, key in params_fields().items()},
     )
 
 
