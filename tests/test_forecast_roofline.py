@@ -248,3 +248,19 @@ def test_a_training_forecast_without_a_pilot_prices_its_steps_at_the_training_pr
     assert made["mode"] == "train" and row["efficiency"]["basis"] == "prior" and "Llama 3" in row["basis"]
     low, high = row["wall_seconds_range"]
     assert 0 < low < row["wall_seconds"] < high and row["work"]["total"]["flops"] > 0
+
+
+def test_a_mixture_of_experts_counts_each_tokens_routed_experts_only():
+    from transformers import MixtralConfig
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=LAYERS,
+                           num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, num_local_experts=8,
+                           num_experts_per_tok=2)
+    attention = HIDDEN * HEADS * HEAD_DIM * 2 + HIDDEN * KV_HEADS * HEAD_DIM * 2
+    router, experts = 8 * HIDDEN, 8 * 3 * HIDDEN * INTERMEDIATE
+    assert work.model_work(config, "bf16").linear_parameters == LAYERS * (attention + router + experts * 2 / 8)
+
+
+def test_the_forecast_checks_its_count_against_torchs_flop_counter(tmp_path):
+    params = tiny_params(tmp_path, [{"input": "What is 2 + 3?", "output": "5"}])
+    checked = roofline.forecast_without_pilot(params, profiles={}, log=lambda line: None).flop_counter_check
+    assert checked["relative_difference"] == {"prefill": 0.0, "decode_step": 0.0}

@@ -26,7 +26,8 @@ import torch
 from workbook import arithmetic, ceilings, models, params as params_module, presets, tiny_model
 from workbook.notebook import markdown_table
 from workbook.forecast import model as forecast
-from workbook.forecast.work import GenerationWork, ModelWork, generation_work, model_work, training_work
+from workbook.forecast.work import (GenerationWork, ModelWork, flop_counter_check, generation_work, model_work,
+                                    training_work)
 from workbook.generation import records
 from workbook.generation.backends import resolve_backend
 from workbook.generation.files import resolve_input_path
@@ -226,6 +227,7 @@ class RooflineForecast:
     rows: list[dict]
     notes: list[str] = field(default_factory=list)
     method: str = "work at measured or prior efficiency (no pilot)"
+    flop_counter_check: dict = field(default_factory=dict)  # the analytical count beside torch's FLOP counter
 
     def to_dict(self) -> dict:
         return forecast.round_floats(asdict(self))
@@ -339,6 +341,8 @@ def forecast_without_pilot(params, *, profiles: dict | None = None, tokenizer=No
              f"tokens {lengths.token_counts}",
              "not in the time: start-up and loading the weights (minutes for an 8B model), writing the outputs"]
     prompts = lengths.prompt_tokens
+    # The count checked against the real ops on the meta model, at the job's longest prompt (a few rows).
+    checked = flop_counter_check(config, model_work(config, params["dtype"]), min(4, len(prompts)), max(prompts))
     return RooflineForecast(
         mode="generate", profile=params["profile"], model=params["model"],
         job={"prompts": len(prompts), "max_new_tokens": params["max_new_tokens"], "prompts_path": lengths.prompts_path,
@@ -346,7 +350,7 @@ def forecast_without_pilot(params, *, profiles: dict | None = None, tokenizer=No
                                "total": sum(prompts)}},
         lengths={"output_basis": lengths.output_basis, "token_counts": lengths.token_counts,
                  "output_tokens_total": sum(lengths.output_tokens) if lengths.output_tokens else None},
-        rows=rows, notes=notes + lengths.notes)
+        rows=rows, notes=notes + lengths.notes, flop_counter_check=checked)
 
 
 def forecast_lines(result: RooflineForecast, pilot_rows: list[dict] | None = None) -> list[str]:

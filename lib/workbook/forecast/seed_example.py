@@ -103,6 +103,15 @@ def _rows(rows_in: list[dict]) -> list[str]:
     return rows
 
 
+def _checked(check: dict) -> str:
+    if not isinstance(check.get("flop_counter"), dict):
+        return f"FLOPs not checked against torch's FLOP counter: {check.get('flop_counter')}"
+    rows, length = check["shape"]
+    differences = ", ".join(f"{key} {value:+.2%}" for key, value in check["relative_difference"].items())
+    return (f"the analytical FLOPs against torch's FLOP counter running the real ops on the meta model (a prefill "
+            f"of {rows} x {length} tokens and the decode step after it): {differences}")
+
+
 def markdown(made: roofline.RooflineForecast, at_seed_batch: list[dict], command: str) -> str:
     h200 = next((row for row in made.rows if row["profile"] == "h200" and row.get("wall_seconds")), None)
     rate = ""
@@ -119,7 +128,7 @@ def markdown(made: roofline.RooflineForecast, at_seed_batch: list[dict], command
         f"At the planner's batch on each profile (the largest that fits a {made.job['planned_prompt_len']}-token "
         "prompt, the profiles' prompt_len, and 2,048 new tokens):", "", *head, *_rows(made.rows), "",
         "At the seed's own batch sizes (32, 16, 8, 10):", "", *head, *_rows(at_seed_batch), "",
-        *[f"- {note}" for note in made.notes], *([rate] if rate else []),
+        *[f"- {note}" for note in made.notes], *([rate] if rate else []), f"- {_checked(made.flop_counter_check)}",
         "- a static batch decodes until its longest output ends: at a batch of hundreds nearly every batch holds "
         "one long output, which is why the forecast sits nearer the all-to-2,048 bound than the median output "
         "suggests (the continuous backend does not wait)",

@@ -66,13 +66,18 @@ def model_work(config, dtype: str) -> ModelWork:
     text = _text_config(config)
     head = meta.get_output_embeddings()
     embedding = meta.get_input_embeddings().weight
-    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+    experts = (getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None)
+               or getattr(text, "n_routed_experts", None))
     active = getattr(text, "num_experts_per_tok", None)
     expert_share = active / experts if experts and active else 1.0
+    # Every matrix a token is multiplied by: nn.Linear weights and fused ones (experts stored as one
+    # [experts, out, in] tensor); embeddings (gathered) and the head (counted apart) left out.
+    gathered = {id(module.weight) for module in meta.modules() if isinstance(module, torch.nn.Embedding)}
     linear = 0.0
-    for name, module in meta.named_modules():
-        if isinstance(module, torch.nn.Linear) and module is not head:
-            linear += module.weight.numel() * (expert_share if ".experts." in name else 1.0)
+    for name, parameter in meta.named_parameters():
+        if parameter.dim() < 2 or id(parameter) in gathered or (head is not None and parameter is head.weight):
+            continue
+        linear += parameter.numel() * (expert_share if ".experts." in name else 1.0)
     head_parameters = head.weight.numel() if head is not None else 0
     tied = head is not None and head.weight is embedding
     parameters = sum(p.numel() for p in meta.parameters())
@@ -246,3 +251,30 @@ def training_work(model: ModelWork, example_tokens: list[int], *, seq_len: int, 
     row = training_step_work(model, 1, seq_len, lora=lora, recompute=recompute)
     step = training_step_work(model, per_step, seq_len, lora=lora, recompute=recompute)
     return TrainingWork(steps, per_step, seq_len, step, Work(row.flops * trained_rows, step.bytes * steps, steps))
+
+
+def flop_counter_check(config, model: ModelWork, rows: int, length: int) -> dict:
+    """The analytical FLOPs of one prefill (``rows`` x ``length``) and of the decode step after it,
+    beside what ``torch.utils.flop_counter.FlopCounterMode`` counts running the real ops on the meta
+    model (shapes only, no weights, no device). A model whose forward cannot run on meta is said so."""
+    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415 - torch's own module, not ours
+
+    meta = presets.build_on_meta_device(config)
+    ids = torch.ones(rows, length, dtype=torch.long, device="meta")
+    step = torch.ones(rows, 1, dtype=torch.long, device="meta")
+    try:
+        with torch.no_grad():
+            with FlopCounterMode(display=False) as counter:
+                cache = meta(input_ids=ids, logits_to_keep=1, use_cache=True).past_key_values
+            prefill = counter.get_total_flops()
+            with FlopCounterMode(display=False) as counter:
+                meta(input_ids=step, past_key_values=cache, use_cache=True, logits_to_keep=1,
+                     cache_position=torch.tensor([length], device="meta"))
+            decode = counter.get_total_flops()
+    except Exception as error:  # an architecture whose forward needs real data (e.g. routing on values)
+        return {"shape": [rows, length], "flop_counter": f"not counted: {type(error).__name__}: {str(error)[:200]}"}
+    analytical = {"prefill": prefill_work(model, rows, length).flops, "decode_step": decode_work(model, rows, length, 2).flops}
+    counted = {"prefill": float(prefill), "decode_step": float(decode)}
+    return {"shape": [rows, length], "analytical": analytical, "flop_counter": counted,
+            "relative_difference": {key: (analytical[key] - counted[key]) / counted[key] if counted[key] else None
+                                    for key in counted}}
