@@ -391,6 +391,7 @@ class OutOfMemoryInFlight:
         return self.forward(*args, **kwargs)
 
 
+@pytest.mark.slow
 def test_an_out_of_memory_in_flight_lowers_the_continuous_limit_and_loses_nothing(tmp_path, tiny, monkeypatch):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:12])
     lines = []
@@ -407,6 +408,7 @@ def test_an_out_of_memory_in_flight_lowers_the_continuous_limit_and_loses_nothin
     assert read_records(output) and not (tmp_path / "out.failures.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_a_request_out_of_memory_alone_in_flight_is_recorded_and_the_rest_go_on(tmp_path, tiny, monkeypatch):
     prompts = write_prompts(tmp_path / "in.jsonl", arithmetic.sample_records()[:6])
     output = tmp_path / "out.jsonl"
@@ -470,6 +472,7 @@ def stream_outcomes(backend, prompts):
     return completed, failed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("error, limits", [
     # Another error: its requests are retried at 2 in flight, then the rest runs at the full 4 again.
     (RuntimeError("CUBLAS_STATUS_EXECUTION_FAILED"), [4, 2, 4]),
@@ -485,6 +488,7 @@ def test_an_error_in_flight_retries_its_requests_first_at_half_the_limit(tiny, v
     assert started == limits
 
 
+@pytest.mark.slow
 def test_a_prompt_that_breaks_the_model_fails_alone_and_the_requests_beside_it_are_generated(tiny, varied,
                                                                                                monkeypatch):
     prompts, settings, reference = varied
@@ -500,6 +504,7 @@ def test_a_prompt_that_breaks_the_model_fails_alone_and_the_requests_beside_it_a
     assert completed == {p.index: reference[p.index] for p in prompts if p.index not in broken}
 
 
+@pytest.mark.slow
 def test_one_continuous_call_with_a_broken_prompt_raises_with_what_it_completed(tiny, varied, monkeypatch):
     # generate() (the benchmark's call): the caller gets the completed rows and the failure's own error,
     # never a result with a row missing.
@@ -515,6 +520,7 @@ def test_one_continuous_call_with_a_broken_prompt_raises_with_what_it_completed(
     assert "an illegal instruction" in str(raised.value.error)
 
 
+@pytest.mark.slow
 def test_a_model_that_fails_every_step_stops_the_stream_after_three_lone_failures(tiny, varied, monkeypatch):
     prompts, settings, _ = varied
     monkeypatch.setattr(tiny[0], "forward", FailsInFlight(tiny[0].forward, RuntimeError("CUDA error: device lost"),
@@ -555,6 +561,7 @@ class FirstResultFails:
         return getattr(self.manager, name)
 
 
+@pytest.mark.slow
 def test_requests_that_finish_beside_a_failed_one_are_written_once_and_only_it_is_retried(tiny, varied,
                                                                                            monkeypatch):
     prompts, settings, reference = varied
@@ -618,6 +625,7 @@ def complete_lines(path):
     return path.read_bytes().count(b"\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend, batch_size", [("static", 2), ("continuous", 4)])
 def test_kill_9_at_random_moments_then_resume_leaves_every_id_exactly_once(tmp_path, backend, batch_size):
     rng = random.Random(20251121)
