@@ -206,7 +206,7 @@ def job_lengths(params, tokenizer=None) -> JobLengths:
 # The forecast on every profile.
 
 
-HARDWARE_KEYS = ("profile", "gpu", "gpu_name_pattern", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops",
+HARDWARE_KEYS = ("profile", "gpu", "gpu_spec", "gpu_name_pattern", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops",
                  "peak_fp16_tflops", "memory_bandwidth_gbs", "supports_bf16", "supports_tf32", "usd_per_gpu_hour",
                  "cuda_overhead_gib", "data_parallel_processes", "train_processes", "tensor_parallel_size", "dtype")
 
@@ -214,7 +214,7 @@ HARDWARE_KEYS = ("profile", "gpu", "gpu_name_pattern", "gpu_count", "gpu_memory_
 def on_profile(params, other: dict) -> params_module.Params:
     """The job of ``params`` on ``other``'s machine: its hardware facts, price, process layout and
     dtype; the job's own settings (model, prompts, lengths, batch size) kept."""
-    return params_module.Params({**params, **{key: other[key] for key in HARDWARE_KEYS}})
+    return params_module.Params({**params, **{key: other[key] for key in HARDWARE_KEYS if key in other}})
 
 
 @dataclass

@@ -26,6 +26,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from workbook import presets
 from workbook.forecast.model import batch_plan, decode_contexts
@@ -257,8 +258,6 @@ def flop_counter_check(config, model: ModelWork, rows: int, length: int) -> dict
     """The analytical FLOPs of one prefill (``rows`` x ``length``) and of the decode step after it,
     beside what ``torch.utils.flop_counter.FlopCounterMode`` counts running the real ops on the meta
     model (shapes only, no weights, no device). A model whose forward cannot run on meta is said so."""
-    from torch.utils.flop_counter import FlopCounterMode  # noqa: PLC0415 - torch's own module, not ours
-
     meta = presets.build_on_meta_device(config)
     ids = torch.ones(rows, length, dtype=torch.long, device="meta")
     step = torch.ones(rows, 1, dtype=torch.long, device="meta")
