@@ -64,6 +64,10 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     params, _, _ = runner.resolve_params(params_arg, overrides, log=say)
     mode = mode or params["plan_mode"]
     method = roofline.pilot_or_work(params) if method == "auto" else method
+    if expected_new_tokens < 0:
+        print(f"error: --expected-new-tokens {expected_new_tokens}: expected a number of tokens > 0, e.g. 400",
+              file=sys.stderr)
+        return 2
     if expected_new_tokens:
         params = params_module.Params({**params, "expected_new_tokens": expected_new_tokens})
     if method == "work":
