@@ -12,6 +12,7 @@ the counts twice: a peer whose count stood still is the missing one, named by it
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime as dt
 import os
@@ -62,17 +63,28 @@ def start_heartbeat() -> None:
     _beating_in_pid = os.getpid()
     host, port, rank, _, prefix = launch
 
+    stop = threading.Event()
+
     def beat() -> None:
         store = None
-        while True:
+        while not stop.is_set():
             try:
                 store = store or _client(host, port, STORE_SECONDS)
                 store.add(f"{prefix}/{rank}", 1)
             except Exception:  # the store is not up yet, or gone: the exchange that needs it will say so
                 store = None
-            time.sleep(HEARTBEAT_SECONDS)
+            stop.wait(HEARTBEAT_SECONDS)
 
-    threading.Thread(target=beat, name="process-group-heartbeat", daemon=True).start()
+    thread = threading.Thread(target=beat, name="process-group-heartbeat", daemon=True)
+    thread.start()
+
+    def stop_beating() -> None:
+        # Stopped before the interpreter finalizes: a daemon thread coming back from torch's C++ (the
+        # store call) after that is ended by pthread_exit through C++ frames, which can abort the exit.
+        stop.set()
+        thread.join(timeout=2 * HEARTBEAT_SECONDS)
+
+    atexit.register(stop_beating)
 
 
 def missing_peers() -> tuple[list[int], str]:
