@@ -52,6 +52,7 @@ def test_every_sample_is_its_own_record_and_a_batch_counts_sequences(tmp_path, t
         generation.run_job(job_params(prompts, output, samples_per_prompt=2, batch_size=6, **SAMPLING), output, **quiet)
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_writes_every_id_and_sample_exactly_once(tmp_path):
     rng = random.Random(20261123)
     records = arithmetic.sample_records()[:60]
