@@ -15,9 +15,10 @@ Two ways a process knows its launcher:
   is the parent. The kernel is asked to send SIGKILL when it dies (``PR_SET_PDEATHSIG``, Linux; it
   fires when the thread that started the worker ends, and each of those launchers starts its workers
   from the thread that then waits for them), and a thread polls ``getppid`` as well.
-- A process the workbook starts and waits for (the forecast's pilot runs, the benchmark's steps) is
-  given ``WORKBOOK_LAUNCHER_PID`` by ``child_environment``; it ends when that process does, even
-  when it is not the direct parent (a pilot run under torchrun watches both).
+- A process the workbook starts and waits for (the pilot's fresh-process probe, the benchmark's steps,
+  the forecast check's jobs) is given ``WORKBOOK_LAUNCHER_PID`` by ``child_environment``, which its
+  own children inherit; it ends when that process does, even when it is not its parent (a worker of a
+  torchrun that the benchmark started watches both).
 
 ``workbook/__init__.py`` calls ``end_with_launcher`` when a launched process first imports the
 package, a few hundredths of a second after it starts rather than after the seconds its imports of
