@@ -49,6 +49,8 @@ def test_the_cpu_profile_keeps_its_cases_and_its_recorded_command(tmp_path):
     assert f"train_data_path={tmp_path / 'mixed-pairs.jsonl'}" in mixed and "padding=packing" in mixed
     only = forecast_check.cases(arguments("--only-training"), tmp_path, on_gpu=False)
     assert [mode for _, mode, _ in only] == ["train", "train"]
+    [(name, _, _)] = forecast_check.cases(arguments("--only-mixed-training"), tmp_path, on_gpu=False)
+    assert "widely mixed lengths" in name
     assert forecast_check.command_line(args) == (
         "PYTHONPATH=lib python -m workbook.bench.forecast_check --out outputs/reference/cpu --mixed-prompts 1000 "
         "--train-steps 100 --train-micro-batch 4 --threads 1 --repeats 3")

@@ -332,6 +332,8 @@ def cases(args, work: Path, on_gpu: bool) -> list[tuple[str, str, list[str]]]:
                          f"lengths (packing, micro-batch {args.mixed_train_micro_batch}: rows change in cost across the epoch)",
                          "train", [f"train_data_path={pairs}", f"max_steps={args.mixed_train_steps}", "save_every_steps=0",
                                    f"micro_batch_size={args.mixed_train_micro_batch}", "padding=packing"]))
+    if args.only_mixed_training:
+        return training[1:]
     return [*([] if args.only_training else generation[:1 if args.only_first else None]), *training]
 
 
@@ -407,7 +409,8 @@ def command_line(args) -> str:
                      *([f"--mixed-train-examples {args.mixed_train_examples} --mixed-train-steps {args.mixed_train_steps} "
                         f"--mixed-train-micro-batch {args.mixed_train_micro_batch}"] if MIXED_TRAINING != (
                          args.mixed_train_examples, args.mixed_train_steps, args.mixed_train_micro_batch) else []),
-                     *(["--only-training"] if args.only_training else [])])
+                     *(["--only-training"] if args.only_training else []),
+                     *(["--only-mixed-training"] if args.only_mixed_training else [])])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -423,6 +426,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--mixed-train-micro-batch", type=int, default=MIXED_TRAINING[2], help="its micro-batch (packed rows)")
     parser.add_argument("--only-training", action="store_true", help="run the training cases alone (the generation "
                         "cases take most of the check's time)")
+    parser.add_argument("--only-mixed-training", action="store_true", help="run the mixed-length training case alone")
     parser.add_argument("--only-first", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--repeats", type=int, default=3, help="trials per case, back to back: the machine's own "
                         "spread between runs of the same job is part of the answer")
