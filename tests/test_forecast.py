@@ -617,6 +617,8 @@ def test_a_cold_first_start_is_not_charged_to_the_job_run_after_it():
     # CPU seconds: the fresh process's, not this one's (which imported the forecast's own modules too).
     lean = dataclasses.replace(warm, cpu_seconds=2.2)
     assert startup.job_startup("cpu", entered=3.0, before_pilot=6.0, fresh=lean) == pytest.approx(5.2)
+    # Its exit: the wall time on the wall clock; in CPU seconds counted once, in the start-up's.
+    assert (startup.job_exit("wall", lean), startup.job_exit("cpu", lean), startup.job_exit("wall", None)) == (0.5, 0.0, 0.0)
     assert forecast.simulate_training(10, 0, forecast.TrainingTimings(5.0, 1.0, 0.5, 0.0, 0.0, exit_seconds=0.5)) == 11.5
 
 

@@ -197,7 +197,7 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         timed_how = f"{sum(len(c.forwards) for c in calls)} forwards timed by forward hooks over {len(calls)} static calls"
         outputs, rows, simulate_job = (OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls]),
                                        sum(c.rows for c in calls), forecast.simulate_generation)
-    timings.exit_seconds = fresh.exit_seconds if fresh else 0.0
+    timings.exit_seconds = startup.job_exit(clock, fresh)
     processes = params["data_parallel_processes"] * params["num_nodes"]  # the job's global split, every node's
     simulate = dict(prompts_per_call=backend.prompts_per_call, max_new_tokens=params["max_new_tokens"],
                     timings=timings, outputs=outputs, processes=processes)
@@ -357,7 +357,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     save_seconds = _save_seconds(result["parameters"], params["dtype"])
     fresh = startup.fresh_process("workbook.training.loop")
     timings = forecast.TrainingTimings(startup.job_startup(clock, entered, before_pilot, fresh), max(fixed, 0.0), step_seconds,
-                                       evaluation_seconds, save_seconds, fresh.exit_seconds if fresh else 0.0)
+                                       evaluation_seconds, save_seconds, startup.job_exit(clock, fresh))
     wall = forecast.simulate_training(run.total_steps, evaluations, timings)
     # The range: the steps' own noise about the model (relative RMS) over the steps' share of the run.
     spread = max(model.fit_error * steps_part / wall, forecast.MINIMUM_SPREAD)
