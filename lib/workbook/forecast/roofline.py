@@ -319,9 +319,22 @@ def load_tokenizer_if_any(model_name: str):
         return None
 
 
+def job_params(params) -> params_module.Params:
+    """``params`` with the keys it lacks (a notebook declares only its own) from its profile's file,
+    else the schema's defaults: the job the profile runs, with what ``params`` states over it."""
+    if all(key in params for key in params_module.SCHEMA):
+        return params
+    try:
+        base = params_module.load(params_module.profile_path(params["profile"]))
+    except (params_module.ParamsError, KeyError, OSError, ValueError):
+        base = params_module.defaults()
+    return params_module.Params({**base, **params})
+
+
 def forecast_without_pilot(params, *, profiles: dict | None = None, tokenizer=None, log=print) -> RooflineForecast:
     """The generation job ``params`` describe, on every profile (``profiles``: default all of
     params/), from its work and each profile's efficiency. Nothing runs the model."""
+    params = job_params(params)
     config = presets.load_config(models.model_source(params["model"]))
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(params["model"])
     lengths = job_lengths(params, tokenizer)
@@ -381,6 +394,8 @@ def forecast_lines(result: RooflineForecast, pilot_rows: list[dict] | None = Non
 
 
 def _hours(seconds_: float) -> str:
+    if seconds_ < 1:  # a tiny model on a GPU: milliseconds
+        return f"{seconds_ * 1000:.2g} ms"
     return f"{seconds_:.1f} s" if seconds_ < 120 else f"{seconds_ / 60:.1f} min" if seconds_ < 7200 else f"{seconds_ / 3600:.2f} h"
 
 
