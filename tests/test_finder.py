@@ -67,6 +67,7 @@ def test_each_back_off_lowers_the_batch_by_at_least_one():
 
 
 # Each attempt frees memory with a full garbage collection (as accelerate does): ~0.2 s here.
+@pytest.mark.slow
 @pytest.mark.parametrize("start, threshold, backoff, make_error", [
     (100, 37, 0.9, cpu_out_of_memory),  # 100, 90, 81, 72, 64, 57, 51, 45, 40, 36
     (8, 5, 0.9, cuda_out_of_memory),
