@@ -121,6 +121,29 @@ def test_plain_papermill_with_a_params_file_works_as_a_user_runs_it(tmp_path):
 
 
 @pytest.mark.notebook
+def test_plain_papermill_runs_a_notebook_with_exactly_the_params_workbook_run_gives_it(tmp_path):
+    # papermill -f injects only what params/cpu.yaml states (the rest is the cell's, the schema's
+    # defaults); the runner injects every key the notebook declares, resolved. Each run records what
+    # the notebook ran with.
+    path = NOTEBOOKS_DIR / "00_gpu_detection.ipynb"
+    plain, ran = tmp_path / "plain", tmp_path / "run"
+    ran.mkdir()
+    result = papermill(path, tmp_path / "plain.ipynb", "-f", PARAMS_DIR / "cpu.yaml", "-p", "run_dir", plain)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resolved, _, _ = runner.resolve_params("cpu", [])
+    runner.execute(path, ran, runner.notebook_parameters(path, resolved, ran))
+    record = f"{path.stem}{notebook.PARAMS_RECORD_SUFFIX}"
+    by_papermill, by_runner = (json.loads((folder / record).read_text()) for folder in (plain, ran))
+    import papermill as papermill_module
+    declared = set(papermill_module.inspect_notebook(str(path))) - {notebook.RUN_DIR_PARAMETER}
+    assert set(by_runner) == declared and {key: by_papermill[key] for key in declared} == by_runner
+    assert by_papermill["dtype"] == resolved["dtype"] == "fp32"  # the file's, not the cell's default (bf16)
+    # What the file states beyond the notebook's keys (papermill injects it all) is as the profile loads it.
+    assert {key: value for key, value in by_papermill.items() if key not in declared} == \
+        {key: resolved[key] for key in by_papermill if key not in declared}
+
+
+@pytest.mark.notebook
 def test_a_notebook_of_a_run_reruns_alone_from_its_parameters_file_without_warnings(cpu_run, tmp_path):
     assert all((cpu_run.run_dir / f"{path.stem}.parameters.yaml").is_file() for path in NOTEBOOKS)
     result = papermill(NOTEBOOKS_DIR / "00_gpu_detection.ipynb", tmp_path / "out.ipynb",

@@ -176,7 +176,7 @@ def test_every_gpu_profile_takes_its_gpus_facts_from_a_spec_table_row_its_patter
         if not profile["gpu_name_pattern"]:
             assert profile["gpu"] == "" and profile["gpu_count"] == 0, name
             continue
-        row = rows[profile["gpu"]]
+        row = rows[profile["gpu_spec"]]
         assert re.search(profile["gpu_name_pattern"], row.name), (name, row.name)
         restated = set(params.stated_keys(PARAMS_DIR / f"{name}.yaml")) & set(params.GPU_FACTS)
         assert not restated, f"params/{name}.yaml restates {sorted(restated)}, which its row {row.name!r} holds"
@@ -196,7 +196,7 @@ def test_each_profile_states_only_its_own_hardware_and_what_differs_from_the_def
 
 def test_a_key_a_profile_leaves_out_takes_the_schema_default_and_its_gpu_row_the_facts(tmp_path):
     path = tmp_path / "mine.yaml"
-    path.write_text("profile: mine\ngpu: H100 PCIe\ngpu_count: 2\nepochs: 5\n")
+    path.write_text("profile: mine\ngpu_spec: H100 PCIe\ngpu_count: 2\nepochs: 5\n")
     loaded = params.load(path)
     assert set(loaded) == set(params.SCHEMA)
     assert loaded.epochs == 5 and loaded.gpu_count == 2
@@ -206,14 +206,14 @@ def test_a_key_a_profile_leaves_out_takes_the_schema_default_and_its_gpu_row_the
                                                  if key not in ("profile", "gpu", "gpu_count", "epochs")
                                                  and key not in params.GPU_FACTS}
     # A fact the file states wins over its row (a variant the table lacks), and so does --set over both.
-    path.write_text("profile: mine\ngpu: H100 PCIe\nmemory_bandwidth_gbs: 1900\n")
+    path.write_text("profile: mine\ngpu_spec: H100 PCIe\nmemory_bandwidth_gbs: 1900\n")
     assert params.load(path).memory_bandwidth_gbs == 1900
-    # --set gpu= takes another row's facts.
+    # --set gpu_spec= takes another row's facts.
     h100 = params.load(PARAMS_DIR / "h100.yaml")
-    pcie = params.apply_overrides(h100, params.parse_overrides(["gpu=H100 PCIe"]))
+    pcie = params.apply_overrides(h100, params.parse_overrides(["gpu_spec=H100 PCIe"]))
     assert pcie.memory_bandwidth_gbs == 2000 and h100.memory_bandwidth_gbs == 3350
-    with pytest.raises(params.ParamsError, match=r"--set gpu=H100: 'gpu' is 'H100'; expected one of .*'H100 SXM'"):
-        params.parse_overrides(["gpu=H100"])
+    with pytest.raises(params.ParamsError, match=r"--set gpu_spec=H100: 'gpu_spec' is 'H100'; expected one of .*'H100 SXM'"):
+        params.parse_overrides(["gpu_spec=H100"])
 
 
 def test_a_dense_peak_is_the_16_bit_one_and_fp32_has_none():

@@ -236,6 +236,7 @@ def test_packed_training_without_a_mask_gives_the_losses_of_the_4d_mask_path(tmp
     assert [r["loss"] for r in no_mask["history"]] == pytest.approx([r["loss"] for r in masked["history"]], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_compiled_run_trains_as_the_eager_one_does(tmp_path):
     # The GPU sweep's compile points go through accelerate's inductor backend; on CPU it compiles in about
     # 20 s, so what breaks under dynamo (the chunked loss, checkpointing, the mask-free packed attention)
@@ -677,6 +678,7 @@ def test_every_set_counts_in_python_m_workbook_training(monkeypatch, capsys):
     assert capsys.readouterr().err.startswith("error: --set epochs=two: 'epochs' is 'two'")
 
 
+@pytest.mark.slow
 def test_rerunning_the_same_train_command_resumes_the_run_it_interrupted(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path / "outputs")
     command = ["train", "--params", "cpu", "--set", f"train_data_path={arithmetic_pairs(tmp_path)}", "max_steps=2",
@@ -755,6 +757,7 @@ save(2)
 """
 
 
+@pytest.mark.slow
 def test_a_kill_while_the_checkpoint_state_is_written_leaves_the_previous_checkpoint_to_resume(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "lib")}
     killed = subprocess.run([sys.executable, "-c", KILLED_WHILE_SAVING, str(tmp_path)], env=env, capture_output=True,

@@ -28,6 +28,7 @@ from workbook.paths import OUTPUTS_DIR
 RUN_DIR_PARAMETER = "run_dir"
 # papermill marks the cell it injects with this first line (papermill.parameterize).
 INJECTED_CELL_HEADER = "# Parameters"
+PARAMS_RECORD_SUFFIX = ".params.json"  # <run>/<notebook>.params.json: the params a notebook ran with
 
 
 def new_run_dir(profile: str, root: Path = OUTPUTS_DIR) -> Path:
@@ -120,6 +121,8 @@ def start(namespace: dict, notebook: str) -> Session:
     if injected or values.get("interactive") is False:  # papermill (the runner always injects run_dir)
         quiet_library_progress()
     print(f"{notebook}: profile {values.get('profile', '?')}, writing to {run_dir}")
+    # What this notebook ran with, however it was started (papermill -f, workbook run, JupyterLab).
+    (run_dir / f"{notebook}{PARAMS_RECORD_SUFFIX}").write_text(json.dumps(values, indent=2, sort_keys=True) + "\n")
     return Session(notebook, values, run_dir)
 
 

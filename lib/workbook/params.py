@@ -69,7 +69,7 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     # Hardware facts.
     Key("profile", str, "profile name; equals the file name without .yaml (the default: what a notebook opened "
         "alone loads)", default='cpu'),
-    Key("gpu", str, "the row of the GPU spec table (workbook.gpu.GPU_SPECS) this profile's memory, peaks, "
+    Key("gpu_spec", str, "the row of the GPU spec table (workbook.gpu.GPU_SPECS) this profile's memory, peaks, "
         "bandwidth and bf16/TF32 support come from; '' for none (cpu, or a GPU the table lacks: state them)",
         choices=("",) + tuple(spec.name for spec in gpu_table.GPU_SPECS), default=''),
     Key("gpu_name_pattern", str, "regular expression matched against the detected GPU name ('' for cpu)", default=''),
@@ -328,7 +328,7 @@ GPU_FACTS = {"gpu_memory_gib": "memory_gib", "peak_bf16_tflops": "peak_bf16_tflo
              "peak_fp16_tflops": "peak_fp16_tflops", "memory_bandwidth_gbs": "memory_bandwidth_gbs",
              "supports_bf16": "supports_bf16", "supports_tf32": "supports_tf32"}
 # What a profile file states of its own besides the settings that differ from the defaults.
-HARDWARE_KEYS = ("profile", "gpu", "gpu_name_pattern", "gpu_count", "usd_per_gpu_hour")
+HARDWARE_KEYS = ("profile", "gpu_spec", "gpu_name_pattern", "gpu_count", "usd_per_gpu_hour")
 
 
 def defaults() -> Params:
@@ -337,7 +337,7 @@ def defaults() -> Params:
 
 
 def gpu_facts(gpu: str) -> dict[str, Any]:
-    """The hardware keys the spec table's row named ``gpu`` states; {} for '' (no row)."""
+    """The hardware keys the spec table's row named ``gpu`` states (a ``gpu_spec`` value); {} for '' (no row)."""
     if not gpu:
         return {}
     spec = next(spec for spec in gpu_table.GPU_SPECS if spec.name == gpu)  # validated: one of SCHEMA's choices
@@ -350,7 +350,7 @@ def resolve(stated: dict[str, Any], where: str, check: bool = True) -> Params:
     defaults, overlaid by the facts of the GPU row ``stated`` names, overlaid by ``stated``; cross-key
     rules checked (``check``). The one way `load` and `notebook.start` build params."""
     merged = defaults()
-    merged.update(gpu_facts(stated.get("gpu", merged["gpu"])))
+    merged.update(gpu_facts(stated.get("gpu_spec", merged["gpu_spec"])))
     merged.update(stated)
     if check:
         check_consistency(merged, where)
@@ -410,8 +410,8 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 def apply_overrides(params: Params, overrides: dict[str, Any]) -> Params:
     """A copy of `params` with overrides applied and cross-key rules checked again."""
     merged = Params(params)
-    if "gpu" in overrides:  # another row: its facts replace the profile's, and any --set of them wins
-        merged.update(gpu_facts(overrides["gpu"]))
+    if "gpu_spec" in overrides:  # another row: its facts replace the profile's, and any --set of them wins
+        merged.update(gpu_facts(overrides["gpu_spec"]))
     merged.update(overrides)
     check_consistency(merged, "--set " + " ".join(f"{k}={v}" for k, v in overrides.items()))
     return merged

@@ -96,8 +96,6 @@ def rows(models: list[str], modes: tuple[str, ...] = ("train", "generate"), log=
             log(f"{model} {mode} {label}: " + (f"plan/trace {row['plan_over_trace']}, {row['seconds']} s" if "error" not in row
                                                else f"not traced ({row['error'][:160]})"))
             yield row
-            if "error" in row and "cannot run on fake tensors" in row["error"]:
-                break  # the same op stops every setting of this model
 
 
 def markdown(table: list[dict], command: str) -> str:
@@ -126,13 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", default=",".join(presets.preset_names()[1:]),
                         help="comma-separated presets (default: every preset)")
     parser.add_argument("--modes", default="train,generate", help="train, generate or both")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep the rows of other models already in trace_vs_plan.json (a run in parts)")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    models = [name.strip() for name in args.models.split(",") if name.strip()]
     command = "python -m workbook.planner.trace_reference " + " ".join(argv if argv is not None else sys.argv[1:])
-    table = []
-    for row in rows([name.strip() for name in args.models.split(",") if name.strip()],
-                    tuple(args.modes.split(",")), log=lambda line: print(line, flush=True)):
+    table, earlier = [], out / "trace_vs_plan.json"
+    if args.keep and earlier.is_file():
+        kept = json.loads(earlier.read_text())
+        table = [row for row in kept["rows"] if row["model"] not in models]
+        command = f"{kept['command']}; then {command}"
+    for row in rows(models, tuple(args.modes.split(",")), log=lambda line: print(line, flush=True)):
         table.append(row)
         (out / "trace_vs_plan.json").write_text(json.dumps({"command": command, "rows": table}, indent=1) + "\n")
         (out / "trace_vs_plan.md").write_text(markdown(table, command))
