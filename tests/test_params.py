@@ -174,7 +174,7 @@ def test_every_gpu_profile_takes_its_gpus_facts_from_a_spec_table_row_its_patter
     rows = {spec.name: spec for spec in gpu.GPU_SPECS}
     for name, profile in params.load_all().items():
         if not profile["gpu_name_pattern"]:
-            assert profile["gpu"] == "" and profile["gpu_count"] == 0, name
+            assert profile["gpu_spec"] == "" and profile["gpu_count"] == 0, name
             continue
         row = rows[profile["gpu_spec"]]
         assert re.search(profile["gpu_name_pattern"], row.name), (name, row.name)
@@ -201,9 +201,9 @@ def test_a_key_a_profile_leaves_out_takes_the_schema_default_and_its_gpu_row_the
     assert set(loaded) == set(params.SCHEMA)
     assert loaded.epochs == 5 and loaded.gpu_count == 2
     assert loaded.memory_bandwidth_gbs == 2000 and loaded.peak_bf16_tflops == 756.5 and loaded.supports_bf16 is True
-    assert {key: loaded[key] for key in params.SCHEMA if key not in ("profile", "gpu", "gpu_count", "epochs")
+    assert {key: loaded[key] for key in params.SCHEMA if key not in ("profile", "gpu_spec", "gpu_count", "epochs")
             and key not in params.GPU_FACTS} == {key: value for key, value in params.defaults().items()
-                                                 if key not in ("profile", "gpu", "gpu_count", "epochs")
+                                                 if key not in ("profile", "gpu_spec", "gpu_count", "epochs")
                                                  and key not in params.GPU_FACTS}
     # A fact the file states wins over its row (a variant the table lacks), and so does --set over both.
     path.write_text("profile: mine\ngpu_spec: H100 PCIe\nmemory_bandwidth_gbs: 1900\n")
