@@ -142,6 +142,7 @@ def test_batched_greedy_equals_one_at_a_time(tiny, varied, backend, prompt_count
             assert len(set(pointers)) == 1, "the kept static cache moved between batches"
 
 
+@pytest.mark.slow
 def test_a_short_warm_up_call_leaves_static_compiled_a_cache_the_job_reuses(tiny, varied):
     # The pilot warms a backend up with two new tokens, then times the job's batch: a cache sized for the
     # warm-up alone would be replaced (a recompile, CUDA graphs recorded again) inside the timed batch.
