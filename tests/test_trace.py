@@ -18,6 +18,7 @@ def tiny_run(**settings) -> TrainConfig:
                        micro_batch_size=2, **settings)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("settings", [
     {},  # fp32 full fine-tune, packed rows (document_sdpa), foreach AdamW
     {"dtype": "bf16"},  # mixed precision: fp32 master weights, autocast's bf16 weight copies
@@ -109,6 +110,7 @@ def test_the_tracker_counts_a_storage_once_and_frees_it_when_its_last_view_dies(
     assert tracker.peak.bytes == 1024
 
 
+@pytest.mark.slow
 def test_an_auto_batch_by_trace_is_the_largest_whose_traced_peak_fits_and_is_confirmed_by_a_trace():
     config = tiny_run(dtype="bf16")
     traced: dict[int, int] = {}
