@@ -25,6 +25,7 @@ def cpu_params(tiny_model_path):
             "bench_train_settings": "", "bench_train_baselines": "hf-trainer"}
 
 
+@pytest.mark.slow
 def test_the_trainer_sees_the_workbooks_batches_reaches_its_loss_and_the_report_shows_the_ratio(cpu_params, tmp_path):
     plain = training_sweep.training_points(cpu_params, torch.device("cpu"))[0]
     workbook = training_sweep.training_point(cpu_params, plain, tmp_path, log=lambda line: None)
@@ -97,6 +98,7 @@ def test_settings_the_trainer_baseline_does_not_mirror_are_refused_by_name(cpu_p
                                      str(tmp_path))
 
 
+@pytest.mark.slow
 def test_a_point_that_runs_out_of_memory_is_recorded_beside_the_plan_and_the_sweep_goes_on(tmp_path, monkeypatch):
     # The GPU session probes micro-batches past the plain point's limit (the memory settings are meant to make
     # them fit): one out-of-memory point must not take the sweep's other points with it.
