@@ -21,6 +21,7 @@ def cpu_params(tiny_model_path):
             "bench_train_settings": "", "bench_train_baselines": "trl-sft"}
 
 
+@pytest.mark.slow
 def test_trl_trains_one_epoch_on_exactly_the_workbooks_examples_and_their_response_tokens(cpu_params, tmp_path):
     from workbook.bench import trl_baseline
     from workbook.training.prepare import prepare_data
