@@ -29,9 +29,10 @@ def test_the_teacher_sees_the_system_prompt_and_the_training_input_does_not(tmp_
             assert taught_record["input"] == plain_record["input"]  # the prompt as read, never the system prompt
             recorded = taught_record["metadata"]["system_prompt"]
             assert recorded["characters"] == len(SYSTEM_PROMPT) and len(recorded["sha256"]) == 16
-            # The teacher's prompt held the system turn: its text and the template's newline after it.
-            assert (taught_record["metadata"]["prompt_tokens"]
-                    == plain_record["metadata"]["prompt_tokens"] + len(SYSTEM_PROMPT) + 1)
+            # The teacher's prompt held the system turn: its header, its text and its end of turn.
+            with_turn, = generation.tokenize_prompts(tokenizer, [plain_record["input"]], use_chat_template=True,
+                                                     system_prompt=SYSTEM_PROMPT)
+            assert taught_record["metadata"]["prompt_tokens"] == len(with_turn) > plain_record["metadata"]["prompt_tokens"]
     digests = {name: runs[name][0]["metadata"]["system_prompt"]["sha256"] for name in ("inline", "file")}
     assert digests["inline"] == digests["file"]  # the same text, whichever way it was given
     assert runs["file"][0]["metadata"]["system_prompt"]["source"].startswith("@")

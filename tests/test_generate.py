@@ -53,7 +53,7 @@ def outputs_by_id(path):
     return {r["metadata"]["example_id"]: (r["output"], r["metadata"]["finish_reason"]) for r in read_records(path)}
 
 
-# Prompts of many lengths (1 to ~60 characters = tokens), so batches carry real left padding and
+# Prompts of many lengths (1 to ~60 characters, ~15 to ~45 tokens with the chat template), so batches carry real left padding and
 # rows that end early; arithmetic ones end with end of sequence, odd ones often run to the limit.
 VARIED_PROMPTS = [record["input"] for record in arithmetic.sample_records()[:10]] + [
     "x", "Hi", "What is 7 + 8? What is 7 + 8?", "Add 12 and 30.", "What is 1 + 1?" * 3, "Tell me: what is 20 + 22?",
@@ -66,7 +66,9 @@ def greedy_one_at_a_time(model, prompts, settings):
     with its finish reason: "eos" where it ended so, else "length"."""
     results = {}
     for prompt in prompts:
-        output = model.generate(torch.tensor([prompt.token_ids]), max_new_tokens=prompt.max_new_tokens,
+        # An explicit mask: without one, generate masks every prompt token equal to the pad id.
+        ids = torch.tensor([prompt.token_ids])
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=prompt.max_new_tokens,
                                 do_sample=False, eos_token_id=list(settings.eos_token_ids),
                                 pad_token_id=settings.pad_token_id)
         new = output[0, len(prompt.token_ids):].tolist()
@@ -90,16 +92,18 @@ def engine_results(backend, prompts):
 def make_prompts(tiny, texts, max_new_tokens=8):
     model, tokenizer = tiny
     ids = generation.tokenize_prompts(tokenizer, texts, use_chat_template=True)
-    settings = generation.DecodingSettings(max_new_tokens, decoding.eos_token_ids(model, tokenizer), 0)
+    # The pad id the job lends (an end id: the tokenizer has none), not 0, which is <|begin_of_text|>.
+    settings = generation.DecodingSettings(max_new_tokens, decoding.eos_token_ids(model, tokenizer),
+                                           decoding.pad_token_id(model, tokenizer))
     return [generation.Prompt(i, row, max_new_tokens) for i, row in enumerate(ids)], settings
 
 
 @pytest.fixture(scope="module")
 def varied(tiny):
     """The varied prompts, their decoding settings, and their one-at-a-time greedy outputs."""
-    # 4 new tokens: the well-trained tiny model answers " 7</s>" (3 tokens) to " 123</s>" (5), so
-    # some rows end early with EOS and the three-digit answers run into the limit.
-    prompts, settings = make_prompts(tiny, VARIED_PROMPTS, max_new_tokens=4)
+    # 3 new tokens: the well-trained tiny model replies "7<|eot_id|>" (2 tokens) to "123<|eot_id|>" (4),
+    # so some rows end early at an end id and the three-digit answers run into the limit.
+    prompts, settings = make_prompts(tiny, VARIED_PROMPTS, max_new_tokens=3)
     reference = greedy_one_at_a_time(tiny[0], prompts, settings)
     lengths = {len(tokens) for tokens, _ in reference.values()}
     assert min(lengths) < settings.max_new_tokens == max(lengths), "outputs should end early and at the limit"
@@ -197,14 +201,16 @@ def test_a_job_writes_seed_format_records_counts_and_a_summary(tmp_path, tiny):
     assert first["metadata"]["teacher_model"] == "tiny"
     assert first["metadata"]["generation_params"] == {"temperature": None, "top_p": None, "max_new_tokens": 8,
                                                       "do_sample": False, "seed": None}
+    prompt_ids = generation.tokenize_prompts(tiny[1], [r["input"] for r in written], use_chat_template=True)
     assert all(r["metadata"]["finish_reason"] in ("eos", "length") and r["metadata"]["output_tokens"] >= 1
-               and r["metadata"]["prompt_tokens"] == len(r["input"]) + 1 for r in written)  # + <s>
-    # "length": the limit ended it, and its text is every token (one character each); "eos": the
-    # model ended it, and the end-of-sequence token is counted but not written.
+               and r["metadata"]["prompt_tokens"] == len(ids) for r, ids in zip(written, prompt_ids))
+    # "length": the limit ended it, and its text is every token; "eos": the model ended it, and the
+    # end token is counted but not written (the replies are digits, one token each).
     for r in written:
         tokens, reason = r["metadata"]["output_tokens"], r["metadata"]["finish_reason"]
         assert reason == "eos" or tokens == 8, r
-        assert len(r["output"]) == (tokens if reason == "length" else tokens - 1), r
+        text_tokens = len(tiny[1](r["output"], add_special_tokens=False)["input_ids"])
+        assert text_tokens == (tokens if reason == "length" else tokens - 1), r
     assert summary["generated"] == summary["in_output"] == 20 and summary["unaccounted"] == 0
     assert summary["batches"] == 4 and len(summary["batch_list"]) == 4
     assert all(b["longest_output_tokens"] >= 1 for b in summary["batch_list"])
@@ -316,10 +322,25 @@ def test_an_error_is_isolated_to_its_example_and_a_systematic_one_stops_the_run(
                          model=FailsOn(tiny[0]), **run)
 
 
+def prompt_tokens(tiny, text):
+    """The prompt's token ids as the job formats it (the cpu profile's chat template)."""
+    return generation.tokenize_prompts(tiny[1], [text], use_chat_template=True)[0]
+
+
+def filled_prompt(tiny, tokens):
+    """A question padded with " +" (one token each; the chat template would trim trailing spaces) to
+    exactly ``tokens`` prompt tokens."""
+    question = "What is 2 + 2?"
+    text = question + " +" * (tokens - len(prompt_tokens(tiny, question)))
+    assert len(prompt_tokens(tiny, text)) == tokens
+    return text
+
+
 def test_bad_lines_and_long_prompts_follow_their_policies(tmp_path, tiny):
     good = arithmetic.sample_records()[:4]
-    too_long = "What is 1 + 1? " * 20  # 300 characters: more than the tiny model's 256 positions
-    nearly_full = "What is 2 + 2?" + " " * 238  # 253 tokens with <s>: room for 3 new tokens
+    too_long = "What is 1 + 1? " * 30  # ~300 tokens: more than the tiny model's 256 positions
+    too_long_tokens = len(prompt_tokens(tiny, too_long))
+    nearly_full = filled_prompt(tiny, 253)  # room for 3 new tokens
     lines = [json.dumps(good[0]), "{not json", json.dumps(good[1]), json.dumps({"input": ""}),
              json.dumps({"id": "long", "input": too_long}), json.dumps(good[2]),
              json.dumps({"id": "tight", "input": nearly_full}), json.dumps(good[3])]
@@ -329,7 +350,7 @@ def test_bad_lines_and_long_prompts_follow_their_policies(tmp_path, tiny):
     run = dict(model=tiny[0], tokenizer=tiny[1], log=lambda line: None, show_progress=False)
     with pytest.raises(jsonl.DataError, match=r"in.jsonl:2: not valid JSON.*on_bad_line: skip"):
         generation.run_job(job_params(prompts, output), output, **run)
-    with pytest.raises(jsonl.DataError, match=r"in.jsonl:5: prompt of 301 tokens leaves no room.*256.*"
+    with pytest.raises(jsonl.DataError, match=rf"in.jsonl:5: prompt of {too_long_tokens} tokens leaves no room.*256.*"
                                              r"on_long_prompt: skip"):
         generation.run_job(job_params(prompts, output, on_bad_line="skip"), output, **run)
     assert not output.exists() or output.read_text() == ""  # both stopped before generating
@@ -345,7 +366,7 @@ def test_bad_lines_and_long_prompts_follow_their_policies(tmp_path, tiny):
 
 
 def test_a_prompt_that_fills_the_context_exactly_leaves_no_room_and_follows_the_policy(tmp_path, tiny):
-    full = "What is 2 + 2?" + " " * 241  # 256 tokens with <s>: the tiny model's whole context
+    full = filled_prompt(tiny, 256)  # the tiny model's whole context
     prompts = write_prompts(tmp_path / "in.jsonl", [{"id": "full", "input": full}])
     output = tmp_path / "out.jsonl"
     with pytest.raises(jsonl.DataError, match=r"in.jsonl:1: prompt of 256 tokens leaves no room.*256"):

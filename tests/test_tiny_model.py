@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from workbook import arithmetic, tiny_model
+from workbook import arithmetic, prompt_format, tiny_model
 
-# Measured 0.97 on 2 CPU cores, torch 2.13 (0.997 and 0.993 with training seeds 1 and 2). Other
+# Measured 0.89 (chat and plain alike) on 2 CPU cores, torch 2.13, recipe 3 (the character-level recipe 2: 0.97). Other
 # CPUs and torch versions round differently and train a slightly different model: hence the margin.
 # Chance is about 1%.
 MIN_HELD_OUT_ACCURACY = 0.8
@@ -24,46 +24,53 @@ def test_config_uses_grouped_query_attention_and_needs_no_weights():
     assert config.model_type == "llama"
     assert config.num_key_value_heads < config.num_attention_heads
     assert config.tie_word_embeddings
-    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (1, 2, 0)
+    # Like Llama 3 Instruct: two end ids (end of text, end of turn), no pad id.
+    assert (config.bos_token_id, config.eos_token_id, config.pad_token_id) == (0, [1, 4], None)
     with torch.device("meta"):  # counts parameters without allocating or training anything
         model = LlamaForCausalLM(config)
     assert 500_000 < sum(parameter.numel() for parameter in model.parameters()) < 1_500_000
 
 
-def test_tokenizer_has_one_token_per_character_and_round_trips_text():
+def test_tokenizer_round_trips_any_text_and_merges_the_task_words():
     tokenizer = tiny_model.build_tokenizer()
-    assert len(tokenizer) == tiny_model.tiny_config().vocab_size
-    for text in ["What is 23 + 45? 68", "  two  spaces, tab\tand\nnewline ", "café × 2", ""]:
+    assert len(tokenizer) <= tiny_model.tiny_config().vocab_size
+    for text in ["What is 23 + 45? 68", "  two  spaces, tab\tand\nnewline ", "café × 2 ✓", ""]:
         ids = tokenizer(text)["input_ids"]
         assert ids[0] == tokenizer.bos_token_id
-        assert len(ids) == 1 + len(text)
         assert tokenizer.decode(ids, skip_special_tokens=True) == text
-    assert tokenizer("✓")["input_ids"] == [tokenizer.bos_token_id, tokenizer.unk_token_id]
+    # Words are merged, digits stay single (the model adds digit by digit).
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer("What is 23 + 45?", add_special_tokens=False)["input_ids"])
+    assert tokens == ["What", "Ġis", "Ġ", "2", "3", "Ġ+", "Ġ", "4", "5", "?"]
 
 
-def test_chat_template_renders_a_user_turn_as_the_training_prompt():
+def test_chat_template_renders_a_user_turn_with_role_headers():
     tokenizer = tiny_model.build_tokenizer()
     question = "What is 23 + 45?"
     messages = [{"role": "user", "content": question}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<s>" + question
-    # Templates write <s> themselves, so their text is tokenized without special tokens.
+    assert text == ("<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n" + question
+                    + "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    # Templates write <|begin_of_text|> themselves, so their text is tokenized without special tokens.
     template_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    assert template_ids == tokenizer(question)["input_ids"]
+    assert template_ids[0] == tokenizer.bos_token_id and template_ids.count(tokenizer.bos_token_id) == 1
+    assert template_ids[-4:-1] == [tiny_model.START_HEADER_ID, tokenizer.convert_tokens_to_ids("assistant"),
+                                   tiny_model.END_HEADER_ID]
 
 
 def test_built_model_loads_with_auto_classes_and_answers(tiny_model_path):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    assert tokenizer.pad_token_id == 0 and tokenizer.eos_token_id == 2
+    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id == tiny_model.EOS_ID
     assert tokenizer.padding_side == "right"  # library default; callers pick left to generate
-    assert model.generation_config.eos_token_id == 2
-    assert model.generation_config.pad_token_id == 0
-    batch = tokenizer(["What is 23 + 45?"], return_tensors="pt")
-    output_ids = model.generate(**batch, max_new_tokens=6, do_sample=False)
-    completion = tokenizer.decode(output_ids[0, batch["input_ids"].shape[1] :])
-    assert completion.startswith(" ") and completion.endswith("</s>")
-    assert arithmetic.parse_answer(completion) is not None
+    assert model.generation_config.eos_token_id == list(tiny_model.END_IDS)
+    assert model.generation_config.pad_token_id is None
+    for use_chat_template, end in ((False, "<|end_of_text|>"), (True, "<|eot_id|>")):
+        prompt = prompt_format.prompt_token_ids(tokenizer, ["What is 23 + 45?"], use_chat_template=use_chat_template)
+        output_ids = model.generate(torch.tensor(prompt), max_new_tokens=6, do_sample=False,
+                                    pad_token_id=tiny_model.EOS_ID)
+        completion = tokenizer.decode(output_ids[0, len(prompt[0]):])
+        assert completion.endswith(end) and arithmetic.parse_answer(completion) == 68
+        assert completion.startswith(" ") != use_chat_template  # plain: " 68"; chat: the reply "68"
 
 
 def test_greedy_accuracy_on_held_out_prompts_is_well_above_chance(tiny_model_path):
@@ -74,6 +81,7 @@ def test_greedy_accuracy_on_held_out_prompts_is_well_above_chance(tiny_model_pat
     assert accuracy >= MIN_HELD_OUT_ACCURACY
     info = json.loads((tiny_model_path / tiny_model.BUILD_INFO_FILE).read_text())
     assert info["held_out_accuracy"] == pytest.approx(accuracy)  # the recorded number is honest
+    assert info["held_out_accuracy_plain"] >= MIN_HELD_OUT_ACCURACY  # use_chat_template: false answers too
     assert info["recipe_hash"] == tiny_model.recipe_hash()
     assert info["torch_version"] == torch.__version__
 
@@ -152,7 +160,7 @@ def test_resolve_model_path_refuses_to_download(model):
 def test_the_recipe_hash_is_unchanged():
     # The cache folder is tiny-<hash>: a changed hash rebuilds every cache (a minute on each machine).
     # Change this value only together with a deliberate change of the recipe.
-    assert tiny_model.recipe_hash() == "32d8f802"
+    assert tiny_model.recipe_hash() == "e5970d01"
 
 
 def test_a_build_says_what_it_is_doing_instead_of_a_silent_minute(tmp_path, monkeypatch, capsys):

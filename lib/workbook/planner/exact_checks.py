@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from workbook import gpu, models, presets
+from workbook import decoding, gpu, models, presets
 from workbook.planner.formulas import kv_cache_bytes, training_activation_bytes_per_layer, weights_bytes
 from workbook.tiny_model import TINY_MODEL_NAME, tiny_config
 from workbook.tiny_model import ARCHITECTURE
@@ -74,7 +74,7 @@ def _kv_cache_check(model, tokenizer, config) -> dict:
         output = model.generate(
             input_ids, attention_mask=torch.ones_like(input_ids),
             max_new_tokens=KV_CHECK_NEW_TOKENS, min_new_tokens=KV_CHECK_NEW_TOKENS,
-            do_sample=False, pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True,
+            do_sample=False, pad_token_id=decoding.pad_token_id(model, tokenizer), return_dict_in_generate=True,
         )
     generated = output.sequences.shape[1] - input_ids.shape[1]
     # Distinct storages: what the allocator holds, views counted once (DynamicCache, 5.17+).
