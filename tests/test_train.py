@@ -17,7 +17,10 @@ from workbook import arithmetic, cli, jsonl, params, planner, runner, training
 from workbook.training import batches as sft_batches, checkpoints, cli as training_cli, examples as sft_examples
 from workbook.training import config as config_module, run_folder, run_plan
 from workbook.paths import NOTEBOOKS_DIR, REPO_ROOT
-from workbook.tiny_model import BOS_ID, EOS_ID, PAD_ID
+from workbook import prompt_format
+from workbook.tiny_model import EOS_ID, EOT_ID
+
+PAD_ID = EOS_ID  # the tiny tokenizer has no pad token, as Llama 3's: an end id is lent (decoding.pad_token_id)
 
 IGNORE = sft_examples.IGNORE_INDEX
 
@@ -28,8 +31,8 @@ def tokenizer(tiny_model_path):
 
 
 def ids_of(tokenizer, text: str) -> list[int]:
-    """The tiny tokenizer is character level: one id per character."""
-    return [tokenizer.convert_tokens_to_ids(character) for character in text]
+    """The token ids of ``text`` alone, no special token added."""
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def write_jsonl(path, records):
@@ -59,22 +62,28 @@ def make_config(tmp_path, data_path="", **changes) -> training.TrainConfig:
 def test_only_response_tokens_carry_loss_token_by_token(tokenizer, chat):
     records = [{"input": "What is 23 + 45?", "output": "68"}, {"input": "What is 1 + 2?", "output": " 3"}]
     (first, second), _ = sft_examples.tokenize_pairs(records, tokenizer, use_chat_template=chat)
-    prompt = [BOS_ID] + ids_of(tokenizer, "What is 23 + 45?")
-    response = ids_of(tokenizer, " 68") + [EOS_ID]  # one space joins them; the model writes " 68</s>"
+    prompt = prompt_format.prompt_token_ids(tokenizer, ["What is 23 + 45?"], use_chat_template=chat)[0]
+    # Plain: one space joins them and end of text ends it, " 68<|end_of_text|>". Chat: the template's reply,
+    # "68<|eot_id|>"; its role headers belong to the prompt and carry no loss.
+    response = ids_of(tokenizer, "68") + [EOT_ID] if chat else ids_of(tokenizer, " 68") + [EOS_ID]
     assert first.input_ids == prompt + response
     assert first.labels == [IGNORE] * len(prompt) + response
-    assert tokenizer.decode(second.input_ids) == "<s>What is 1 + 2? 3</s>"  # " 3" is not given a second space
+    # " 3" is not given a second space; a chat reply is trimmed.
+    assert tokenizer.decode(second.input_ids).endswith(
+        "<|start_header_id|>assistant<|end_header_id|>\n\n3<|eot_id|>" if chat else "What is 1 + 2? 3<|end_of_text|>")
+    second_response = ids_of(tokenizer, "3") + [EOT_ID] if chat else ids_of(tokenizer, " 3") + [EOS_ID]
 
     batch = sft_batches.Collator("packing", 64, PAD_ID)([[first, second]])
     # Position t predicts token t + 1 of the same example, and only where that token is a response token.
     expected = [IGNORE] * (len(prompt) - 1) + response + [IGNORE]
-    expected += [IGNORE] * (len(second.input_ids) - 4) + ids_of(tokenizer, " 3") + [EOS_ID] + [IGNORE]
+    expected += [IGNORE] * (len(second.input_ids) - len(second_response) - 1) + second_response + [IGNORE]
     expected += [IGNORE] * (64 - len(expected))
-    assert batch["targets"][0].tolist() == expected  # the first example's </s> never predicts the next <s>
+    assert batch["targets"][0].tolist() == expected  # the first example's end token never predicts the next BOS
     positions = batch["position_ids"][0].tolist()
     assert positions[:first.length] == list(range(first.length))
     assert positions[first.length:first.length + second.length] == list(range(second.length))
-    assert int(batch["tokens"]) == first.length + second.length and int(batch["target_tokens"]) == 4 + 3
+    assert int(batch["tokens"]) == first.length + second.length
+    assert int(batch["target_tokens"]) == len(response) + len(second_response)
 
 
 def test_records_without_a_usable_pair_are_listed_not_silently_dropped(tokenizer):
@@ -549,7 +558,9 @@ def test_mfu_is_the_achieved_flops_over_every_gpus_dense_peak_after_the_warm_up_
 
 def test_lora_trains_adapters_of_the_size_the_planner_counts_and_saves_only_them(tmp_path, tiny_model_path):
     path = arithmetic_pairs(tmp_path)
-    result = training.train(make_config(tmp_path, path, lora_rank=4, learning_rate=1e-2, max_steps=3))
+    # lora_save: adapters (the default, merged, is tested in test_real_tokenizer.py).
+    result = training.train(make_config(tmp_path, path, lora_rank=4, learning_rate=1e-2, max_steps=3,
+                                        lora_save="adapters"))
     assert result["status"] == "finished" and "LoRA rank 4" in result["model_description"]
     final = tmp_path / "out" / "final"
     assert (final / "adapter_config.json").is_file() and (final / "tokenizer.json").is_file()

@@ -8,13 +8,13 @@ GENERATE = (
     "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path", "prompt_field", "output_path",
     "backend", "do_sample", "temperature", "top_p", "seed", "max_examples", "on_bad_line", "on_long_prompt",
     "use_chat_template", "log_every_batches", "data_parallel_processes", "verifier", "max_accepted_per_prompt",
-    "system_prompt", "samples_per_prompt", "tensor_parallel_size", "peer_timeout_seconds",
+    "system_prompt", "on_no_system_role", "samples_per_prompt", "tensor_parallel_size", "peer_timeout_seconds",
 )
 
 # workbook train (notebook 03)
 TRAIN = (
     "profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour", "model",
-    "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "lora_targets", "safety_margin",
+    "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "lora_targets", "lora_save", "safety_margin",
     "cuda_overhead_gib", "train_data_path", "on_bad_line", "input_field", "output_field", "use_chat_template",
     "max_seq_length", "length_percentile", "padding", "validation_fraction", "learning_rate", "lr_scaling",
     "base_batch", "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer",

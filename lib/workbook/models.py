@@ -58,15 +58,18 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
     weights (``build_random``). ``sharding``, keyword arguments of ``from_pretrained`` such as
     ``{"distributed_config": DistributedConfig(...)}``, loads this process's shard of the weights onto
     its own device instead (tensor parallel: ``generation.tensor_parallel.sharding_arguments``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     if is_preset(model):
         return build_random(model, dtype, device, attn_implementation=attn_implementation)
     torch_dtype = _torch_dtype(dtype)
     path = tiny_model.resolve_model_path(model)
+    if presets.is_adapter_folder(path):
+        return _load_with_adapters(model, path, torch_dtype, device, attn_implementation)
     needs = "config.json and the weights (*.safetensors)"
     with _loading(model, path, needs):
-        attn_implementation = runnable_attention(AutoConfig.from_pretrained(path), attn_implementation)
+        # The planner's reading of config.json: transformers' refusals (any exception type) become one line.
+        attn_implementation = runnable_attention(presets.load_config(path), attn_implementation)
     check_attention_installed(attn_implementation)
     description = f"{model}: weights from {path}, {DTYPE_NAMES[torch_dtype]}"
     # A shard: transformers places it on this rank's device. Else straight onto a GPU: through host memory,
@@ -80,6 +83,21 @@ def load_model(model: str, dtype: str | torch.dtype, device: str | torch.device,
     return LoadedModel((loaded if placed else loaded.to(device)).eval(), description, path)
 
 
+def _load_with_adapters(model: str, path: str, torch_dtype, device, attn_implementation: str) -> LoadedModel:
+    """A LoRA run saved with lora_save: adapters: its base model (adapter_config.json names it), then
+    the adapters on top, unmerged (PEFT's forward adds them). Raises ModelError when the base is gone."""
+    import peft
+
+    try:
+        base = presets.adapter_base_model(path)
+    except ValueError as error:
+        raise ModelError(f"model {model}: {error}") from None
+    loaded = load_model(base, torch_dtype, device, attn_implementation=attn_implementation)
+    with _loading(model, path, "adapter_config.json and adapter_model.safetensors"):
+        adapted = peft.PeftModel.from_pretrained(loaded.model, path, is_trainable=False)
+    return LoadedModel(adapted.eval(), f"{model}: LoRA adapters from {path} on {loaded.description}", path)
+
+
 class ModelError(DataError):
     """A local model directory that cannot be loaded (a broken config.json, no weights, no tokenizer), or an
     attention implementation whose package is missing: said in one line, before any work."""
@@ -90,7 +108,9 @@ def _loading(model: str, path, needs: str):
     """transformers' errors for a broken model directory (OSError, ValueError: a traceback) as a ModelError."""
     try:
         yield
-    except (OSError, ValueError) as error:
+    except torch.OutOfMemoryError:
+        raise
+    except (OSError, ValueError, RuntimeError) as error:  # RuntimeError: weights whose shapes config.json contradicts
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ModelError(f"model {model}: cannot load it from {path} ({first[:300]}); a model directory needs "
                          f"{needs} (nothing is downloaded)") from None
@@ -137,8 +157,32 @@ def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
     path = tiny_model.resolve_model_path(model)
-    with _loading(model, path, "its tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)"):
-        return AutoTokenizer.from_pretrained(path)
+    needs = "its tokenizer files (tokenizer.json or tokenizer.model, tokenizer_config.json)"
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        # AutoTokenizer would fall back to the hub or return a wrong tokenizer from a bare config.
+        raise ModelError(f"model {model}: {path} holds no tokenizer; a model directory needs its tokenizer files "
+                         f"(any of {', '.join(TOKENIZER_FILES)}): copy those of the model it was trained from into it "
+                         "(tokenizer.save_pretrained)")
+    with _loading(model, path, needs):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    check_tokenizer_fits(model, tokenizer, presets.load_config(model_source(model)))
+    return tokenizer
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def check_tokenizer_fits(model: str, tokenizer, config) -> None:
+    """A tokenizer with more ids than the model's embedding has rows would index past it (a CUDA
+    device-side assert mid-run): refused here, naming both sizes. Fewer ids are normal (embeddings are
+    rounded up)."""
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    rows = getattr(text_config, "vocab_size", None)
+    if isinstance(rows, int) and len(tokenizer) > rows:
+        raise ModelError(f"model {model}: its tokenizer has {len(tokenizer):,} ids but the model's embedding only "
+                         f"{rows:,} rows (config.json vocab_size): they belong to different models; use the "
+                         "tokenizer saved with these weights, or resize the embedding before saving "
+                         "(model.resize_token_embeddings(len(tokenizer)))")
 
 
 def enable_gradient_checkpointing(model) -> None:

@@ -94,6 +94,9 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("seq_len", int, "training sequence length in tokens", minimum=1, default=2048),
     Key("grad_checkpointing", bool, "recompute activations in backward: less memory, ~30% more compute", default=False),
     Key("lora_rank", int, "LoRA rank; 0 trains every weight", minimum=0, default=0),
+    Key("lora_save", str, "what a LoRA run saves as <train_output_dir>/final: 'merged' (a standalone model, the "
+        "adapters added into the weights) or 'adapters' (loaded on top of the base model, which must stay where it "
+        "is)", choices=("merged", "adapters"), default='merged'),
     Key("lora_targets", str, "comma-separated module names LoRA adapts, e.g. 'q_proj,v_proj'; '' = every linear "
         "projection of the architecture (Phi-3: qkv_proj, o_proj, gate_up_proj, down_proj)", default=''),
     Key("safety_margin", float, "fraction of GPU memory the planner keeps free", minimum=0, maximum=0.5, default=0.05),
@@ -132,6 +135,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("max_accepted_per_prompt", int, "accepted outputs kept per prompt (identical ones once); 0: no cap", minimum=0, default=0),
     Key("system_prompt", str, "a system prompt the teacher sees and the training input does not (prompt "
         "distillation): the text, or @path to a file; '' for none", default=''),
+    Key("on_no_system_role", str, "system_prompt with a chat template that refuses a system turn (Gemma's): 'fail' "
+        "says so, 'fold' puts it at the start of the user's turn", choices=("fail", "fold"), default='fail'),
     # Training (notebook 03, `workbook train`); model, dtype, micro_batch_size, grad_checkpointing,
     # lora_rank and use_chat_template above. Choices mirror workbook.planner (checked by tests/test_train.py).
     Key("train_data_path", str, "JSONL of input/output pairs; '' = notebook 02's output (output_path, or "

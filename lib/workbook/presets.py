@@ -50,6 +50,12 @@ def load_config(model: str | Path) -> PretrainedConfig:
         return _config_from_dict(PRESETS[preset])
     directory = Path(name).expanduser()
     if directory.is_dir():
+        if not (directory / "config.json").is_file() and (directory / ADAPTER_CONFIG).is_file():
+            # A LoRA run saved with lora_save: adapters. Its shape is its base model's (the adapters add
+            # rank x (in + out) per adapted layer, well inside the planner's margin).
+            config = load_config(adapter_base_model(directory))
+            config.name_or_path = str(directory)  # plans and reports name the folder the user gave
+            return config
         if not (directory / "config.json").is_file():
             raise ValueError(
                 f"model directory {directory} has no config.json; point `model` at a Hugging Face "
@@ -61,6 +67,35 @@ def load_config(model: str | Path) -> PretrainedConfig:
         f"Presets (any case): {', '.join(preset_names())}; or pass a local Hugging Face model "
         "directory that holds config.json (nothing is downloaded)."
     )
+
+
+ADAPTER_CONFIG = "adapter_config.json"  # what PEFT writes beside LoRA adapters
+
+
+def is_adapter_folder(directory: str | Path) -> bool:
+    """True for a folder of LoRA adapters (PEFT's adapter_config.json, no model config.json)."""
+    directory = Path(directory).expanduser()
+    return (directory / ADAPTER_CONFIG).is_file() and not (directory / "config.json").is_file()
+
+
+def adapter_base_model(directory: str | Path) -> str:
+    """The local directory of the base model a folder of LoRA adapters was trained on (its
+    adapter_config.json's base_model_name_or_path). Raises ValueError naming the file, the base it
+    names and what to do when that base is not a local model directory (nothing is downloaded)."""
+    path = Path(directory).expanduser() / ADAPTER_CONFIG
+    try:
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not readable as JSON ({error}); restore the adapters' {ADAPTER_CONFIG}") from None
+    base = values.get("base_model_name_or_path") if isinstance(values, dict) else None
+    if not isinstance(base, str) or not base.strip():
+        raise ValueError(f"{path}: no base_model_name_or_path, so the base model the adapters belong to is unknown; "
+                         "set it to the base model's local directory")
+    if not (Path(base).expanduser() / "config.json").is_file():
+        raise ValueError(f"{path}: the adapters' base model {base} (base_model_name_or_path) is not a local model "
+                         "directory with config.json; copy the base model there, or set base_model_name_or_path to "
+                         "where it is, or train again with lora_save: merged (a standalone model)")
+    return str(Path(base).expanduser())
 
 
 def _config_from_directory(directory: Path) -> PretrainedConfig:

@@ -105,10 +105,10 @@ def load_model(model: str, dtype: str, device, sharding: dict | None = None) -> 
 
 
 def tokenize_prompts(tokenizer, prompts: list[str], use_chat_template: bool,
-                     system_prompt: str = "") -> list[list[int]]:
+                     system_prompt: str = "", on_no_system_role: str = "fail") -> list[list[int]]:
     """Token ids of each prompt, formatted as training formats them (prompt_format)."""
     return prompt_format.prompt_token_ids(tokenizer, prompts, use_chat_template=use_chat_template,
-                                          system_prompt=system_prompt)
+                                          system_prompt=system_prompt, on_no_system_role=on_no_system_role)
 
 
 def decoding_settings(settings: GenerationSettings, model, tokenizer) -> DecodingSettings:
@@ -198,7 +198,7 @@ def prepare_share(settings: GenerationSettings, inputs: Inputs, files: OutputFil
                                             "generate")
     backend = make_backend(backend_name, model, sampling, batch_size)
     token_ids = tokenize_prompts(tokenizer, [example.prompt for example in examples], settings.use_chat_template,
-                                 system_prompt_text(settings))
+                                 system_prompt_text(settings), settings.on_no_system_role)
     # A candidate is one sample of one example; batch_size counts candidates (sequences), so a batch
     # holds batch_size / samples_per_prompt prompts. Each is its own row: no backend here shares a
     # prompt's prefill between its samples (generate's num_return_sequences copies the prompt

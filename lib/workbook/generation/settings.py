@@ -52,6 +52,7 @@ class GenerationSettings:
     verifier: str = _default("verifier")
     max_accepted_per_prompt: int = _default("max_accepted_per_prompt")
     system_prompt: str = _default("system_prompt")
+    on_no_system_role: str = _default("on_no_system_role")
     peer_timeout_seconds: float = _default("peer_timeout_seconds")
     # The whole validated profile, for the planner alone (memory budget, batch size, layout), which is
     # asked with a profile; kept equal to the fields above by ``replace``.

@@ -15,7 +15,7 @@ import json
 import shutil
 from pathlib import Path
 
-from workbook import jsonl, runtime
+from workbook import jsonl, presets, runtime
 from workbook.training.config import TrainError
 
 STATE_FILE = "workbook_state.json"  # written last into a checkpoint: its presence marks it complete
@@ -150,13 +150,36 @@ def save(accelerator, output_dir, step, fingerprint, history, eval_history, accu
     accelerator.wait_for_everyone()
 
 
-def save_final(accelerator, model, unwrapped, tokenizer, output_dir: Path) -> str:
-    """The trained model in Hugging Face format with its tokenizer (LoRA: adapters only). ``model`` as
-    accelerate prepared it, ``unwrapped`` the model inside."""
+def save_final(accelerator, model, unwrapped, tokenizer, output_dir: Path, lora_save: str = "merged") -> str:
+    """The trained model in Hugging Face format with its tokenizer, as <output_dir>/final: a model that
+    ``model: <output_dir>/final`` loads for the next generation or training. ``model`` as accelerate
+    prepared it, ``unwrapped`` the model inside. LoRA: with ``lora_save: merged`` (the default) the
+    adapters are added into the base weights, a standalone model; with ``adapters`` only they are
+    saved, and loading them needs the base model where adapter_config.json says it is."""
     final = output_dir / "final"
     state_dict = accelerator.get_state_dict(model)  # collective under FSDP: every process calls it
     if accelerator.is_main_process:
         unwrapped.save_pretrained(final, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(final)
+        if lora_save == "merged" and (final / "adapter_config.json").is_file():
+            merge_adapters(final)
     accelerator.wait_for_everyone()
     return str(final)
+
+
+def merge_adapters(folder: Path) -> None:
+    """Replace a folder of LoRA adapters with the merged model (base + adapters, PEFT's merge_and_unload),
+    in the base model's dtype, with the folder's tokenizer. Merged from the saved adapters on the CPU, so
+    it works the same whether the run was sharded or not: the base is read once more from its folder."""
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    base = AutoModelForCausalLM.from_pretrained(presets.adapter_base_model(folder), dtype="auto")
+    merged = peft.PeftModel.from_pretrained(base, folder).merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    staging = folder.with_name(folder.name + ".merging")
+    shutil.rmtree(staging, ignore_errors=True)
+    merged.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
+    shutil.rmtree(folder)
+    staging.rename(folder)

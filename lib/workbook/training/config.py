@@ -74,6 +74,7 @@ class TrainConfig:
     optimizer: str = _default("optimizer")
     lora_rank: int = _default("lora_rank")
     lora_targets: str = _default("lora_targets")  # '' = every linear projection (planner.shape.choose_lora_targets)
+    lora_save: str = _default("lora_save")  # merged | adapters: what <output_dir>/final holds after LoRA
     dtype: str = _default("dtype")
     tf32: bool = _default("tf32")
     grad_checkpointing: bool = _default("grad_checkpointing")

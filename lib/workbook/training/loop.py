@@ -42,7 +42,7 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
 
     Resumes from the newest complete checkpoint in ``<output_dir>/checkpoints`` when one exists
     (its settings must match), saves one every ``save_every_steps``, and saves the final model with
-    its tokenizer to ``<output_dir>/final`` (LoRA: the adapters).
+    its tokenizer to ``<output_dir>/final`` (LoRA: merged, or the adapters: ``lora_save``).
     """
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, InitProcessGroupKwargs
@@ -173,7 +173,8 @@ def train(config: TrainConfig, prepared: PreparedData | None = None) -> dict:
                           if accuracy_enabled else None)
         final_dir = None
         if finished and tokenizer is not None:
-            final_dir = checkpoints.save_final(accelerator, model, unwrap(accelerator, model), tokenizer, output_dir)
+            final_dir = checkpoints.save_final(accelerator, model, unwrap(accelerator, model), tokenizer, output_dir,
+                                               config.lora_save)
         wall_seconds = time.perf_counter() - started
         result = report.result(config, prepared, run, accelerator, history, eval_history, start_step, step, finished,
                                model_description, total_parameters, trainable_parameters, optimizer_description,
