@@ -237,8 +237,10 @@ def test_each_notebook_gets_one_line_with_what_it_did_and_its_headline_figure(tm
                                    "cpu": {"model": "Xeon", "usable_cores": 96}},
                      "run_profile": "h200", "profile_mismatches": []},
         "memory_plan.json": {"plans": {
-            "generate": {"model": "llama-3.1-8b", "dtype": "bf16", "max_batch_size": 1234, "budget_bytes": 140 * 2**30},
-            "train": {"model": "llama-3.1-8b", "dtype": "bf16", "max_batch_size": 8, "budget_bytes": 140 * 2**30}}},
+            "generate": {"model": "llama", "params": 8030261248, "dtype": "bf16", "max_batch_size": 1234,
+                         "budget_bytes": 140 * 2**30},
+            "train": {"model": "llama", "params": 8030261248, "dtype": "bf16", "max_batch_size": 8,
+                      "budget_bytes": 140 * 2**30}}},
         "generation.json": {"summary": {"generated": 5000, "output_tokens_per_second": 12345.6, "backend": "static",
                                         "batch_size": 256, "processes": 8}},
         "training_metrics.json": {"steps": {"reached": 60, "total": 60},
@@ -258,8 +260,8 @@ def test_each_notebook_gets_one_line_with_what_it_did_and_its_headline_figure(tm
     lines = {name: runner.headline(name, tmp_path) for name in runner.HEADLINES}
     assert lines == {
         "00_gpu_detection": "detected 8 x NVIDIA H200 (150.0 GiB each): profile h200",
-        "01_memory_planning": "planned llama-3.1-8b (bf16) per GPU: largest batch 1,234 to generate, 8 to train "
-                              "(budget 140.0 GiB)",
+        "01_memory_planning": "planned llama with 8,030,261,248 parameters (bf16) per GPU: largest batch 1,234 to "
+                              "generate, 8 to train (budget 140.0 GiB)",
         "02_batched_generation": "generated 5,000 examples: 12,346 output tokens/s (static, batch 256, 8 process(es))",
         "03_training": "trained 60 of 60 steps: final loss 1.2346 (mean of the last epoch), 4,321 tokens/s",
         # The HF pipeline is the baseline beside the workbook's strategies, never its best point.

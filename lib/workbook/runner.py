@@ -259,7 +259,8 @@ def _planning_headline(data: dict) -> str:
     first = next(iter(plans.values()))
     where = "in this machine's RAM" if first.get("in_ram") else "per GPU"
     largest = ", ".join(f"{plan['max_batch_size']:,} to {mode}" for mode, plan in plans.items())
-    return (f"planned {first['model']} ({first['dtype']}) {where}: largest batch {largest} "
+    # `model` is the architecture (config.model_type); the parameter count tells a 1B from an 8B.
+    return (f"planned {first['model']} with {first['params']:,} parameters ({first['dtype']}) {where}: largest batch {largest} "
             f"(budget {format_bytes(first['budget_bytes'])})")
 
 
