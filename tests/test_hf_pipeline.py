@@ -37,7 +37,7 @@ def test_the_pipeline_runs_every_prompt_to_full_length_with_the_engines_greedy_t
         # Full length only because min_new_tokens reached the pipeline (see NEW_TOKENS).
         assert point["examples"] == EXAMPLES and point["failed"] == 0
         assert point["full_length_outputs"] == EXAMPLES and point["output_tokens"] == EXAMPLES * NEW_TOKENS
-        assert point["pipeline_prompts"]["prompts_with_the_sweeps_ids"] == EXAMPLES  # character tokenizer: same ids
+        assert point["pipeline_prompts"]["prompts_with_the_sweeps_ids"] == EXAMPLES  # text-stable prompts: same ids
         # Greedy: the pipeline's tokens are one-at-a-time generation's for every prompt (a sampling default fails).
         assert point["compared_with_one_at_a_time"] == EXAMPLES
         assert point["identical_to_one_at_a_time"] == EXAMPLES

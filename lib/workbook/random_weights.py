@@ -43,7 +43,7 @@ def save_random_model(preset: str, directory: str | Path, dtype: str = "bf16", d
     parameters = sum(parameter.numel() for parameter in loaded.model.parameters())
     del loaded
     info = {"preset": preset, "dtype": dtype, "built_on": str(device), "seed": seed, "parameters": parameters,
-            "tokenizer": "the tiny model's (character level)",
+            "tokenizer": "the tiny model's (byte-level BPE)",
             "seconds": round(time.perf_counter() - began, 1),
             "note": "random weights: speed and memory of the architecture; the text is noise"}
     (directory / BUILD_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")

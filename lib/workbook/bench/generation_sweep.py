@@ -69,7 +69,33 @@ def generation_setup(params, device: torch.device | None = None) -> GenerationSe
                          f"{context} tokens; lower one of them")
     prompts = mixed_prompts(model.config.vocab_size, params["bench_examples"], (max(1, longest // 4), longest),
                             new_tokens)
+    tokenizer = models.load_tokenizer(name)
+    if tokenizer is not None:  # a real model: prompts its own tokenizer writes, so they survive a trip through text
+        prompts = text_stable_prompts(tokenizer, prompts, longest)
     return GenerationSetup(model, described, name, settings, prompts, device, dtype, measured)
+
+
+def text_stable_prompts(tokenizer, prompts: list[generation.Prompt], longest: int,
+                        tries: int = 8) -> list[generation.Prompt]:
+    """``prompts`` with ids the tokenizer gives back from their own text (at most ``longest`` each): each
+    id moved onto one that is a whole character or more on its own, then decoded and encoded again until
+    nothing changes. Random ids of a byte-level BPE rarely survive that trip (a lone continuation byte
+    decodes to U+FFFD, neighbours merge), and a baseline that takes text (the pipeline) must run the very
+    prompts the engine runs to be compared with it."""
+    special = set(tokenizer.all_special_ids)
+    whole = [token for token in range(len(tokenizer)) if token not in special
+             and "\ufffd" not in tokenizer.decode([token], clean_up_tokenization_spaces=False)]
+    stable = []
+    for prompt in prompts:
+        ids = [whole[token % len(whole)] for token in prompt.token_ids]
+        for _ in range(tries):
+            text = tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+            again = tokenizer(text, add_special_tokens=False)["input_ids"][:longest] or ids[:1]
+            if again == ids:
+                break
+            ids = again
+        stable.append(dataclasses.replace(prompt, token_ids=ids))
+    return stable
 
 
 def mixed_prompts(vocab_size: int, count: int, lengths: tuple[int, int], max_new_tokens: int,

@@ -5,12 +5,12 @@ object, device, dtype, prompts and greedy decoding, at each of the sweep's batch
 How it is fed. The pipeline takes text: its ``preprocess`` tokenizes every prompt (transformers 5.17
 to 5.23; no input of token ids). The sweep's prompts are random token ids, so each is decoded with
 the model's tokenizer and the pipeline tokenizes the text again, ``add_special_tokens=False`` (the
-sweep's prompts carry no BOS). Where the re-tokenized ids equal the sweep's (every prompt on the
-tiny model: its tokenizer is character level), the pipeline runs the very same input and its output
+sweep's prompts carry no BOS). Where the re-tokenized ids equal the sweep's (every prompt of a model
+with a tokenizer: the sweep writes them so, ``generation_sweep.text_stable_prompts``), the pipeline runs the very same input and its output
 is compared with one-at-a-time generation; where they differ, it is not compared and the point says
 how many prompts ran the sweep's ids. A preset (random weights) has no tokenizer: it gets the tiny
 model's, the one ``workbook.random_weights`` saves beside random weights; ids that tokenizer cannot
-decode (all but its 128) are mapped onto ones it can, so each prompt keeps its length, not its ids.
+decode (all but its few hundred) are mapped onto ones it can, so each prompt keeps its length, not its ids.
 
 How it is counted. ``return_tensors=True`` returns each row's ids: the batch's left padding, the
 prompt, the new tokens. The new tokens are what follows the prompt, cut at the first end of
@@ -39,7 +39,7 @@ def pipeline_tokenizer(setup) -> tuple[object, str]:
     source = f"{setup.model_name}'s tokenizer"
     if tokenizer is None:
         tokenizer = models.load_tokenizer(tiny_model.TINY_MODEL_NAME)
-        source = "the tiny model's character tokenizer (a preset has none), ids beyond it mapped onto it"
+        source = "the tiny model's tokenizer (a preset has none), ids beyond it mapped onto it"
     # Prompts are checked against the model's context, not the tokenizer's (the tiny one says 256).
     tokenizer.model_max_length = decoding.context_length(setup.model) or tokenizer.model_max_length
     if tokenizer.pad_token_id is None:  # the pipeline refuses to batch without one
