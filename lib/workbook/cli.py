@@ -163,8 +163,9 @@ TOOLS = {
                               "bare generate() loop, and what sorting prompts by length gains"),
     "bench-loss-head": ("workbook.bench.loss_head", "benchmark: the training loss over all logits against "
                         "the chunked loss, as the share of positions with loss falls"),
-    "bench-rejection-sampling": ("workbook.bench.rejection_sampling", "benchmark: one round of rejection-sampling "
-                                 "fine-tuning (sample, verify, train), held-out accuracy before and after"),
+    "bench-rejection-sampling": ("workbook.bench.rejection_sampling", "benchmark: rounds of rejection-sampling "
+                                 "fine-tuning (sample, verify, train; the next round with the trained model), "
+                                 "held-out accuracy before and after each"),
     "forecast-check": ("workbook.bench.forecast_check", "benchmark: the forecast against the run it forecast, "
                        "on this machine"),
     "roofline-check": ("workbook.forecast.roofline_check", "benchmark: the forecast without a pilot (the job's work "

@@ -1,6 +1,6 @@
-"""One round of rejection-sampling fine-tuning on CPU (seed 002's workflow), measured: sample several
+"""Rounds of rejection-sampling fine-tuning on CPU (seed 002's workflow), measured: sample several
 answers per question, keep the ones a verifier accepts, fine-tune on them, and score held-out
-questions before and after. A benchmark, not a test: it writes ``rejection_sampling.json`` and
+questions before and after; the next round does the same with the model the round trained. A benchmark, not a test: it writes ``rejection_sampling.json`` and
 ``.md``.
 
     workbook bench-rejection-sampling --out outputs/reference/cpu
@@ -41,52 +41,64 @@ def held_out_accuracy(profile: dict, model: str, prompts: Path, output: Path) ->
 
 
 def run(args: argparse.Namespace, work: Path, log=print) -> dict:
+    """``args.rounds`` rounds: the first samples the tiny model, each later one the model the previous
+    round trained (seed 002's loop), which is also the model it fine-tunes further."""
     profile = params_module.load(params_module.profile_path("cpu"))
     pool, held = arithmetic.variant_task_records(args.pool, args.held_out)
     held_path = arithmetic.write_records(work / "held_out.jsonl", held)
     pool_path = arithmetic.write_records(work / "pool.jsonl", pool)
-    timings = {}
-
+    model = "tiny"
     began = time.perf_counter()
-    before = held_out_accuracy(profile, "tiny", held_path, work / "before.jsonl")
-    timings["score_before_seconds"] = time.perf_counter() - began
+    before = held_out_accuracy(profile, model, held_path, work / "before.jsonl")
+    score_seconds = time.perf_counter() - began
     log(f"held-out accuracy before: {before:.1%}")
+    rounds = []
+    for number in range(1, args.rounds + 1):
+        folder = work / f"round-{number}"
+        timings = {"score_before_seconds": score_seconds}
+        began = time.perf_counter()
+        sampled = generate(profile, pool_path, folder / "samples.jsonl", model=model, do_sample=True,
+                           temperature=args.temperature, samples_per_prompt=args.samples, verifier="final_number",
+                           max_accepted_per_prompt=args.max_accepted_per_prompt)
+        timings["sample_and_verify_seconds"] = time.perf_counter() - began
+        verification = sampled["verification"]
+        log(f"round {number}: sampled {verification['candidates']}: {verification['accepted_candidates']} accepted, "
+            f"{verification['written']} kept for training")
 
-    began = time.perf_counter()
-    sampled = generate(profile, pool_path, work / "samples.jsonl", do_sample=True, temperature=args.temperature,
-                       samples_per_prompt=args.samples, verifier="final_number",
-                       max_accepted_per_prompt=args.max_accepted_per_prompt)
-    timings["sample_and_verify_seconds"] = time.perf_counter() - began
-    verification = sampled["verification"]
-    log(f"sampled {verification['candidates']}: {verification['accepted_candidates']} accepted, "
-        f"{verification['written']} kept for training")
+        began = time.perf_counter()
+        settings = {**profile, "model": model, "train_data_path": verification["accepted_path"],
+                    "train_output_dir": str(folder / "train"), "epochs": args.epochs,
+                    "learning_rate": args.learning_rate, "validation_fraction": 0.0, "save_every_steps": 0}
+        config = training.config_from_params(settings, folder)
+        result = training.launch(config, training.prepare_data(config))
+        timings["train_seconds"] = time.perf_counter() - began
 
-    began = time.perf_counter()
-    settings = {**profile, "train_data_path": verification["accepted_path"], "train_output_dir": str(work / "train"),
-                "epochs": args.epochs, "learning_rate": args.learning_rate, "validation_fraction": 0.0,
-                "save_every_steps": 0}
-    config = training.config_from_params(settings, work)
-    result = training.launch(config, training.prepare_data(config))
-    timings["train_seconds"] = time.perf_counter() - began
-
-    began = time.perf_counter()
-    after = held_out_accuracy(profile, result["output"]["final_model_dir"], held_path, work / "after.jsonl")
-    timings["score_after_seconds"] = time.perf_counter() - began
-    log(f"held-out accuracy after: {after:.1%}")
+        began = time.perf_counter()
+        trained = result["output"]["final_model_dir"]
+        after = held_out_accuracy(profile, trained, held_path, folder / "after.jsonl")
+        timings["score_after_seconds"] = score_seconds = time.perf_counter() - began
+        log(f"round {number}: held-out accuracy after: {after:.1%}")
+        rounds.append({
+            "round": number, "sampled_model": "tiny" if number == 1 else f"round {number - 1}'s trained model",
+            "sampling": {"samples_per_prompt": args.samples, "temperature": args.temperature,
+                         "verifier": "final_number", "max_accepted_per_prompt": args.max_accepted_per_prompt,
+                         **{key: verification[key] for key in ("candidates", "accepted_candidates",
+                                                               "acceptance_rate", "prompts_with_an_accepted_sample",
+                                                               "written")}},
+            "training": {"examples": result["data"]["examples"]["train"], "epochs": args.epochs,
+                         "learning_rate": args.learning_rate, "steps": result["steps"]["reached"],
+                         "loss_by_epoch": result["loss"]["epoch_means"]},
+            "held_out_accuracy": {"before": before, "after": after},
+            "seconds": timings,
+        })
+        model, before = trained, after  # the next round samples and fine-tunes the model this one trained
     return {
-        "what": "one round of rejection-sampling fine-tuning of the tiny model on questions asked in unseen words",
+        "what": f"{args.rounds} round(s) of rejection-sampling fine-tuning of the tiny model on questions asked in "
+                "unseen words, each round sampling the model the previous one trained",
         "task": {"style": arithmetic.VARIANT_STYLE, "example": held[0]["input"], "held_out_questions": len(held),
                  "pool_questions": len(pool), "disjoint": True},
-        "sampling": {"samples_per_prompt": args.samples, "temperature": args.temperature,
-                     "verifier": "final_number", "max_accepted_per_prompt": args.max_accepted_per_prompt,
-                     **{key: verification[key] for key in ("candidates", "accepted_candidates", "acceptance_rate",
-                                                           "prompts_with_an_accepted_sample", "written")}},
-        "training": {"examples": result["data"]["examples"]["train"], "epochs": args.epochs,
-                     "learning_rate": args.learning_rate, "steps": result["steps"]["reached"],
-                     "loss_by_epoch": result["loss"]["epoch_means"]},
-        "held_out_accuracy": {"before": before, "after": after,
-                              "how": "greedy answers to the held-out questions, first integer against the true sum"},
-        "seconds": timings,
+        "rounds": rounds,
+        "held_out_accuracy_how": "greedy answers to the held-out questions, first integer against the true sum",
         "threads": torch.get_num_threads(),
         "versions": gpu.software_versions(),
         "command": "workbook bench-rejection-sampling " + " ".join(args.argv),
@@ -94,14 +106,18 @@ def run(args: argparse.Namespace, work: Path, log=print) -> dict:
 
 
 def markdown(report: dict) -> str:
-    sampling, accuracy = report["sampling"], report["held_out_accuracy"]
-    return (f"`{report['command']}`\n\n"
-            f"| held-out questions | pool x samples | accepted | kept for training | accuracy before | after |\n"
-            f"|---|---|---|---|---|---|\n"
-            f"| {report['task']['held_out_questions']} ({report['task']['example']!r}) | "
-            f"{report['task']['pool_questions']} x {sampling['samples_per_prompt']} | "
-            f"{sampling['accepted_candidates']} ({sampling['acceptance_rate']:.1%}) | {sampling['written']} | "
-            f"{accuracy['before']:.1%} | {accuracy['after']:.1%} |\n")
+    lines = [f"`{report['command']}`\n",
+             "| round | sampled model | held-out questions | pool x samples | accepted | kept for training "
+             "| accuracy before | after |",
+             "|---|---|---|---|---|---|---|---|"]
+    for entry in report["rounds"]:
+        sampling, accuracy = entry["sampling"], entry["held_out_accuracy"]
+        lines.append(f"| {entry['round']} | {entry['sampled_model']} | {report['task']['held_out_questions']} "
+                     f"({report['task']['example']!r}) | {report['task']['pool_questions']} x "
+                     f"{sampling['samples_per_prompt']} | {sampling['accepted_candidates']} "
+                     f"({sampling['acceptance_rate']:.1%}) | {sampling['written']} | {accuracy['before']:.1%} | "
+                     f"{accuracy['after']:.1%} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--pool", type=int, default=arithmetic.VARIANT_POOL_SIZE, help="questions sampled for training data")
     parser.add_argument("--held-out", type=int, default=arithmetic.VARIANT_HELD_OUT_SIZE, help="questions scored before and after")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds; each after the first samples the model the "
+                        "previous round trained")
     parser.add_argument("--samples", type=int, default=8, help="samples per question")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-accepted-per-prompt", type=int, default=1)
