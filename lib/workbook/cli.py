@@ -157,6 +157,8 @@ TOOLS = {
                        "workspaces and write them into its profile (cuda_overhead_gib)"),
     "random-weights": ("workbook.random_weights", "write a preset architecture with random weights as a "
                        "local model folder: a real architecture's speed and memory, nothing downloaded"),
+    "trace-vs-plan": ("workbook.planner.trace_reference", "the plan beside the fake-tensor trace of the same step, "
+                      "for every preset and setting (no weights, no GPU)"),
     "bench-continuous": ("workbook.bench.continuous_batching", "benchmark: static batches against continuous batching "
                          "on full-length and uneven outputs"),
     "bench-engine-overhead": ("workbook.bench.engine_overhead", "benchmark: what the generation engine costs over a "

@@ -1,7 +1,7 @@
 """The analytical plan beside the fake-tensor trace, per preset and setting: the table that says how far
 the fast plan is from the peak the workbook's own code reaches (``planner.trace``).
 
-    python -m workbook.planner.trace_reference --out outputs/reference/cpu
+    workbook trace-vs-plan --out outputs/reference/cpu
 
 writes ``trace_vs_plan.json`` (one row per preset x setting, appended as each trace finishes, so a cut
 run keeps its rows) and ``trace_vs_plan.md`` (the table, with the command that made it and the seconds
@@ -119,7 +119,7 @@ def markdown(table: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbook.planner.trace_reference", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="workbook trace-vs-plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/reference/cpu", help="folder for trace_vs_plan.json and .md")
     parser.add_argument("--models", default=",".join(presets.preset_names()[1:]),
                         help="comma-separated presets (default: every preset)")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     models = [name.strip() for name in args.models.split(",") if name.strip()]
-    command = "python -m workbook.planner.trace_reference " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "workbook trace-vs-plan " + " ".join(argv if argv is not None else sys.argv[1:])
     table, earlier = [], out / "trace_vs_plan.json"
     if args.keep and earlier.is_file():
         kept = json.loads(earlier.read_text())
