@@ -52,7 +52,7 @@ def test_the_cpu_profile_keeps_its_cases_and_its_recorded_command(tmp_path):
     [(name, _, _)] = forecast_check.cases(arguments("--only-mixed-training"), tmp_path, on_gpu=False)
     assert "widely mixed lengths" in name
     assert forecast_check.command_line(args) == (
-        "PYTHONPATH=lib python -m workbook.bench.forecast_check --out outputs/reference/cpu --mixed-prompts 1000 "
+        "workbook forecast-check --out outputs/reference/cpu --mixed-prompts 1000 "
         "--train-steps 100 --train-micro-batch 4 --threads 1 --repeats 3")
 
 
@@ -138,7 +138,7 @@ def test_a_case_keeps_the_trials_that_finished_before_the_budget_ran_out(monkeyp
 
 def test_the_markdown_lists_unfinished_cases_and_the_projection_beside_seed_000(tmp_path):
     summary = forecast_check._forecast_summary(json.loads(forecast_output(predicted=120.0)))
-    result = {"command": "python -m workbook.bench.forecast_check --profile h100", "what": "the check",
+    result = {"command": "workbook forecast-check --profile h100", "what": "the check",
               "goal": "|error| <= 10%", "threads": 1, "machine_note": "one GPU", "hardware": {"cpu": {}, "gpus": []},
               "profile": "h100", "seed_000": {"job": SEED_000_JOB, "claims": SEED_000_CLAIMS},
               "models_built": {"Llama-3.1-8B": {"dtype": "bf16", "parameters": 8030261248, "built_on": "cuda",

@@ -1,8 +1,8 @@
 """The forecast against the run it forecast, on this machine. A benchmark, not a test: it writes
 ``forecast.json`` and ``forecast.md``.
 
-    python -m workbook.bench.forecast_check --out outputs/reference/cpu
-    python -m workbook.bench.forecast_check --profile h100 --generate-model Llama-3.1-8B \
+    workbook forecast-check --out outputs/reference/cpu
+    workbook forecast-check --profile h100 --generate-model Llama-3.1-8B \
         --train-model Llama-3.2-1B --repeats 1 --time-budget-seconds 500 --out $OUT/forecast
 
 Each case runs `workbook forecast --json` (a pilot of at most 10% of the job) and then the whole job
@@ -403,7 +403,7 @@ def command_line(args) -> str:
     """The command that reproduces this check; an option a GPU check adds only where it differs from its default."""
     changed = [f"--{key.replace('_', '-')} {f'{value:g}' if isinstance(value, float) else value}"
                for key, default in GPU_OPTIONS.items() if (value := getattr(args, key)) != default]
-    return " ".join([f"PYTHONPATH=lib python -m workbook.bench.forecast_check --out {args.out} --mixed-prompts "
+    return " ".join([f"workbook forecast-check --out {args.out} --mixed-prompts "
                      f"{args.mixed_prompts} --train-steps {args.train_steps} --train-micro-batch {args.train_micro_batch} "
                      f"--threads {args.threads} --repeats {args.repeats}", *changed,
                      *([f"--mixed-train-examples {args.mixed_train_examples} --mixed-train-steps {args.mixed_train_steps} "
@@ -414,7 +414,7 @@ def command_line(args) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m workbook.bench.forecast_check", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="workbook forecast-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/reference/cpu")
     parser.add_argument("--mixed-prompts", type=int, default=3000, help="prompts in the generated mixed-length set (a job of a few thousand)")
     parser.add_argument("--train-steps", type=int, default=300, help="optimizer steps of the training run (a few hundred)")

@@ -2,7 +2,7 @@
 everything under one folder and stops itself inside its time budget (the device allows 10 minutes a
 command and 30 a session), so none of the session's minutes go to typing or to a step that hangs.
 
-    PYTHONPATH=lib python3 -m workbook.bench.gpu_session --call smoke --profile auto --out $OUT
+    PYTHONPATH=lib python3 -m workbook gpu-session --call smoke --profile auto --out $OUT
 
 A GPU image without TRL (it has no pip to fetch it) takes it as carried wheels, installed first in the
 same command (``.whl``: trl, datasets, dill, multiprocess; outputs/reference/README.md); without them the

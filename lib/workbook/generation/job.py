@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import torch
 
-from workbook import job_keys, jsonl, models, process_group, prompt_format, recorded_forecast, runtime
+from workbook import decoding, job_keys, jsonl, models, process_group, prompt_format, recorded_forecast, runtime
 from workbook.generation import nodes, records, tensor_parallel, verify
 from workbook.generation.backends import make_backend, resolve_backend
 from workbook.generation.engine import (
@@ -96,7 +96,7 @@ def load_model(model: str, dtype: str, device, sharding: dict | None = None) -> 
             raise GenerationError(f"model {model!r} is a preset architecture (random weights, no tokenizer): the "
                                   "generation job writes text, so point model at a local Hugging Face directory or "
                                   "use 'tiny'. The benchmark (workbook bench) times presets; to time this job on the "
-                                  f"architecture, save it with random weights first: python -m workbook.random_weights "
+                                  f"architecture, save it with random weights first: workbook random-weights "
                                   f"--preset {model} --out <dir>, then model=<dir>.")
         loaded = models.load_model(model, dtype, device, sharding=sharding)
         return loaded.model, models.load_tokenizer(model)
@@ -118,8 +118,8 @@ def decoding_settings(settings: GenerationSettings, model, tokenizer) -> Decodin
     if settings.do_sample and settings.top_p <= 0:
         raise GenerationError("do_sample is true and top_p is 0, which keeps no token; use 0 < top_p <= 1.")
     return DecodingSettings(max_new_tokens=settings.max_new_tokens,
-                            eos_token_ids=models.eos_token_ids(model, tokenizer),
-                            pad_token_id=models.pad_token_id(model, tokenizer), do_sample=settings.do_sample,
+                            eos_token_ids=decoding.eos_token_ids(model, tokenizer),
+                            pad_token_id=decoding.pad_token_id(model, tokenizer), do_sample=settings.do_sample,
                             temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed)
 
 
@@ -395,7 +395,7 @@ def require_keys(params) -> None:
 def _room_check(settings: GenerationSettings, model, examples, token_ids, pending, prompts_path) -> dict[int, int]:
     """New tokens each pending example may have; a prompt that leaves no room fails the run
     ('fail', checked before anything is generated) or is listed in the failures file ('skip')."""
-    context = models.context_length(model)
+    context = decoding.context_length(model)
     room = {}
     for i in pending:
         left = context - len(token_ids[i]) if context else settings.max_new_tokens
@@ -409,7 +409,7 @@ def _room_check(settings: GenerationSettings, model, examples, token_ids, pendin
 
 def _too_long_text(ids: list[int], model) -> str:
     return (f"prompt of {len(ids)} tokens leaves no room to generate in the model's context of "
-            f"{models.context_length(model)} tokens")
+            f"{decoding.context_length(model)} tokens")
 
 
 def _output_record(example, completion: Completion, tokenizer, settings: GenerationSettings, teacher, generation_params,
