@@ -264,3 +264,19 @@ def test_the_forecast_checks_its_count_against_torchs_flop_counter(tmp_path):
     params = tiny_params(tmp_path, [{"input": "What is 2 + 3?", "output": "5"}])
     checked = roofline.forecast_without_pilot(params, profiles={}, log=lambda line: None).flop_counter_check
     assert checked["relative_difference"] == {"prefill": 0.0, "decode_step": 0.0}
+
+
+def test_a_profile_whose_batch_does_not_fit_gets_no_time_and_a_job_that_fits_nowhere_is_refused():
+    # A forecast at a batch the run could never start with would price a run that cannot happen.
+    from workbook.planner.plans import DoesNotFitError
+    h100 = params_module.load_all()["h100"]
+    job = params_module.Params({**h100, "model": "Llama-3.2-1B", "seq_len": 2048})
+    with pytest.raises(DoesNotFitError, match="the largest batch that fits is"):
+        roofline.fitting_batch({**job, "micro_batch_size": 4096}, "train")
+    assert roofline.fitting_batch({**job, "micro_batch_size": "auto"}, "train") >= 1
+    unfit = DoesNotFitError("does not fit, not even at batch 1")
+    rows = [{"profile": "h100", "wall_seconds": 10.0}, {"profile": "v100", "wall_seconds": None, "error": unfit}]
+    assert roofline.require_somewhere_to_run(rows, "v100") == [{"profile": "h100", "wall_seconds": 10.0},
+                                                               {"profile": "v100", "wall_seconds": None}]
+    with pytest.raises(DoesNotFitError):
+        roofline.require_somewhere_to_run([{"profile": "v100", "wall_seconds": None, "error": unfit}], "v100")

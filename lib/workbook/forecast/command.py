@@ -131,8 +131,11 @@ def _without_pilot(params, mode: str, as_json: bool, pilot: forecast.Forecast | 
     try:
         made = (roofline.forecast_without_pilot(params, log=say) if mode == "generate"
                 else roofline.forecast_training_without_pilot(params))
-    except (jsonl.DataError, ValueError, OSError) as error:
+    except (jsonl.DataError, ValueError, OSError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)
+        if isinstance(error, DoesNotFitError):
+            for line in lines_for_unfit_run(params, error):
+                print(line, file=sys.stderr)
         return 2
     if as_json:
         print(json.dumps({"without_pilot": made.to_dict(), **({"pilot": pilot.to_dict()} if pilot else {})}, indent=2))

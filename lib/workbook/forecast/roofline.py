@@ -244,6 +244,23 @@ def _processes(settings: dict, mode: str) -> int:
     return max(1, settings[key] // tensor) * settings.get("num_nodes", 1)
 
 
+def fitting_batch(settings, mode: str) -> int:
+    """The batch the job runs with on this profile (the planner's largest for 'auto'), or DoesNotFitError
+    with what to change when that batch does not fit its memory: a run that cannot start has no time."""
+    batch = planner_profile.resolve_batch_size(settings, mode)
+    planner_profile.plan(settings, mode=mode, batch_size=batch).require_fit()
+    return batch
+
+
+def require_somewhere_to_run(rows: list[dict], own_profile: str) -> list[dict]:
+    """``rows`` without their errors; DoesNotFitError (the job's own profile's) when no profile can run
+    the job at all: a table of 'does not fit' forecasts nothing."""
+    errors = {row["profile"]: row.pop("error") for row in rows if "error" in row}
+    if errors and all(row["wall_seconds"] is None for row in rows):
+        raise errors.get(own_profile) or next(iter(errors.values()))
+    return rows
+
+
 def generation_row(settings, model: ModelWork, lengths: JobLengths) -> dict:
     """One profile's row: the job's work at the planner's batch, at the profile's efficiency."""
     name = settings["profile"]
@@ -253,9 +270,9 @@ def generation_row(settings, model: ModelWork, lengths: JobLengths) -> dict:
     backend, _ = resolve_backend(settings)
     backend = "static" if backend == "static-compiled" else backend
     try:
-        batch = planner_profile.resolve_batch_size({**settings, "backend": backend}, "generate")
+        batch = fitting_batch({**settings, "backend": backend}, "generate")
     except DoesNotFitError as error:
-        return {"profile": name, "wall_seconds": None, "basis": f"does not fit: {error}"}
+        return {"profile": name, "wall_seconds": None, "basis": f"does not fit: {error}", "error": error}
     efficiency = efficiency_for(name, "generate")
     processes = _processes(settings, "generate")
     bound = [float(settings["max_new_tokens"])] * len(lengths.prompt_tokens)
@@ -345,6 +362,7 @@ def forecast_without_pilot(params, *, profiles: dict | None = None, tokenizer=No
         settings = params if name == params["profile"] else on_profile(params, other)
         log(f"forecast (no pilot): {name}")
         rows.append(generation_row(settings, model_work(config, settings["dtype"]), lengths))
+    rows = require_somewhere_to_run(rows, params["profile"])
     notes = [f"outputs: {lengths.output_basis}" + {
         "reference outputs": ": the lengths of the outputs the input already carries (an earlier teacher's); a new "
                              "model's outputs differ, and every_output_to_max_new_tokens is the bound",
@@ -422,7 +440,7 @@ def forecast_training_without_pilot(params, *, profiles: dict | None = None, tok
     training efficiency. Nothing runs the model."""
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer_if_any(params["model"])
     tokens, path, how = training_example_tokens(params, tokenizer)
-    rows = training_forecast_rows(params, tokens, profiles)
+    rows = require_somewhere_to_run(training_forecast_rows(params, tokens, profiles), params["profile"])
     return RooflineForecast(
         mode="train", profile=params["profile"], model=params["model"],
         job={"examples": len(tokens), "train_data_path": path, "tokens": sum(tokens), "epochs": params["epochs"],
@@ -444,9 +462,9 @@ def training_forecast_rows(params, example_tokens: list[int], profiles: dict | N
             continue
         seq_len = settings["seq_len"] if settings["max_seq_length"] == "auto" else settings["max_seq_length"]
         try:
-            micro = planner_profile.resolve_batch_size({**settings, "seq_len": seq_len}, "train")
+            micro = fitting_batch({**settings, "seq_len": seq_len}, "train")
         except DoesNotFitError as error:
-            rows.append({"profile": name, "wall_seconds": None, "basis": f"does not fit: {error}"})
+            rows.append({"profile": name, "wall_seconds": None, "basis": f"does not fit: {error}", "error": error})
             continue
         run = training_work(model_work(config, settings["dtype"]), example_tokens, seq_len=seq_len,
                             micro_batch_size=micro, accumulation=settings["gradient_accumulation_steps"],
