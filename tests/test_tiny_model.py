@@ -178,3 +178,24 @@ def test_a_build_says_what_it_is_doing_instead_of_a_silent_minute(tmp_path, monk
               "measuring held-out accuracy", "saving to", "built in"]
     assert len(lines) == len(phases) and all(phase in line for phase, line in zip(phases, lines)), lines
     assert captured.out == ""  # stdout stays the caller's (JSON, tables)
+
+
+def test_processes_that_need_the_model_at_once_build_it_once(tmp_path, monkeypatch):
+    # Notebooks, launched workers and tests all call ensure_tiny_model at start: one builds, the rest wait.
+    import threading
+    from pathlib import Path
+    builds = []
+
+    def slow_build(path):
+        builds.append(path)
+        time.sleep(0.5)
+        (Path(path) / tiny_model.BUILD_INFO_FILE).write_text("{}")
+    monkeypatch.setattr(tiny_model, "build_tiny_model", slow_build)
+    found = []
+    threads = [threading.Thread(target=lambda: found.append(tiny_model.ensure_tiny_model(tmp_path))) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(builds) == 1 and len(set(found)) == 1 and found[0].is_dir()
+    assert not [path for path in tmp_path.iterdir() if ".building-" in path.name]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -311,14 +312,25 @@ def ensure_tiny_model(cache_root: str | Path | None = None) -> Path:
 
     ``cache_root`` defaults to ``<repo>/outputs/models``. The directory is ``tiny-<recipe hash>``,
     so a changed recipe builds a new one. The build happens in a temporary sibling directory that
-    is renamed into place, so no process ever sees a half-written model; if another process
-    finishes first, its model is used.
+    is renamed into place, so no process ever sees a half-written model. One process builds while the
+    others wait on a lock beside it (flock: the kernel releases it if the builder is killed) and then
+    use its model: ten processes starting at once on 2 cores would otherwise each build their own,
+    ten times slower.
     """
     cache_root = Path(cache_root) if cache_root is not None else DEFAULT_CACHE_ROOT
     final = cache_root / f"{TINY_MODEL_NAME}-{recipe_hash()}"
     if final.exists():
         return _check_complete(final)
     cache_root.mkdir(parents=True, exist_ok=True)
+    with open(cache_root / f".{final.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.exists():  # built by the process that held the lock
+            return _check_complete(final)
+        return _build_into(final, cache_root)
+
+
+def _build_into(final: Path, cache_root: Path) -> Path:
+    """Build the model in a private staging folder and rename it to ``final``."""
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=cache_root))
     _progress(f"not built yet: building {final} once (about a minute on 2 CPU cores; later runs reuse it)")
     try:
