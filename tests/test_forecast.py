@@ -642,7 +642,7 @@ def test_a_training_forecast_over_two_nodes_names_the_gradient_all_reduce(tmp_pa
     here = run_plan.plan_run(config, prepared, processes=1)
     assert result.pilot["step_indices"] == training_steps.pick_steps(
         here.total_steps, here.steps_per_epoch, max(2, math.floor(0.05 * result.job["total_steps"])))
-    assert max(result.pilot["step_indices"]) > here.total_steps // 2
+    assert min(result.pilot["step_indices"]) >= here.total_steps // 4  # one pair: the run's middle, not its start
 
 
 @pytest.mark.slow
