@@ -514,10 +514,15 @@ def test_an_error_in_flight_retries_its_requests_first_at_half_the_limit(tiny, v
 def test_a_prompt_that_breaks_the_model_fails_alone_and_the_requests_beside_it_are_generated(tiny, varied,
                                                                                                monkeypatch):
     prompts, settings, reference = varied
-    poison, broken = 127, {1, 7, 13}  # three prompts apart in the queue, each with a token that breaks a forward
+    # A row of the embedding no token maps to: never in a prompt, and never generated (never a training target).
+    poison = len(tiny[1])
     assert not any(poison in p.token_ids for p in prompts)
+    queue = [p.index for p in engine.sort_longest_first(prompts[:16])]
+    broken = {queue[1], queue[7], queue[13]}  # three prompts apart in the queue, each with a token that breaks a forward
     prompts = [dataclasses.replace(p, token_ids=[*p.token_ids, poison]) if p.index in broken else p
                for p in prompts[:16]]
+    queue = [p.index for p in engine.sort_longest_first(prompts)]
+    assert all(abs(queue.index(a) - queue.index(b)) > 2 for a in broken for b in broken if a != b)
     monkeypatch.setattr(tiny[0], "forward", FailsInFlight(tiny[0].forward, RuntimeError("an illegal instruction"),
                                                           poison=poison))
     completed, failed = stream_outcomes(generation.make_backend("continuous", tiny[0], settings, 4), prompts)
@@ -531,7 +536,7 @@ def test_one_continuous_call_with_a_broken_prompt_raises_with_what_it_completed(
     # generate() (the benchmark's call): the caller gets the completed rows and the failure's own error,
     # never a result with a row missing.
     prompts, settings, reference = varied
-    poison = 127
+    poison = len(tiny[1])  # an embedding row no token maps to: never generated
     prompts = [dataclasses.replace(p, token_ids=[*p.token_ids, poison]) if p.index == 2 else p for p in prompts[:6]]
     monkeypatch.setattr(tiny[0], "forward", FailsInFlight(tiny[0].forward, RuntimeError("an illegal instruction"),
                                                           poison=poison))
