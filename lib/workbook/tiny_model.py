@@ -313,7 +313,7 @@ def ensure_tiny_model(cache_root: str | Path | None = None) -> Path:
     ``cache_root`` defaults to ``<repo>/outputs/models``. The directory is ``tiny-<recipe hash>``,
     so a changed recipe builds a new one. The build happens in a temporary sibling directory that
     is renamed into place, so no process ever sees a half-written model. One process builds while the
-    others wait on a lock beside it (flock: the kernel releases it if the builder is killed) and then
+    others wait on a lock on the cache folder (flock: the kernel releases it if the builder is killed) and then
     use its model: ten processes starting at once on 2 cores would otherwise each build their own,
     ten times slower.
     """
@@ -322,11 +322,14 @@ def ensure_tiny_model(cache_root: str | Path | None = None) -> Path:
     if final.exists():
         return _check_complete(final)
     cache_root.mkdir(parents=True, exist_ok=True)
-    with open(cache_root / f".{final.name}.lock", "a") as lock:
+    lock = os.open(cache_root, os.O_RDONLY)  # the cache folder itself: no lock file left behind
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if final.exists():  # built by the process that held the lock
             return _check_complete(final)
         return _build_into(final, cache_root)
+    finally:
+        os.close(lock)  # closing releases the lock
 
 
 def _build_into(final: Path, cache_root: Path) -> Path:
