@@ -32,7 +32,7 @@ BENCH = (
     "bench_generate_model", "bench_train_model", "bench_batch_sizes", "bench_strategies", "bench_examples",
     "bench_max_new_tokens", "bench_repeats", "bench_train_micro_batches", "bench_train_steps",
     "bench_train_settings", "bench_train_baselines", "lora_rank", "lora_targets", "attn_implementation", "optimizer",
-    "dataloader_workers", "pin_memory", "prefetch_factor",
+    "dataloader_workers", "pin_memory", "prefetch_factor", "learning_rate",
 )
 
 # workbook verify: an existing output through a verifier
