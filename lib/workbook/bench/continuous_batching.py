@@ -84,25 +84,28 @@ def drawn_lengths(count: int, max_new_tokens: int, seed: int = 0) -> list[int]:
 
 
 class EndAtLength(LogitsProcessor):
-    """Each row ends with end of sequence at its own length: banned before, forced at it."""
+    """Each row ends with end of sequence at its own length: every end id banned before (a model may
+    end with any of them: end of text, end of turn), the first forced at it."""
 
-    def __init__(self, prompt_width: int, lengths: list[int], eos_token_id: int):
-        self.prompt_width, self.eos = prompt_width, eos_token_id
-        self.lengths, self.is_eos = torch.tensor(lengths)[:, None], None
+    def __init__(self, prompt_width: int, lengths: list[int], eos_token_ids: tuple[int, ...]):
+        self.prompt_width, self.eos_ids = prompt_width, torch.tensor(eos_token_ids)
+        self.lengths, self.is_eos, self.is_first_eos = torch.tensor(lengths)[:, None], None, None
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         # Selections by torch.where on the device: boolean indexing would wait for the GPU three times a
         # step, a cost the continuous arm (which ends each request by its own max_new_tokens) does not pay.
         if self.is_eos is None or self.is_eos.device != scores.device:
             self.lengths = self.lengths.to(scores.device)
-            self.is_eos = torch.arange(scores.shape[-1], device=scores.device) == self.eos
+            ids = torch.arange(scores.shape[-1], device=scores.device)
+            self.is_eos = torch.isin(ids, self.eos_ids.to(scores.device))
+            self.is_first_eos = ids == int(self.eos_ids[0])
         step = input_ids.shape[1] - self.prompt_width  # tokens generated so far
         forced, before = self.lengths == step + 1, self.lengths > step + 1
-        banned = (forced & ~self.is_eos) | (before & self.is_eos)
+        banned = (forced & ~self.is_first_eos) | (before & self.is_eos)
         return torch.where(banned, -math.inf, torch.where(forced, 0.0, scores))
 
 
-def end_processor_seconds(prompts, batch_size: int, vocab_size: int, device, eos_token_id: int,
+def end_processor_seconds(prompts, batch_size: int, vocab_size: int, device, eos_token_ids: tuple[int, ...],
                           calls: int = 50) -> float:
     """What EndAtLength adds to the static arm: the run's rows x decode steps (each batch runs to its
     longest output) at the cost per row of one call at the arm's batch and vocabulary, measured apart
@@ -111,7 +114,7 @@ def end_processor_seconds(prompts, batch_size: int, vocab_size: int, device, eos
     batches = in_batches(generation.sort_longest_first(prompts), batch_size)
     row_steps = sum(len(batch) * max(p.max_new_tokens for p in batch) for batch in batches)
     rows = batches[0]
-    processor = EndAtLength(1, [p.max_new_tokens for p in rows], eos_token_id)
+    processor = EndAtLength(1, [p.max_new_tokens for p in rows], eos_token_ids)
     ids = torch.zeros(len(rows), 2, dtype=torch.long, device=device)
     scores = torch.zeros(len(rows), vocab_size, device=device)  # generate's scores are fp32
     processor(ids, scores)  # first call: the lengths move to the device
@@ -122,7 +125,7 @@ def end_processor_seconds(prompts, batch_size: int, vocab_size: int, device, eos
 def static_backend(model, settings, batch_size: int) -> generation.StaticBackend:
     backend = generation.StaticBackend(model, settings, batch_size)
     backend.logits_processors = lambda prompts: [EndAtLength(
-        max(len(p.token_ids) for p in prompts), [p.max_new_tokens for p in prompts], settings.eos_token_ids[0])]
+        max(len(p.token_ids) for p in prompts), [p.max_new_tokens for p in prompts], settings.eos_token_ids)]
     return backend
 
 
@@ -260,7 +263,7 @@ def run_workload(name, model, prompts, eos_ids, pad, batch_sizes, repeats, folde
     arms = [arm for arm in ARMS if seconds[arm]]
     median = {arm: statistics.median(seconds[arm]) for arm in arms}
     processor = (end_processor_seconds(prompts, batch_sizes["static-sorted"], model.config.vocab_size, device,
-                                       eos_ids[0]) if "static-sorted" in arms else None)
+                                       tuple(eos_ids)) if "static-sorted" in arms else None)
     lengths = [p.max_new_tokens for p in prompts]
     longest_prompt = max(len(p.token_ids) for p in prompts)
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[model.dtype]
