@@ -247,6 +247,12 @@ def choice_list(params, key: str) -> list[str]:
     return _names(params[key])
 
 
+def default(key: str) -> Any:
+    """The schema's default for a params key: what a typed settings object's field starts as, so no job
+    keeps defaults of its own to disagree with the profiles."""
+    return SCHEMA[key].default
+
+
 def validate_value(key: str, value: Any, where: str) -> Any:
     """Check one value against the schema and return it normalized (ints accepted as floats).
 

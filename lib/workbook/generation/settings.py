@@ -14,12 +14,7 @@ from typing import Any
 
 from workbook import job_keys
 from workbook.generation.engine import GenerationError
-from workbook.params import SCHEMA
-
-
-def _default(key: str):
-    """The schema's default for a params key: the settings have no defaults of their own."""
-    return SCHEMA[key].default
+from workbook.params import SCHEMA, default as _default
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from workbook import arithmetic, job_keys
 from workbook.generation.files import OutputFiles, resolve_input_path, resolve_output_path
-from workbook.params import SCHEMA
+from workbook.params import SCHEMA, default as _default
 from workbook.planner.profile import Budget
 
 PARAMS_USED = job_keys.TRAIN
@@ -31,11 +31,6 @@ class TrainError(ValueError):
 
 class TrainingDiverged(TrainError):
     """The loss stopped being finite: the run stops at that step (a benchmark records the point so)."""
-
-
-def _default(key: str):
-    """The schema's default for a params key: TrainConfig has no defaults of its own to disagree with it."""
-    return SCHEMA[key].default
 
 
 # TrainConfig fields filled from a params key of another name; the other fields that share a key's name
