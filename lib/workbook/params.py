@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +251,17 @@ def default(key: str) -> Any:
     """The schema's default for a params key: what a typed settings object's field starts as, so no job
     keeps defaults of its own to disagree with the profiles."""
     return SCHEMA[key].default
+
+
+def settings_of(cls, params):
+    """A typed settings object (a dataclass whose fields are params keys) from validated params: the one
+    way a job's entry turns params into what the job reads. Fields that are not params keys keep their
+    defaults; a key the params lack is named."""
+    names = [f.name for f in fields(cls) if f.name in SCHEMA]
+    absent = [name for name in names if name not in params]
+    if absent:
+        raise ParamsError(f"{cls.__name__} needs the parameter(s) {', '.join(absent)}, which these params lack")
+    return cls(**{name: params[name] for name in names})
 
 
 def validate_value(key: str, value: Any, where: str) -> Any:
