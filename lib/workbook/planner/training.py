@@ -9,6 +9,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
+from workbook.planner import quantized
 from workbook.planner.architectures import TRAINING_ATTENTIONS, attention_implementation_run, training_notes
 from workbook.planner.formulas import (
     Precision, decoder_activation_bytes_per_token, layer_activation_bytes_per_token, lora_parameter_count,
@@ -51,6 +52,7 @@ def plan_train(
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
     fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
+    double_quant: bool = False,
 ) -> Plan:
     """Peak memory per GPU of one training step (forward, backward, AdamW) and the largest
     micro-batch that fits.
@@ -72,6 +74,7 @@ def plan_train(
     chunk's logits (and their gradient) exist at a time (``training.chunked_loss``).
     ``offload_activations``: what autograd saves moves to host memory in forward
     (``training.offload``); the GPU holds what backward unpacks, at most one layer's saved tensors.
+    ``double_quant``: int4 only, bitsandbytes' double quantization of the NF4 absmax (``quantized``).
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
@@ -95,8 +98,10 @@ def plan_train(
 
     state_terms, weights, trainable = _training_state_terms(
         shape, dtype, mixed_precision, optimizer, lora_rank, lora_target_modules, shards,
-        replicas=gpu_count if sharding == "none" else 1,
+        replicas=gpu_count if sharding == "none" else 1, double_quant=double_quant,
     )
+    if dtype == "int4":  # the weight one 4-bit layer dequantizes for its matmul (planner/quantized.py)
+        state_terms.append(quantized.dequantized_weight_term(shape, precision.compute_bytes, double_quant))
     if sharding == "fsdp":
         state_terms.append(_fsdp_gather_term(shape, precision))
 
@@ -128,7 +133,9 @@ def plan_train(
             f"({shape.max_position_embeddings})"
         )
     notes += training_notes(shape.architecture)
-    if dtype in QUANTIZED_DTYPES:
+    if dtype == "int4":
+        notes += quantized.qlora_notes(shape, precision.compute_bytes, micro_batch_size * seq_len, grad_checkpointing)
+    elif dtype in QUANTIZED_DTYPES:
         notes.append(f"dtype {dtype} with LoRA (QLoRA): workbook train does not run a {dtype} base (bitsandbytes "
                      "4/8-bit layers), so this plans a run the workbook cannot make; nor can a trace check it (no CPU "
                      "kernels): the adapters' terms are counted as on a bf16 base, the base's backward as bf16 layers'")
@@ -153,6 +160,7 @@ def plan_train(
             "loss_chunk_tokens": loss_chunk_tokens,
             "offload_activations": offload_activations,
             "offloaded_activation_bytes": host,
+            **({"double_quant": double_quant, "workbook_can_run": False} if dtype == "int4" else {}),
             "overhead_bytes": overhead_bytes,
             "fragmentation_fraction": fragmentation_fraction,
         },
@@ -163,7 +171,7 @@ def plan_train(
 
 
 def _training_state_terms(
-    shape, dtype, mixed_precision, optimizer, lora_rank, lora_target_modules, shards, replicas,
+    shape, dtype, mixed_precision, optimizer, lora_rank, lora_target_modules, shards, replicas, double_quant=False,
 ) -> tuple[list[Term], int, int]:
     """Weights, gradients, optimizer states (and autocast copies, DDP buckets): batch-independent.
 
@@ -178,11 +186,12 @@ def _training_state_terms(
     terms = []
     if lora_rank > 0:
         trainable = lora_parameter_count(shape, lora_rank, lora_target_modules)
-        base = per_gpu(weights_bytes(shape, dtype))
+        base_terms = (quantized.four_bit_base_terms(shape, double_quant, shards) if dtype == "int4" else
+                      [Term("weights", per_gpu(weights_bytes(shape, dtype)),
+                            f"frozen base: {weights_explanation(shape, dtype)}{shard_note}")])
         adapters = per_gpu(trainable * FP32_BYTES)
-        weights = base + adapters
-        terms += [
-            Term("weights", base, f"frozen base: {weights_explanation(shape, dtype)}{shard_note}"),
+        weights = sum(term.bytes for term in base_terms) + adapters
+        terms += base_terms + [
             Term("lora_adapters", adapters,
                  f"{trainable:,} adapter params (rank {lora_rank} x (in + out) per target) "
                  f"x 4 B fp32{shard_note}"),
