@@ -265,7 +265,9 @@ def test_the_profiles_attention_reaches_the_plan():
     eager = profile.plan({**settings, "attn_implementation": "eager"}, mode="train", batch_size=1)
     # The cpu profile packs rows: sdpa runs as document_sdpa there (no mask), eager stays eager.
     assert (sdpa.settings["attn_implementation"], eager.settings["attn_implementation"]) == ("document_sdpa", "eager")
-    assert eager.total_bytes > sdpa.total_bytes  # eager keeps the attention probabilities
+    # eager keeps the attention probabilities (at batch 1 both peak at the end of backward: the same total)
+    assert eager.settings["saved_activation_bytes"] > sdpa.settings["saved_activation_bytes"]
+    assert eager.total_bytes >= sdpa.total_bytes
     unpacked = profile.plan({**settings, "padding": "length_grouped"}, mode="train", batch_size=1)
     assert unpacked.settings["attn_implementation"] == "sdpa"
 

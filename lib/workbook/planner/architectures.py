@@ -24,6 +24,8 @@ STATE_SPACE_TYPES = ("mamba", "mamba2", "falcon_mamba", "jamba", "zamba", "zamba
 # Rotary embedding written with torch.cat into a new (batch, heads, tokens, head_dim) tensor: attention's
 # output is then laid out head-major, and its transpose for o_proj is a real copy (Phi-3's partial rotary).
 ROTARY_BY_CONCATENATION_TYPES = ("phi3",)
+# RMSNorm scaled by (1 + weight) in fp32 before the cast back (Gemma's): the normalized value it saves is fp32.
+FP32_SCALED_NORM_TYPES = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Architecture:
     fused_qkv: bool = False
     rotary_by_concatenation: bool = False
     norms_per_layer: int = 2
+    norm_scales_in_fp32: bool = False  # Gemma: (x * (1 + w)).to(dtype), where Llama does w * x.to(dtype)
     latent_attention: LatentAttention | None = None  # DeepSeek MLA
     final_logit_softcapping: float | None = None
     attention_logit_softcapping: float | None = None  # Gemma-2: eager saves tanh(scores / cap)
@@ -102,6 +105,7 @@ def describe(config: PretrainedConfig, meta_model: torch.nn.Module, layers: torc
         fused_qkv=hasattr(attention, "qkv_proj"),
         rotary_by_concatenation=text.model_type in ROTARY_BY_CONCATENATION_TYPES,
         norms_per_layer=sum(1 for name, _ in layers[0].named_children() if name.endswith("layernorm")),
+        norm_scales_in_fp32=text.model_type in FP32_SCALED_NORM_TYPES,
         latent_attention=_latent_attention(text),
         final_logit_softcapping=getattr(text, "final_logit_softcapping", None),
         attention_logit_softcapping=getattr(text, "attn_logit_softcapping", None),

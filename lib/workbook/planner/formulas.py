@@ -341,7 +341,8 @@ def _attention_variant_bytes_per_token(shape: ModelShape, p: int) -> int:
     architecture = shape.architecture
     extra = 0
     if architecture.per_head_qk_norm:  # Qwen3, Gemma-3: q and k upcast to fp32 and normalized, + an fp32 rsqrt per head
-        extra += (FP32_BYTES + p) * (shape.query_width + shape.key_value_width)
+        normalized = FP32_BYTES if architecture.norm_scales_in_fp32 else p
+        extra += (FP32_BYTES + normalized) * (shape.query_width + shape.key_value_width)
         extra += FP32_BYTES * (shape.num_attention_heads + shape.num_key_value_heads)
     if architecture.fused_qkv:  # the value is a view of qkv_proj's output: it keeps q and k's part alive too
         extra += p * (shape.query_width + shape.key_value_width)
@@ -385,7 +386,8 @@ def norm_saved_bytes_per_token(
     """What one RMSNorm and the Linear layers reading its output save, per token."""
     h = shape.hidden_size
     fp32_input = FP32_BYTES * h
-    normalized = precision.residual_bytes * h
+    # Gemma scales by (1 + weight) before the cast back: its normalized value is fp32 whatever the residual.
+    normalized = (FP32_BYTES if shape.architecture.norm_scales_in_fp32 else precision.residual_bytes) * h
     if precision.autocast_casts:  # autocast casts the input again for every Linear
         linear_inputs = consuming_linears * precision.compute_bytes * h
     else:

@@ -30,6 +30,7 @@ def plan_generate(
     data_parallel_size: int = 1,
     attn_implementation: str = "sdpa",
     logits_last_position_only: bool = True,
+    static_cache: bool = False,
     overhead_bytes: int = DEFAULT_OVERHEAD_BYTES,
     fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
@@ -47,6 +48,9 @@ def plan_generate(
     changes the GPU count, not the bytes per GPU.
     ``logits_last_position_only`` mirrors generate(), which passes ``logits_to_keep=1``
     (transformers 5.x generation/utils.py); False plans a forward pass that returns all logits.
+    ``static_cache`` (the static-compiled backend): transformers' StaticCache, allocated for
+    prompt_len + new_tokens tokens (a sliding layer for its window) at the first forward and written
+    in place, so prefill already holds all of it; otherwise the DynamicCache, which grows by torch.cat.
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
@@ -74,7 +78,7 @@ def plan_generate(
     def terms_for(batch: int) -> list[Term]:
         phase = _generate_peak_phase(
             shape, dtype, batch, prompt_len, new_tokens, attn_implementation,
-            logits_last_position_only, tp,
+            logits_last_position_only, tp, static_cache,
         )
         terms = [Term("weights", weights, how), *phase]
         return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
@@ -94,6 +98,7 @@ def plan_generate(
         settings={
             "attn_implementation": attn_implementation,
             "logits_last_position_only": logits_last_position_only,
+            "static_cache": static_cache,
             "overhead_bytes": overhead_bytes,
             "fragmentation_fraction": fragmentation_fraction,
         },
@@ -106,32 +111,34 @@ def plan_generate(
 
 def _generate_peak_phase(
     shape, dtype, batch, prompt_len, new_tokens, attn_implementation,
-    logits_last_position_only, tp,
+    logits_last_position_only, tp, static_cache=False,
 ) -> list[Term]:
     """The terms of the larger phase: prefill, or the last decode step."""
+    static_tokens = prompt_len + new_tokens if static_cache else 0
     prefill = _prefill_terms(
-        shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only, tp,
+        shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only, tp, static_tokens,
     )
     if new_tokens == 1:  # the prefill's logits give the only new token
         return prefill
     decode = _last_decode_terms(
-        shape, dtype, batch, prompt_len + new_tokens - 1, attn_implementation, tp
+        shape, dtype, batch, prompt_len + new_tokens - 1, attn_implementation, tp, static_tokens,
     )
     return max(prefill, decode, key=lambda terms: sum(term.bytes for term in terms))
 
 
 def _prefill_terms(
-    shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only, tp
+    shape, dtype, batch, prompt_len, attn_implementation, logits_last_position_only, tp, static_tokens=0,
 ) -> list[Term]:
     p = compute_bytes(dtype)
     kv = kv_cache_bytes(shape, dtype, batch_size=batch, tokens=prompt_len,
                         last_step_tokens=prompt_len)
     logit_positions = 1 if logits_last_position_only else prompt_len
+    kv_term = Term("kv_cache", kv // tp,
+                   f"prefill: {batch} x {prompt_len} prompt tokens x "
+                   f"{kv_cache_bytes_per_token(shape, dtype) // tp:,} B/token "
+                   f"(layers x {shape.architecture.kv_cache_explanation} x {p} B{_over_tp(tp, 'kv_heads')})")
     return [
-        Term("kv_cache", kv // tp,
-             f"prefill: {batch} x {prompt_len} prompt tokens x "
-             f"{kv_cache_bytes_per_token(shape, dtype) // tp:,} B/token "
-             f"(layers x {shape.architecture.kv_cache_explanation} x {p} B{_over_tp(tp, 'kv_heads')})"),
+        _static_cache_term(shape, dtype, batch, static_tokens, tp, "prefill") if static_tokens else kv_term,
         Term("activations",
              _inference_layer_peak_bytes(shape, p, batch, prompt_len, prompt_len,
                                          attn_implementation, tp),
@@ -143,7 +150,7 @@ def _prefill_terms(
 
 
 def _last_decode_terms(
-    shape, dtype, batch, cached_tokens, attn_implementation, tp
+    shape, dtype, batch, cached_tokens, attn_implementation, tp, static_tokens=0,
 ) -> list[Term]:
     # generate() feeds back every new token but the last, so the cache ends at
     # prompt_len + new_tokens - 1 tokens (``cached_tokens``).
@@ -155,17 +162,34 @@ def _last_decode_terms(
         for window in shape.attention_windows
     )
     capped = ", sliding layers capped at their window" if has_window(shape) else ""
+    kv_term = Term("kv_cache", kv // tp + one_layer_old_copy,
+                   f"last decode step: {batch} x {cached_tokens} tokens (prompt + new - 1: the last "
+                   f"token is never fed back) x {kv_cache_bytes_per_token(shape, dtype) // tp:,} B/token"
+                   f"{capped}{_over_tp(tp, 'kv_heads')}, + one layer's old copy while torch.cat appends")
     return [
-        Term("kv_cache", kv // tp + one_layer_old_copy,
-             f"last decode step: {batch} x {cached_tokens} tokens (prompt + new - 1: the last "
-             f"token is never fed back) x {kv_cache_bytes_per_token(shape, dtype) // tp:,} B/token"
-             f"{capped}{_over_tp(tp, 'kv_heads')}, + one layer's old copy while torch.cat appends"),
+        _static_cache_term(shape, dtype, batch, static_tokens, tp, "last decode step", cached_tokens)
+        if static_tokens else kv_term,
         Term("activations",
              _inference_layer_peak_bytes(shape, p, batch, 1, cached_tokens, attn_implementation, tp),
              f"last decode step: largest transient inside one layer for {batch} x 1 token"),
         _generate_logits_term(shape, p, batch, 1, "last decode step", tp),
         *_communication_terms(shape, p, batch, tp, "last decode step"),
     ]
+
+
+def _static_cache_term(shape, dtype, batch, static_tokens, tp, phase, cached_tokens=0) -> Term:
+    """transformers' StaticCache: every layer's keys and values for ``static_tokens`` (a sliding layer for its
+    window), allocated at the first forward and written in place; a sliding layer already full rolls its window
+    into a new tensor before copying it back (cache_utils.py StaticSlidingWindowLayer.update)."""
+    per_layer = batch * kv_bytes_per_token_per_layer(shape, dtype) // tp
+    held = sum(static_tokens if window is None else min(window, static_tokens) for window in shape.attention_windows)
+    full_windows = [window for window in shape.attention_windows if window is not None and cached_tokens >= window]
+    rolled = per_layer * max(full_windows) if full_windows else 0  # new keys and values, one layer
+    return Term("kv_cache", per_layer * held + rolled,
+                f"{phase}: the static cache, {batch} x {static_tokens} tokens (prompt + new) allocated at once "
+                f"x {kv_cache_bytes_per_token(shape, dtype) // tp:,} B/token"
+                + (", sliding layers capped at their window" if has_window(shape) else "")
+                + (", + a full sliding layer's rolled copy" if rolled else ""))
 
 
 def _inference_layer_peak_bytes(

@@ -20,6 +20,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbook import models, presets
 from workbook.planner.live_tensors import KINDS, LiveTensors
@@ -219,7 +220,9 @@ def trace_training(config, *, steps: int = TRAINING_STEPS, fake: bool = True, on
             materialize(model, mode)
         # Real tensors, made before the fake mode starts: the step reads their values (loss tokens, spans).
         micro_batches = [trace_batch(config, micro_batch_size, seq_len) for _ in range(config.gradient_accumulation_steps)]
-        with (mode or contextlib.nullcontext()), tracker, _named_failures(model):
+        # Under the tracker: it counts what grouped_mm returns, not the casts its fake rule needs.
+        grouped = FakeGroupedMatmul() if fake else contextlib.nullcontext()
+        with (mode or contextlib.nullcontext()), grouped, tracker, _named_failures(model):
             tracker.track_module(model)
             optimizer, _ = loop.build_optimizer(model, config, 1e-4, fused=on_gpu)
             model, optimizer = accelerator.prepare(model, optimizer)
@@ -244,6 +247,11 @@ def trace_training(config, *, steps: int = TRAINING_STEPS, fake: bool = True, on
         substitutions.append("packed rows traced with document_sdpa (sdpa per example); on a GPU the trainer runs "
                              "flex attention, which has no CPU backward: the same saved tensors per example (output "
                              "and log-sum-exp), no mask")
+    if attention == "document_sdpa" and _unequal_head_dims(model):
+        substitutions.append("multi-head latent attention's queries and keys are wider than its values: CPU sdpa has "
+                             "no fused kernel for that and runs its math path per example, saving each example's "
+                             "attention probabilities (heads x example length per token), which a GPU's flex or "
+                             "memory-efficient kernel does not save: the trace holds more than the GPU step")
     substitutions.append("CPU autocast's op lists (torch.autocast('cpu')), not CUDA's: the same casts for matmuls "
                          "and attention")
     peak = tracker.peak
@@ -259,6 +267,34 @@ def trace_training(config, *, steps: int = TRAINING_STEPS, fake: bool = True, on
                   "fused_adamw": on_gpu, "steps": steps, "fake": fake},
         not_seen=not_seen, substitutions=substitutions,
     )
+
+
+class FakeGroupedMatmul(TorchDispatchMode):
+    """Fake tensors' grouped_mm as its kernels run it. torch's fake (meta) rule for ``aten._grouped_mm`` takes
+    bf16 operands only, after an early CUDA kernel, while the CPU and CUDA kernels take fp32 and fp16 too
+    (``_grouped_mm_validate_inputs``); grouped_mm is in no autocast op list, so under mixed precision
+    transformers' experts multiply in their fp32 master weights' dtype (``integrations/moe.py`` casts the input
+    to the weight's dtype). A call on other floating operands runs the shape rule on bf16 casts of them, below
+    the tracker (which sees none of the casts), and returns the result in the operands' dtype, as the kernels
+    do."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype in (torch.float32, torch.float16) \
+                and kwargs.get("out_dtype") is None:
+            dtype = args[0].dtype
+            cast = [value.to(torch.bfloat16) if isinstance(value, torch.Tensor) and value.is_floating_point()
+                    else value for value in args]
+            return func(*cast, **kwargs).to(dtype)
+        return func(*args, **kwargs)
+
+
+def _unequal_head_dims(model) -> bool:
+    """DeepSeek's MLA: query/key heads wider than value heads (qk_nope + qk_rope vs v_head_dim)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    value = getattr(config, "v_head_dim", None)
+    query = getattr(config, "qk_nope_head_dim", 0) + getattr(config, "qk_rope_head_dim", 0)
+    return value is not None and query != value
 
 
 def _phase_hooks(model, optimizer, tracker: LiveTensors) -> list:
@@ -400,7 +436,8 @@ GROUPS = {
     "optimizer states": (("optimizer_states",), ("optimizer_states",)),
     "autocast weight copies": (("autocast_weight_copies",), ("autocast_weight_copies",)),
     "KV cache": (("kv_cache",), ("kv_cache",)),
-    "activations, logits and temporaries": (("activations", "logits_and_loss", "logits"),
+    "activations, logits and temporaries": (("activations", "logits_and_loss", "logits", "backward_temporaries",
+                                             "optimizer_step_temporaries"),
                                             ("activations", "temporaries", "inputs")),
 }
 
@@ -471,7 +508,7 @@ def beside_plan(plan, trace: Trace) -> dict:
 
 def beside_plan_lines(comparison: dict) -> list[str]:
     """The comparison in words: one line per group, then the totals."""
-    lines = ["trace beside the plan (tensors; the plan adds every term, the trace reads one moment):"]
+    lines = ["trace beside the plan (tensors alive at each one's peak moment):"]
     for group in comparison["groups"]:
         lines.append(f"  {group['group']:<38} plan {format_bytes(group['plan_bytes']):>10}   "
                      f"trace {format_bytes(group['trace_bytes']):>10}")

@@ -9,7 +9,7 @@ from typing import Callable
 
 from transformers import PretrainedConfig
 
-from workbook.planner import quantized
+from workbook.planner import quantized, step_moments
 from workbook.planner.architectures import TRAINING_ATTENTIONS, attention_implementation_run, training_notes
 from workbook.planner.formulas import (
     Precision, decoder_activation_bytes_per_token, layer_activation_bytes_per_token, lora_parameter_count,
@@ -22,6 +22,7 @@ from workbook.planner.plans import (
     DEFAULT_FRAGMENTATION_FRACTION, DEFAULT_OVERHEAD_BYTES, DEFAULT_SAFETY_MARGIN, Plan, Term, check_overheads,
     make_plan, overhead_terms,
 )
+from workbook.planner.step_moments import StepTensors
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES, OPTIMIZERS,
     QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_target_choice,
@@ -53,6 +54,7 @@ def plan_train(
     fragmentation_fraction: float = DEFAULT_FRAGMENTATION_FRACTION,
     safety_margin: float = DEFAULT_SAFETY_MARGIN,
     double_quant: bool = False,
+    gradient_accumulation_steps: int = 1,
 ) -> Plan:
     """Peak memory per GPU of one training step (forward, backward, AdamW) and the largest
     micro-batch that fits.
@@ -74,11 +76,20 @@ def plan_train(
     chunk's logits (and their gradient) exist at a time (``training.chunked_loss``).
     ``offload_activations``: what autograd saves moves to host memory in forward
     (``training.offload``); the GPU holds what backward unpacks, at most one layer's saved tensors.
+    ``gradient_accumulation_steps`` > 1: the earlier micro-batches' gradients stay alive under the
+    next one's activations.
+
+    The total is a moment, not a sum of everything (``step_moments``): the largest of the start of
+    backward (activations, weight copies and the loss's tensors alive, no gradient yet), a
+    checkpointed layer recomputed in backward, the end of backward and the optimizer step (every
+    gradient, no activation). The terms are those alive at that moment; a term not alive then shows
+    0 bytes and says when it is. ``settings["moments"]`` holds every moment's total.
     ``double_quant``: int4 only, bitsandbytes' double quantization of the NF4 absmax (``quantized``).
     """
     shape = model_shape(model)
     dtype = canonical_dtype(dtype)
-    require_positive(micro_batch_size=micro_batch_size, seq_len=seq_len, gpu_count=gpu_count)
+    require_positive(micro_batch_size=micro_batch_size, seq_len=seq_len, gpu_count=gpu_count,
+                     gradient_accumulation_steps=gradient_accumulation_steps)
     gpu_memory_bytes = positive_bytes("gpu_memory_bytes", gpu_memory_bytes)
     require_non_negative(lora_rank=lora_rank, loss_chunk_tokens=loss_chunk_tokens)
     check_choice("optimizer", optimizer, OPTIMIZERS)
@@ -105,28 +116,27 @@ def plan_train(
     if sharding == "fsdp":
         state_terms.append(_fsdp_gather_term(shape, precision))
 
+    def step_for(batch: int) -> StepTensors:
+        return _step_tensors(shape, precision, state_terms, batch, seq_len, grad_checkpointing, attn_implementation,
+                             lora_rank, lora_target_modules, mixed_precision, offload_activations, loss_chunk_tokens,
+                             gradient_accumulation_steps,
+                             fused_optimizer=sharding != "fsdp" or optimizer != "adamw")
+
     def terms_for(batch: int) -> list[Term]:
-        terms = state_terms + [
-            _training_activations_term(
-                shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
-                lora_rank, lora_target_modules, mixed_precision, offload_activations,
-            ),
-            _training_logits_term(shape, precision, batch, seq_len, loss_chunk_tokens),
-        ]
+        terms = step_moments.peak_terms(state_terms, step_for(batch))
         return terms + overhead_terms(terms, overhead_bytes, fragmentation_fraction)
 
     notes, host = [], 0
     if offload_activations:
-        saved = _training_activations_term(shape, precision, micro_batch_size, seq_len, grad_checkpointing,
-                                           attn_implementation, lora_rank, lora_target_modules, mixed_precision)
+        saved, _ = _training_activations_term(shape, precision, micro_batch_size, seq_len, grad_checkpointing,
+                                              attn_implementation, lora_rank, lora_target_modules, mixed_precision)
         # Every saved tensor but the parameters and autocast's weight copies (backward casts the
-        # parameter again; the autocast cache holds them on the GPU until the forward ends, so that
-        # term stays): the activations and the loss's fp32 log-softmax output.
+        # parameter again): the activations and the loss's fp32 log-softmax output. A checkpointed layer
+        # recomputed in backward saves its tensors again outside the offloading, on the GPU.
         log_softmax = 0 if loss_chunk_tokens else micro_batch_size * seq_len * shape.vocab_size * FP32_BYTES
         host = saved.bytes + log_softmax
         notes.append(f"offload_activations: {host:,} bytes of saved activations in pinned host memory per "
-                     "micro-batch (not GPU memory; with checkpointing it includes the one recomputed layer, which stays on "
-                     "the GPU: an upper bound); each step copies them over PCIe twice")
+                     "micro-batch (not GPU memory); each step copies them over PCIe twice")
     if shape.max_position_embeddings and seq_len > shape.max_position_embeddings:
         notes.append(
             f"seq_len {seq_len} exceeds the model's max_position_embeddings "
@@ -146,6 +156,8 @@ def plan_train(
         notes.append(f"LoRA targets: {', '.join(lora_target_choice(shape, lora_target_modules).names)}")
         notes += [f"lora target {name!r} matches no Linear layer of {shape.name}"
                   for name in lora_target_choice(shape, lora_target_modules).unmatched]
+    planned_step = step_for(micro_batch_size)
+    peak_moment, moments = step_moments.peak(state_terms, planned_step)
     return make_plan(
         mode="train", shape=shape, dtype=dtype, batch_size=micro_batch_size,
         lengths={"seq_len": seq_len},
@@ -160,6 +172,12 @@ def plan_train(
             "loss_chunk_tokens": loss_chunk_tokens,
             "offload_activations": offload_activations,
             "offloaded_activation_bytes": host,
+            "gradient_accumulation_steps": gradient_accumulation_steps,
+            "peak_moment": peak_moment.name,
+            "moments": {moment.name: moment.total for moment in moments},
+            "bytes_when_alive": step_moments.bytes_when_alive(moments),
+            "saved_activation_bytes": planned_step.activations.bytes,  # at the start of backward
+            "recomputed_layer_bytes": planned_step.recomputed_layer,  # checkpointing: one layer, made again
             **({"double_quant": double_quant, "workbook_can_run": False} if dtype == "int4" else {}),
             "overhead_bytes": overhead_bytes,
             "fragmentation_fraction": fragmentation_fraction,
@@ -263,7 +281,9 @@ def _fsdp_gather_term(shape: ModelShape, precision: Precision) -> Term:
 def _training_activations_term(
     shape, precision, batch, seq_len, grad_checkpointing, attn_implementation,
     lora_rank, lora_target_modules, mixed_precision, offload: bool = False,
-) -> Term:
+) -> tuple[Term, int]:
+    """What the forward saves, alive at the start of backward, and (checkpointing) the bytes one layer saves
+    again when backward recomputes it."""
     tokens = batch * seq_len
     h = shape.hidden_size
     if lora_rank > 0:
@@ -281,6 +301,8 @@ def _training_activations_term(
     # The rotary cos and sin of every position (the trainer passes position ids per row), in the
     # residual dtype, shared by all layers.
     rotary = tokens * 2 * shape.head_dim * precision.residual_bytes
+    lora = f", LoRA rank {lora_rank} (frozen norms, adapter inputs and rank-wide outputs)" if lora_rank > 0 else ""
+    recomputed = 0
     if grad_checkpointing:
         # Each layer keeps only its input; backward recomputes one layer at a time (Chen et al.
         # 2016, "Training Deep Nets with Sublinear Memory Cost"; transformers checkpoints each
@@ -288,46 +310,115 @@ def _training_activations_term(
         # same input (its cast to fp32 is a no-op): counted once.
         boundaries = shape.num_layers * tokens * h * precision.residual_bytes
         shared_input = tokens * h * FP32_BYTES if precision.residual_bytes == FP32_BYTES else 0
-        total = boundaries + one_layer - shared_input + outside + rotary
-        how = (f"checkpointed: {shape.num_layers} layer inputs ({tokens:,} tokens x "
-               f"{h} x {precision.residual_bytes} B) + one layer recomputed "
-               f"({one_layer - shared_input:,} B)")
+        recomputed = one_layer - shared_input
+        saved = boundaries + outside + rotary
+        how = (f"checkpointed: {shape.num_layers} layer inputs ({tokens:,} tokens x {h} x {precision.residual_bytes} "
+               f"B){lora} + final norm, token ids and rotary cos/sin; backward recomputes one layer at a time "
+               f"({recomputed:,} B, alive in that layer's backward)")
     else:
-        total = all_layers + outside + rotary
+        saved = all_layers + outside + rotary
         how = (f"{shape.num_layers} layers x {all_layers // shape.num_layers:,} B saved for backward "
-               f"({tokens:,} tokens, {attn_implementation})")
-    lora = f", LoRA rank {lora_rank} (frozen norms, adapter inputs and rank-wide outputs)" if lora_rank > 0 else ""
+               f"({tokens:,} tokens, {attn_implementation}){lora} + final norm, token ids and rotary cos/sin")
     if offload:
         # training.offload: every saved tensor goes to the host in forward; backward unpacks one
         # node's at a time, within one layer's (an upper bound); checkpointing recomputes one layer.
-        return Term("activations", one_layer, f"offloaded to host memory ({total:,} B there, see notes); on the "
-                                              f"GPU at most one layer's saved tensors in backward ({one_layer:,} B){lora}")
-    return Term("activations", total, how + lora + " + final norm, token ids and rotary cos/sin")
+        return Term("activations", one_layer, f"offloaded to host memory ({saved:,} B there, see notes); on the "
+                                              f"GPU at most one layer's saved tensors in backward ({one_layer:,} B){lora}"
+                    ), 0
+    return Term("activations", saved, how), recomputed
 
 
 def _training_logits_term(
-    shape: ModelShape, precision: Precision, batch: int, seq_len: int, loss_chunk_tokens: int = 0
+    shape: ModelShape, precision: Precision, batch: int, seq_len: int, loss_chunk_tokens: int = 0,
+    head_bytes: int = 2,
 ) -> Term:
-    # transformers' ForCausalLMLoss upcasts the logits to fp32 and runs cross_entropy; backward of
-    # its log_softmax holds the saved fp32 output, the incoming fp32 gradient and the outgoing
-    # one at once, while the model output keeps the logits in the compute dtype. The chunked loss
-    # holds the same per position, for one chunk only (its backward: logits, fp32 softmax, gradient),
-    # plus the chunk's gathered input and the loss positions' int64 index it keeps for backward
-    # (every position counted: an upper bound where prompts carry no loss).
-    p = precision.compute_bytes
-    tokens = batch * seq_len
+    """The loss's backward, the first of backward: what it holds at its largest.
+
+    transformers' ForCausalLMLoss upcasts the logits to fp32 and runs cross_entropy; log_softmax saves its fp32
+    output, and its backward holds that, the incoming fp32 gradient and the outgoing one at once. The model's own
+    logits (compute dtype) and their fp32 copy are freed when the forward returns: nothing saves them. The chunked
+    loss (``training.chunked_loss``) saves the head's input and the loss positions' int64 index (every position
+    counted: an upper bound where prompts carry no loss); its backward makes the head weight's gradient whole
+    (``head_bytes`` per value, even for a frozen head) and the hidden state's, and per chunk of positions the
+    logits again (compute dtype, then fp32), their softmax, its cast, and the chunk's share of the weight gradient;
+    the previous chunk's fp32 logits and gradient are still alive while the next chunk's logits are made."""
+    p, r = precision.compute_bytes, precision.residual_bytes
+    tokens, vocab, h = batch * seq_len, shape.vocab_size, shape.hidden_size
     # Gemma-2 soft-caps the logits (cap x tanh(logits / cap)): tanh keeps its output for backward.
-    softcap = p if shape.architecture.final_logit_softcapping else 0
-    per_logit = f"{p} B logits" + (f" + {p} B soft-capping's tanh" if softcap else "") + \
-        " + 3 x 4 B: fp32 log-softmax output and its gradient in and out"
+    softcap = shape.architecture.final_logit_softcapping
     if loss_chunk_tokens <= 0:
-        return Term("logits_and_loss", tokens * shape.vocab_size * (p + softcap + 3 * FP32_BYTES),
-                    f"{batch} x {seq_len} tokens x {shape.vocab_size:,} vocab x ({per_logit})")
+        capped = p if softcap else 0
+        per_logit = ("3 x 4 B: fp32 log-softmax output and its gradient in and out"
+                     + (f" + {p} B soft-capping's tanh output" if softcap else ""))
+        return Term("logits_and_loss", tokens * vocab * (3 * FP32_BYTES + capped),
+                    f"the loss's backward: {batch} x {seq_len} tokens x {vocab:,} vocab x ({per_logit})")
     chunk = min(tokens, loss_chunk_tokens)
+    chunks = math.ceil(tokens / chunk)
+    per_chunk_logit = max(
+        (2 * FP32_BYTES + 2 * p) if chunks > 1 else (2 * FP32_BYTES + p),  # fp32 logits, softmax, casts, overlap
+        4 * FP32_BYTES if softcap else 0,  # soft-capping's derivative: 1 - (x / cap)^2 over the fp32 logits
+    )
+    weight_gradient_step = chunk * vocab * (FP32_BYTES + p) + vocab * h * p  # the chunk's share of it, in p
+    one_chunk = max(chunk * vocab * per_chunk_logit, weight_gradient_step) + chunk * h * p
+    whole = vocab * h * head_bytes + tokens * h * r
+    index = tokens * INT64_BYTES
     return Term(
-        "logits_and_loss",
-        chunk * (shape.vocab_size * (p + softcap + 3 * FP32_BYTES) + shape.hidden_size * p) + tokens * INT64_BYTES,
-        f"one chunk of {chunk} loss positions (loss_chunk_tokens {loss_chunk_tokens}) x ({shape.vocab_size:,} vocab "
-        f"x ({per_logit}) + {shape.hidden_size:,} x {p} B of its gathered input) + {batch} x {seq_len} x "
-        f"{INT64_BYTES} B: the loss positions' index",
+        "logits_and_loss", whole + one_chunk + index,
+        f"the chunked loss's backward (loss_chunk_tokens {loss_chunk_tokens}, {chunks} chunk(s) of {chunk}): the head "
+        f"weight's gradient ({vocab:,} x {h:,} x {head_bytes} B) and the hidden state's ({tokens:,} x {h:,} x {r} B), "
+        f"one chunk's logits and their gradients ({one_chunk:,} B), and the {tokens:,} loss positions' int64 index",
+    )
+
+
+def _step_tensors(
+    shape, precision, state_terms, batch, seq_len, grad_checkpointing, attn_implementation, lora_rank,
+    lora_target_modules, mixed_precision, offload_activations, loss_chunk_tokens, gradient_accumulation_steps,
+    fused_optimizer: bool,
+) -> StepTensors:
+    """What one micro-batch makes beside the state terms, and the sizes the step's moments need
+    (``step_moments``)."""
+    state = {term.name: term.bytes for term in state_terms}
+    lora = lora_rank > 0
+    tokens, h, p, r = batch * seq_len, shape.hidden_size, precision.compute_bytes, precision.residual_bytes
+    activations, recomputed = _training_activations_term(
+        shape, precision, batch, seq_len, grad_checkpointing, attn_implementation, lora_rank, lora_target_modules,
+        mixed_precision, offload_activations)
+    full_fine_tune_master = mixed_precision and not lora
+    loss = _training_logits_term(shape, precision, batch, seq_len, loss_chunk_tokens,
+                                 head_bytes=FP32_BYTES if full_fine_tune_master else p)
+    gradients, copies = state.get("gradients", 0), state.get("autocast_weight_copies", 0)
+    head = next((layer for layer in shape.linear_layers if layer.is_output_embedding), None)
+    head_parameters = head.parameters if head is not None else 0
+    tied = shape.non_decoder_parameters < 2 * shape.vocab_size * h
+    if lora:
+        head_gradients = untied_embedding = 0
+        layer_gradients = gradients // shape.num_layers
+        head_copy, layer_copies = 0, copies // shape.num_layers
+    else:
+        trainable_bytes = gradients / shape.parameters  # a parameter's gradient bytes on this GPU (FSDP: a share)
+        head_gradients = math.ceil(head_parameters * trainable_bytes)
+        layer_gradients = math.ceil(shape.decoder_layer_parameters * trainable_bytes)
+        untied_embedding = 0 if tied else math.ceil(shape.vocab_size * h * trainable_bytes)
+        head_copy = head_parameters * p if copies else 0
+        layer_copies = (copies - head_copy) // shape.num_layers if copies else 0
+    # The end of backward: the gradient reaching the input embedding, which makes the embedding's gradient. A tied
+    # embedding is one parameter used twice: autograd holds the head's gradient in its input buffer until the
+    # embedding's arrives, then sums the two into a third before accumulating it (head, new and sum at once).
+    tied_gradient = 0 if lora or not tied else math.ceil(shape.vocab_size * h * gradients / shape.parameters)
+    end = max(tokens * h * r, 2 * tied_gradient)
+    end_how = (f"the tied embedding's gradient from the input side and the sum of it with the head's "
+               f"({tied_gradient:,} B each; the head's own is counted in gradients)" if tied_gradient else
+               f"the gradient reaching the input embedding ({tokens:,} tokens x {h:,} x {r} B)")
+    # AdamW: fused (one kernel per parameter group, in place) where the trainer runs on one GPU or DDP, and
+    # bitsandbytes' 8-bit AdamW updates in place too; foreach AdamW (FSDP) makes sqrt(exp_avg_sq) for every
+    # parameter at once (torch.optim.adamw._multi_tensor_adamw).
+    optimizer_temporaries = 0 if fused_optimizer else state.get("optimizer_states", 0) // 2
+    optimizer_how = ("fused AdamW updates in place" if fused_optimizer else
+                     "foreach AdamW's sqrt of the second moments, for every parameter at once")
+    return StepTensors(
+        activations=activations, loss=loss, checkpointing=grad_checkpointing and not offload_activations,
+        accumulating=gradient_accumulation_steps > 1, recomputed_layer=recomputed, layer_input=tokens * h * r,
+        head_weight_copy=head_copy, layer_weight_copies=layer_copies, head_gradients=head_gradients,
+        layer_gradients=layer_gradients, untied_embedding_gradients=untied_embedding, end_temporaries=end,
+        end_explanation=end_how, optimizer_temporaries=optimizer_temporaries, optimizer_explanation=optimizer_how,
     )
