@@ -2,28 +2,14 @@
 without importing the job, `--set` can say when a key changes nothing, and a job checks its params
 hold every key before it starts. Each notebook's parameters cell declares its job's keys."""
 
-# workbook generate (notebook 02)
-GENERATE = (
-    "profile", "model", "dtype", "interactive", "batch_size", "prompt_len", "max_new_tokens", "gpu_count",
-    "gpu_memory_gib", "safety_margin", "cuda_overhead_gib", "prompts_path", "prompt_field", "output_path",
-    "backend", "do_sample", "temperature", "top_p", "seed", "max_examples", "on_bad_line", "on_long_prompt",
-    "use_chat_template", "log_every_batches", "data_parallel_processes", "verifier", "max_accepted_per_prompt",
-    "system_prompt", "on_no_system_role", "samples_per_prompt", "tensor_parallel_size", "peer_timeout_seconds",
-)
+from workbook import job_settings
 
-# workbook train (notebook 03)
-TRAIN = (
-    "profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour", "model",
-    "dtype", "micro_batch_size", "grad_checkpointing", "lora_rank", "lora_targets", "lora_save", "safety_margin",
-    "cuda_overhead_gib", "train_data_path", "on_bad_line", "input_field", "output_field", "use_chat_template",
-    "max_seq_length", "length_percentile", "padding", "validation_fraction", "learning_rate", "lr_scaling",
-    "base_batch", "gradient_accumulation_steps", "epochs", "max_steps", "warmup_steps", "weight_decay", "optimizer",
-    "tf32", "torch_compile", "attn_implementation", "dataloader_workers", "pin_memory", "prefetch_factor",
-    "save_every_steps", "train_output_dir", "train_processes", "loss_chunk_tokens", "report_to", "precision",
-    "eval_prompts_path", "offload_activations", "peer_timeout_seconds",
-    "output_path",  # where notebook 02 wrote its outputs: the default training data
-    "verifier",  # set: notebook 02 verified its outputs, and the accepted ones are the default training data
-)
+# workbook generate (notebook 02): its settings' fields, and the memory budget its planner reads
+GENERATE = job_settings.generation_keys()
+
+# workbook train (notebook 03): the fields its config is built from, the memory budget, and the keys of
+# the paths it resolves (the training data, notebook 02's outputs and verifier, the training folder)
+TRAIN = job_settings.train_keys()
 
 # workbook bench (notebook 04)
 BENCH = (

@@ -6,12 +6,12 @@ params again; the planner is asked with the config's own fields and its ``Budget
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbook import arithmetic, job_keys
 from workbook.generation.files import OutputFiles, resolve_input_path, resolve_output_path
-from workbook.params import SCHEMA, default as _default
+from workbook.job_settings import TrainFields, train_fields
 from workbook.planner.profile import Budget
 
 PARAMS_USED = job_keys.TRAIN
@@ -33,62 +33,19 @@ class TrainingDiverged(TrainError):
     """The loss stopped being finite: the run stops at that step (a benchmark records the point so)."""
 
 
-# TrainConfig fields filled from a params key of another name; the other fields that share a key's name
-# are filled from that key, except these: resolved from their key (paths) or no params key at all.
-PARAMS_KEY_OF = {"processes": "train_processes"}
-NOT_FROM_PARAMS = ("data_path", "output_dir", "eval_prompts_path", "seed", "budget")
+# The TrainFields field held resolved (an absolute path), not copied from its key as given.
+RESOLVED_FIELDS = ("eval_prompts_path",)
 
 
 @dataclass
-class TrainConfig:
-    """Everything one training run needs, plain values only (it is passed to every process). A field
-    named as a params key (or in ``PARAMS_KEY_OF``) takes that key's schema default."""
+class TrainConfig(TrainFields):
+    """Everything one training run needs, plain values only (it is passed to every process). The
+    fields read from params keys (each starting at its key's schema default) are declared, torch-free,
+    in ``workbook.job_settings.TrainFields``; these are the run's own."""
 
-    model: str  # 'tiny', a local HF directory, or a preset name (random weights, synthetic data: benchmarks)
     data_path: str  # JSONL file; '' = the arithmetic sample records built in memory
     data_description: str  # where the data came from, for the report
     output_dir: str  # checkpoints/, final/ and the result JSON
-    on_bad_line: str = _default("on_bad_line")  # not a JSON object: 'fail' stops at file:line, 'skip' leaves it out
-    input_field: str = _default("input_field")
-    output_field: str = _default("output_field")
-    use_chat_template: bool = _default("use_chat_template")
-    max_seq_length: int | str = _default("max_seq_length")
-    length_percentile: float = _default("length_percentile")
-    padding: str = _default("padding")
-    validation_fraction: float = _default("validation_fraction")
-    eval_prompts_path: str = _default("eval_prompts_path")  # held-out questions scored before and after ('' = the validation split)
-    micro_batch_size: int | str = _default("micro_batch_size")
-    gradient_accumulation_steps: int = _default("gradient_accumulation_steps")
-    learning_rate: float = _default("learning_rate")
-    lr_scaling: str = _default("lr_scaling")
-    base_batch: int = _default("base_batch")
-    epochs: int = _default("epochs")
-    max_steps: int = _default("max_steps")
-    warmup_steps: int = _default("warmup_steps")
-    weight_decay: float = _default("weight_decay")
-    optimizer: str = _default("optimizer")
-    lora_rank: int = _default("lora_rank")
-    lora_targets: str = _default("lora_targets")  # '' = every linear projection (planner.shape.choose_lora_targets)
-    lora_save: str = _default("lora_save")  # merged | adapters: what <output_dir>/final holds after LoRA
-    dtype: str = _default("dtype")
-    tf32: bool = _default("tf32")
-    grad_checkpointing: bool = _default("grad_checkpointing")
-    torch_compile: bool = _default("torch_compile")
-    attn_implementation: str = _default("attn_implementation")
-    dataloader_workers: int = _default("dataloader_workers")
-    pin_memory: bool = _default("pin_memory")
-    prefetch_factor: int = _default("prefetch_factor")
-    save_every_steps: int = _default("save_every_steps")
-    loss_chunk_tokens: int = _default("loss_chunk_tokens")  # 0: full logits; N: the loss over chunks of N positions (chunked_loss)
-    precision: str = _default("precision")  # 16-bit dtypes: 'mixed' (autocast, fp32 master weights) or 'bf16' (pure bf16)
-    offload_activations: bool = _default("offload_activations")  # saved activations to host memory and back (offload)
-    report_to: str = _default("report_to")  # none | tensorboard | wandb: per-step metrics through accelerate's trackers
-    processes: int = _default("train_processes")
-    peer_timeout_seconds: float = _default("peer_timeout_seconds")  # a process waits this long for the others (process_group)
-    profile: str = _default("profile")
-    peak_bf16_tflops: float = _default("peak_bf16_tflops")
-    peak_fp16_tflops: float = _default("peak_fp16_tflops")
-    usd_per_gpu_hour: float = _default("usd_per_gpu_hour")
     budget: Budget = field(default_factory=Budget)  # the memory the planner plans against (default: this machine's RAM)
     seed: int = SEED
     stop_after_steps: int | None = None  # end this invocation early, as if interrupted (resume tests, spot machines)
@@ -99,8 +56,7 @@ class TrainConfig:
 
 def params_fields() -> dict[str, str]:
     """TrainConfig field -> the params key it is filled from (those ``config_from_params`` copies as they are)."""
-    return {f.name: PARAMS_KEY_OF.get(f.name, f.name) for f in fields(TrainConfig)
-            if f.name not in NOT_FROM_PARAMS and PARAMS_KEY_OF.get(f.name, f.name) in SCHEMA}
+    return {name: key for name, key in train_fields().items() if name not in RESOLVED_FIELDS}
 
 
 def accelerate_mixed_precision(config: TrainConfig) -> str:
