@@ -103,7 +103,7 @@ def test_a_job_that_fails_with_a_traceback_records_failed_not_running(tmp_path, 
         raise RuntimeError("a bug")
 
     monkeypatch.setattr(generation_cli.notebook, "new_run_dir", lambda profile: made.mkdir() or made)
-    monkeypatch.setattr(generation_cli, "launch", broken)
+    monkeypatch.setattr(generation_cli, "start", broken)
     with pytest.raises(RuntimeError, match="a bug"):
         generation_cli.cli_main("cpu", [])
     manifest = json.loads((made / runner.MANIFEST_FILE).read_text())

@@ -293,11 +293,11 @@ def test_an_output_lost_between_engine_and_file_is_reported_by_id_and_fails_the_
 
 def test_a_notebook_that_lacks_a_key_its_job_reads_is_told_which_and_where_to_declare_it(tmp_path):
     from workbook import generation, training
-    from workbook.generation import job
+    from workbook.generation.settings import GenerationSettings
     cpu = dict(params.load(REPO_ROOT / "params" / "cpu.yaml"))
     with pytest.raises(generation.GenerationError, match=r"workbook generate needs the parameter\(s\) seed; .*"
                                                          r"notebooks/02_batched_generation"):
-        job.require_keys({key: value for key, value in cpu.items() if key != "seed"})
+        GenerationSettings.from_params({key: value for key, value in cpu.items() if key != "seed"})
     with pytest.raises(training.TrainError, match=r"workbook train needs the parameter\(s\) epochs, precision; .*"
                                                   r"notebooks/03_training"):
         training.config_from_params({k: v for k, v in cpu.items() if k not in ("epochs", "precision")}, tmp_path)

@@ -223,9 +223,10 @@ def test_a_tensor_parallel_size_the_job_cannot_run_is_refused_before_any_model_l
 
 def test_auto_runs_a_model_that_fits_one_gpu_as_plain_data_parallel():
     from workbook.generation import tensor_parallel
-    values = {**params.load(PARAMS_DIR / "h100x8.yaml"), "model": "tiny"}
-    assert values["tensor_parallel_size"] == "auto"
-    assert tensor_parallel.resolve_layout(values, 8, launched=True) == tensor_parallel.Layout(1, 8)
+    from workbook.generation.settings import GenerationSettings
+    settings = GenerationSettings.from_params({**params.load(PARAMS_DIR / "h100x8.yaml"), "model": "tiny"})
+    assert settings.tensor_parallel_size == "auto"
+    assert tensor_parallel.resolve_layout(settings, 8, launched=True) == tensor_parallel.Layout(1, 8)
 
 
 @pytest.mark.multiprocess

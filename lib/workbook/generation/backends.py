@@ -1,4 +1,4 @@
-"""Backends: generate for a list of prompts, or raise. ``backend`` in params picks one.
+"""Backends: generate for a list of prompts, or raise. The ``backend`` setting picks one.
 
 ``static`` is Hugging Face ``generate`` with a dynamic KV cache; ``static-compiled`` uses a static
 KV cache and ``torch.compile`` (on CUDA Hugging Face's default, CUDA graphs included; elsewhere
@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from workbook.generation.continuous import ContinuousBackend
 from workbook.generation.engine import BackendOutput, DecodingSettings, GenerationError, Prompt, finish
+from workbook.generation.settings import GenerationSettings
 from workbook.decoding import left_pad
 from workbook.params import AUTO, SCHEMA
 from workbook.paths import REFERENCE_DIR
@@ -106,15 +107,20 @@ def make_backend(name: str, model, settings: DecodingSettings, batch_size: int):
     raise GenerationError(f"backend {name!r}: expected one of {', '.join(BACKENDS)}")
 
 
-def resolve_backend(params, reference_dir: Path = REFERENCE_DIR) -> tuple[str, str]:
+def resolve_backend(profile: dict, reference_dir: Path = REFERENCE_DIR) -> tuple[str, str]:
+    """``choose_backend`` for a whole validated profile (its settings built here)."""
+    return choose_backend(GenerationSettings.from_params(profile), reference_dir)
+
+
+def choose_backend(settings: GenerationSettings, reference_dir: Path = REFERENCE_DIR) -> tuple[str, str]:
     """(backend, why). ``auto`` reads the profile's continuous-batching benchmark
     (``workbook bench-continuous``): continuous where it beat length-sorted static
     batches on uneven outputs (teacher outputs are uneven), static where it did not, where nothing
     was measured for this profile, or under tensor parallelism (which continuous cannot run)."""
-    name, profile_name = params["backend"], params["profile"]
+    name, profile_name = settings.backend, settings.profile
     if name != AUTO:
         return name, f"backend {name}: set in params"
-    tensor_parallel_size = params.get("tensor_parallel_size", 1)
+    tensor_parallel_size = settings.tensor_parallel_size
     if tensor_parallel_size not in (1, AUTO):  # the job passes the size 'auto' resolved to
         return "static", (f"backend auto -> static: tensor_parallel_size {tensor_parallel_size}, and continuous "
                           "batching does not run sharded")

@@ -11,7 +11,8 @@ from workbook.arguments import WorkbookParser, add_set_argument
 from workbook.generation import verify
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import resolve_output_path
-from workbook.generation.processes import launch
+from workbook.generation.processes import start
+from workbook.generation.settings import GenerationSettings
 from workbook.planner import DoesNotFitError
 
 
@@ -77,16 +78,17 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     run = None  # the run folder this command records itself in (manifest.json), when it made one
     try:
         params, params_file, _ = runner.resolve_params(params_arg, overrides, log=say)
+        settings = GenerationSettings.from_params(params)  # once: the job below reads these
         output_path = None
-        if not params["output_path"] and runtime.launched_processes() == 1:
-            run = runner.start_job(notebook.new_run_dir(params["profile"]), "generate", params, params_file, overrides)
+        if not settings.output_path and runtime.launched_processes() == 1:
+            run = runner.start_job(notebook.new_run_dir(settings.profile), "generate", params, params_file, overrides)
             output_path = resolve_output_path("", run.run_dir)
-            settings = " ".join(overrides)
+            given = " ".join(overrides)
             say(f"writing to {output_path}; to resume after an interruption: workbook generate --params "
-                f"{params_arg} --set {settings + ' ' if settings else ''}output_path={output_path}")
-        elif runtime.launched_processes() == 1 and runner.job_folder(Path(params["output_path"]), "generate"):
-            run = runner.start_job(Path(params["output_path"]).parent, "generate", params, params_file, overrides)
-        summary = launch(params, output_path, log=say)
+                f"{params_arg} --set {given + ' ' if given else ''}output_path={output_path}")
+        elif runtime.launched_processes() == 1 and runner.job_folder(Path(settings.output_path), "generate"):
+            run = runner.start_job(Path(settings.output_path).parent, "generate", params, params_file, overrides)
+        summary = start(settings, output_path, log=say)
     except (params_module.ParamsError, jsonl.DataError, GenerationError, DoesNotFitError) as error:
         say(f"error: {error}")
         return runner.finish_job(run, 2, error)
@@ -105,10 +107,11 @@ def verify_main(params_arg: str, overrides: list[str]) -> int:
     again (another rule, another cap) without generating; exit 2 when it cannot run."""
     try:
         params = runner.resolve_params(params_arg, overrides, log=lambda line: print(line, file=sys.stderr))[0]
-        if not params["output_path"]:
+        settings = GenerationSettings.from_params(params)  # verify reads the generation job's output and verifier
+        if not settings.output_path:
             raise verify.VerifyError("output_path is '': set it to the output to verify (--set output_path=...)")
-        summary = verify.verify_output(params["output_path"], params["verifier"], params["max_accepted_per_prompt"])
-    except (params_module.ParamsError, jsonl.DataError, verify.VerifyError) as error:
+        summary = verify.verify_output(settings.output_path, settings.verifier, settings.max_accepted_per_prompt)
+    except (params_module.ParamsError, jsonl.DataError, verify.VerifyError, GenerationError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print("\n".join(verify.summary_lines(summary)))

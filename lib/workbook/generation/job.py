@@ -1,9 +1,10 @@
 """The generation job: from params to outputs on disk, for one process or one of several.
 
-The params become one typed ``GenerationSettings`` at the entry (``run_job``), which every step
-reads. Lock the output, read and check the prompts and what the output already holds (all before
-any model loads), load the model, skip what is written, take this process's share, generate it
-through the engine, write each batch, and (first process) merge and audit::
+The params become one typed ``GenerationSettings`` at the entry (``run_job``, or the launcher,
+which passes it to ``run``), which every step reads. Lock the output, read and check the prompts and
+what the output already holds (all before any model loads), load the model, skip what is written,
+take this process's share, generate it through the engine, write each batch, and (first process)
+merge and audit::
 
     summary = run_job(params, "out/teacher.jsonl")
 """
@@ -23,7 +24,7 @@ import torch
 
 from workbook import decoding, job_keys, jsonl, models, process_group, prompt_format, recorded_forecast, runtime
 from workbook.generation import nodes, records, tensor_parallel, verify
-from workbook.generation.backends import make_backend, resolve_backend
+from workbook.generation.backends import choose_backend, make_backend
 from workbook.generation.engine import (
     FINISH_EOS, BatchStats, Completion, DecodingSettings, GenerationError, Outcome, Prompt, run_batches, summarize,
 )
@@ -193,7 +194,7 @@ def prepare_share(settings: GenerationSettings, inputs: Inputs, files: OutputFil
         model, tokenizer = load_model(settings.model, settings.dtype, rank.device,
                                       tensor_parallel.sharding_arguments(layout))
     sampling = decoding_settings(settings, model, tokenizer)
-    backend_name, backend_choice = resolve_backend(settings.profile_params)
+    backend_name, backend_choice = choose_backend(settings)
     batch_size = profile.resolve_batch_size({**settings.profile_params, "backend": backend_name},  # continuous: paged plan
                                             "generate")
     backend = make_backend(backend_name, model, sampling, batch_size)
@@ -311,17 +312,22 @@ def _write_failed_text(error: OSError, files: OutputFiles, total: int) -> str:
             f"{'Free some space' if full else 'Fix that'} and rerun the same command: it resumes after them.")
 
 
-def run_job(params, output_path: str | Path, *, model=None, tokenizer=None, log: Callable[[str], None] = print,
-            sort_by_length: bool = True, show_progress: bool = True, lock_held_by_parent: bool = False) -> dict | None:
+def run_job(params, output_path: str | Path, **options) -> dict | None:
+    """``run`` from a validated params profile: the settings are built here, once."""
+    return run(GenerationSettings.from_params(params), output_path, **options)
+
+
+def run(settings: GenerationSettings, output_path: str | Path, *, model=None, tokenizer=None,
+        log: Callable[[str], None] = print, sort_by_length: bool = True, show_progress: bool = True,
+        lock_held_by_parent: bool = False) -> dict | None:
     """This process's share of the job (all of it when alone). Returns the job's summary in the
     first process (which merges the parts and writes ``<output>.summary.json``), None in the others.
 
     ``model``/``tokenizer`` preloaded skip loading the model (tests, the benchmark).
     ``lock_held_by_parent``: the process that started this one holds the output's lock (``launch``).
     """
-    settings = GenerationSettings.from_params(params)  # once: every step below reads these
     verifier = _verifier(settings)  # a mistyped verifier stops the job before hours of generation
-    layout = tensor_parallel.launched_layout(settings.profile_params)  # a size the model or launcher cannot run stops here
+    layout = tensor_parallel.launched_layout(settings)  # a size the model or launcher cannot run stops here
     settings = settings.replace(tensor_parallel_size=layout.tensor_parallel_size)  # 'auto' resolved, for the planner
     rank = current_rank(layout.tensor_parallel_size, settings.peer_timeout_seconds)
     files = OutputFiles(Path(output_path))
@@ -384,12 +390,6 @@ def _verifier(settings: GenerationSettings):
         return verify.load_verifier(settings.verifier)
     except verify.VerifyError as error:
         raise GenerationError(str(error)) from None
-
-
-def require_keys(params) -> None:
-    problem = job_keys.missing(params, "generate")
-    if problem:
-        raise GenerationError(problem)
 
 
 def _room_check(settings: GenerationSettings, model, examples, token_ids, pending, prompts_path) -> dict[int, int]:

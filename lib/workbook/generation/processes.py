@@ -24,47 +24,53 @@ from workbook.generation.settings import GenerationSettings
 
 
 @record  # a failing process's traceback reaches the launcher's error instead of "see the logs"
-def _process_entry(params: dict, output_path: str) -> None:
+def _process_entry(settings: GenerationSettings, output_path: str) -> None:
     launcher_watch.end_with_launcher()  # forked: the watch this process's import started is not in it
-    with process_group.peers_named(GenerationError, params["peer_timeout_seconds"]):
-        job.run_job(params, output_path, lock_held_by_parent=True)
+    with process_group.peers_named(GenerationError, settings.peer_timeout_seconds):
+        job.run(settings, output_path, lock_held_by_parent=True)
 
 
 def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path | None = None,
            log: Callable[[str], None] = print) -> dict | None:
+    """``start`` from a validated params profile (notebook 02): the settings are built here, once."""
+    return start(GenerationSettings.from_params(params), output_path, run_dir=run_dir, log=log)
+
+
+def start(settings: GenerationSettings, output_path: str | Path | None = None, *, run_dir: str | Path | None = None,
+          log: Callable[[str], None] = print) -> dict | None:
     """Run the job and return its summary (None in the non-first processes of ``accelerate launch``).
 
-    The output is ``output_path``, else params' ``output_path``, else ``<run_dir>/generations.jsonl``.
+    The output is ``output_path``, else the settings' ``output_path``, else ``<run_dir>/generations.jsonl``.
     With ``data_parallel_processes`` > 1, and not already under a launcher, the processes are started
     with accelerate's ``notebook_launcher`` (fork; this process must not have used CUDA yet, and
     nothing before this call in this module does).
     """
-    job.require_keys(params)
-    warning = runtime.missing_gpu_warning(params["profile"], params["gpu_count"])
+    warning = runtime.missing_gpu_warning(settings.profile, settings.gpu_count)
     if warning and runtime.launched_processes() == 1:
         log(warning)
     if output_path is None:
-        if runtime.launched_processes() > 1 and not params["output_path"]:
+        if runtime.launched_processes() > 1 and not settings.output_path:
             raise GenerationError("under a launcher (accelerate launch, torchrun) every process must write to the "
                                   "same file: set output_path (e.g. --set output_path=outputs/teacher.jsonl).")
-        output_path = resolve_output_path(params["output_path"], run_dir)
+        output_path = resolve_output_path(settings.output_path, run_dir)
     output_path = Path(output_path)
-    processes = params["data_parallel_processes"]
+    processes = settings.data_parallel_processes
     if not runtime.inside_launcher():  # a tensor-parallel size these processes cannot run stops before they start
-        tensor_parallel.resolve_layout(params, processes, launched=processes > 1)
+        tensor_parallel.resolve_layout(settings, processes, launched=processes > 1)
     if processes > 1 and not runtime.inside_launcher():
-        profile.refuse_over_ram(params, "generate", processes)  # so do processes the RAM cannot hold together
+        # So do processes the RAM cannot hold together.
+        profile.refuse_over_ram(settings.profile_params, "generate", processes)
         from accelerate import notebook_launcher
         files = OutputFiles(output_path)
         # This process holds the output's lock for its children (forked, they share it), and reads
         # the prompts and the output first: a bad line or a stale output then fails with its
         # message, not as a crashed process.
         with lock_output(files):
-            job.read_inputs(GenerationSettings.from_params(params), files, record_skipped=True)
+            job.read_inputs(settings, files, record_skipped=True)
             files.summary.unlink(missing_ok=True)
             log(f"starting {processes} processes (accelerate notebook_launcher)")
             try:
-                notebook_launcher(_process_entry, args=(dict(params), str(output_path)), num_processes=processes,
+                notebook_launcher(_process_entry, args=(settings, str(output_path)), num_processes=processes,
                                   use_port=str(runtime.free_port()))
             except Exception as error:  # torch elastic's ChildFailedError, or the launcher's RuntimeError
                 raise GenerationError(f"a generation process failed (its traceback is printed above): "
@@ -78,9 +84,9 @@ def launch(params, output_path: str | Path | None = None, *, run_dir: str | Path
         log(f"note: running as {runtime.launched_processes()} processes (the launcher's count), not "
             f"data_parallel_processes={processes}")
     if runtime.launched_processes() > 1:  # a peer that is gone or silent is named, after peer_timeout_seconds at most
-        with process_group.peers_named(GenerationError, params["peer_timeout_seconds"]):
-            return job.run_job(params, output_path, log=log)
-    return job.run_job(params, output_path, log=log)
+        with process_group.peers_named(GenerationError, settings.peer_timeout_seconds):
+            return job.run(settings, output_path, log=log)
+    return job.run(settings, output_path, log=log)
 
 
 def _root_cause(error: Exception) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from workbook import models, presets, runtime
 from workbook.generation.engine import GenerationError
+from workbook.generation.settings import GenerationSettings
 from workbook.params import AUTO
 from workbook.planner import layout, profile
 
@@ -32,21 +33,21 @@ class Layout:
         return self.tensor_parallel_size * self.data_parallel_size
 
 
-def resolve_layout(params, processes: int, *, launched: bool) -> Layout:
+def resolve_layout(settings: GenerationSettings, processes: int, *, launched: bool) -> Layout:
     """The layout a job of ``processes`` processes runs, or GenerationError saying what to change:
     a T that does not divide the model's key/value heads (transformers would fail deep in a
     reshape), a process count that is not a multiple of T, or T > 1 in one process nobody launched
     (transformers would quietly load the whole model: never run T = 1 while the params say 2)."""
-    size = params.get("tensor_parallel_size", 1)
+    size = settings.tensor_parallel_size
     if size == AUTO:  # the planner's choice for this many GPUs
-        size = profile.plan({**params, "gpu_count": processes if params["gpu_count"] else 0},
-                            mode="generate", batch_size=1).tensor_parallel_size
+        size = profile.plan(settings.profile_params, mode="generate", batch_size=1,
+                            gpu_count=processes if settings.gpu_count else 0).tensor_parallel_size
     if size == 1:  # plain data parallel: nothing to check that the job does not check already
         return Layout(1, processes)
-    if params.get("backend") == "continuous":
+    if settings.backend == "continuous":
         raise GenerationError(profile.CONTINUOUS_NOT_SHARDED.format(size=size))
     try:
-        layout.check_tensor_parallel_size(size, layout_model_heads(params["model"]), model=params["model"])
+        layout.check_tensor_parallel_size(size, layout_model_heads(settings.model), model=settings.model)
         if size > 1 and not launched:
             raise GenerationError(
                 f"tensor_parallel_size {size} needs {size} processes, one per GPU, and this is a single process: "
@@ -66,9 +67,9 @@ def layout_model_heads(model: str) -> int:
     return getattr(text, "num_key_value_heads", None) or text.num_attention_heads
 
 
-def launched_layout(params) -> Layout:
+def launched_layout(settings: GenerationSettings) -> Layout:
     """This process's layout: the launcher's process count (1 when not launched)."""
-    return resolve_layout(params, runtime.launched_processes(), launched=runtime.inside_launcher())
+    return resolve_layout(settings, runtime.launched_processes(), launched=runtime.inside_launcher())
 
 
 def sharding_arguments(job_layout: Layout) -> dict | None:
