@@ -194,22 +194,23 @@ def prove_batch_size(params, mode: str, *, device: str | torch.device, log=print
     """
     profile.refuse_over_ram(params, mode)  # on a CPU, past the RAM the kernel kills the process: no error to back off on
     start = profile.resolve_batch_size(params, mode)
-    dtype, lora = params["dtype"], mode == "train" and params["lora_rank"] > 0
+    # The model, lengths, attention and LoRA targets the planner assumed: the settings profile.plan reads.
+    planned = profile.PlanSettings.from_params(params)
+    dtype, lora = planned.dtype, mode == "train" and planned.lora_rank > 0
     mixed = mode == "train" and not lora and dtype != "fp32"
-    # The attention and the LoRA targets the planner assumed (profile.plan reads the same keys).
-    loaded = models.load_model(params["model"], "fp32" if mixed else dtype, device,
-                               attn_implementation=params.get("attn_implementation", "sdpa"))
+    loaded = models.load_model(planned.model, "fp32" if mixed else dtype, device,
+                               attn_implementation=planned.attn_implementation)
     model = loaded.model
     if mode == "generate":
         generator = torch.Generator().manual_seed(0)
-        prompt = torch.randint(0, model.config.vocab_size, (params["prompt_len"],), generator=generator)
-        probe = generation_probe(model, None, prompt.tolist(), params["max_new_tokens"])
+        prompt = torch.randint(0, model.config.vocab_size, (planned.prompt_len,), generator=generator)
+        probe = generation_probe(model, None, prompt.tolist(), planned.max_new_tokens)
     else:
-        if params["grad_checkpointing"]:
+        if planned.grad_checkpointing:
             models.enable_gradient_checkpointing(model)
         if lora:
-            model = models.with_lora(model, params["lora_rank"], params.get("lora_targets", ""))
-        probe = training_probe(model, params["seq_len"],
+            model = models.with_lora(model, planned.lora_rank, planned.lora_targets)
+        probe = training_probe(model, planned.seq_len,
                                autocast_dtype=models.TORCH_DTYPES[dtype] if mixed else None)
 
     def predicted(batch: int) -> int:
@@ -226,11 +227,12 @@ def prove_modes(params, modes: list[str], log=print) -> tuple[dict, list[dict], 
     """Notebook 01's proof: ``prove_batch_size`` for each mode on the profile's hardware, where it is
     present. Returns (each mode's outcome or error, every probe attempt as a table row, the device or
     None). A mode that cannot be proven (nothing fits) is reported and the others still run."""
-    device = "cpu" if params["gpu_count"] == 0 else ("cuda" if torch.cuda.is_available() else None)
+    on_gpu = profile.Budget.from_params(params).gpu_count > 0
+    device = ("cuda" if torch.cuda.is_available() else None) if on_gpu else "cpu"
     proofs: dict[str, dict] = {}
     if device is None:
-        log(f"Profile {params['profile']} plans for a GPU, and this machine has none: the probe is skipped. "
-            "Run this notebook on the GPU to prove the plan.")
+        log(f"Profile {profile.PlanSettings.from_params(params).profile} plans for a GPU, and this machine has "
+            "none: the probe is skipped. Run this notebook on the GPU to prove the plan.")
         return proofs, [], None
     for mode in modes:
         try:

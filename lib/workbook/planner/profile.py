@@ -12,11 +12,11 @@ job and the trainer size batches the same way::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, ClassVar
+from dataclasses import dataclass, fields
+from typing import Callable
 
 from workbook import presets
-from workbook.params import AUTO, PLAN_MODES
+from workbook.params import AUTO, PLAN_MODES, default as _default, settings_of
 from workbook.planner.architectures import training_attention
 from workbook.planner.generation import plan_generate
 from workbook.planner.layout import LayoutError, check_tensor_parallel_size, choose_tensor_parallel_size
@@ -43,17 +43,17 @@ LORA_CURVE_RANK = 16  # the "frugal" training setting the curves' x axis is size
 class Budget:
     """The memory a plan must fit: one GPU of a profile, or this machine's RAM when gpu_count is 0.
 
-    The fields are the params keys of the same names (``Budget.from_params``)."""
+    The fields are the params keys of the same names (``Budget.from_params``; the jobs' key lists name
+    them as ``job_settings.BUDGET_KEYS``). Built in code, it is this machine's RAM with no overhead."""
 
     gpu_count: int = 0
     gpu_memory_gib: float = 0.0
     cuda_overhead_gib: float = 0.0
     safety_margin: float = DEFAULT_SAFETY_MARGIN
-    KEYS: ClassVar[tuple[str, ...]] = ("gpu_count", "gpu_memory_gib", "cuda_overhead_gib", "safety_margin")
 
     @classmethod
     def from_params(cls, params) -> Budget:
-        return cls(**{key: params[key] for key in cls.KEYS})
+        return settings_of(cls, params)
 
     @property
     def capacity_bytes(self) -> int:
@@ -71,6 +71,43 @@ class Budget:
         """``plan`` marked as planned against this machine's RAM on the cpu profile (its wording, its advice)."""
         plan.in_ram = self.gpu_count == 0
         return plan
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What ``plan`` reads of a profile besides its ``Budget`` (keyword overrides applied), each field
+    the params key of the same name; a key the profile does not hold takes the schema's default."""
+
+    profile: str = _default("profile")  # the name the plan's words give
+    model: str = _default("model")
+    plan_mode: str = _default("plan_mode")
+    dtype: str = _default("dtype")
+    batch_size: int | str = _default("batch_size")
+    micro_batch_size: int | str = _default("micro_batch_size")
+    prompt_len: int = _default("prompt_len")
+    max_new_tokens: int = _default("max_new_tokens")
+    backend: str = _default("backend")
+    tensor_parallel_size: int | str = _default("tensor_parallel_size")
+    attn_implementation: str = _default("attn_implementation")
+    seq_len: int = _default("seq_len")
+    padding: str = _default("padding")
+    grad_checkpointing: bool = _default("grad_checkpointing")
+    lora_rank: int = _default("lora_rank")
+    lora_targets: str = _default("lora_targets")
+    optimizer: str = _default("optimizer")
+    loss_chunk_tokens: int = _default("loss_chunk_tokens")
+    precision: str = _default("precision")
+    offload_activations: bool = _default("offload_activations")
+    num_nodes: int = _default("num_nodes")
+    sharding: str = "none"  # no params key: FSDP's, given as an override (the training sweep)
+
+    @classmethod
+    def from_params(cls, params) -> PlanSettings:
+        return cls(**{f.name: params[f.name] for f in fields(cls) if f.name in params})
+
+    def batch(self, mode: str) -> int | str:
+        """The batch the profile asks for in ``mode``: sequences (generate) or the micro-batch (train)."""
+        return self.batch_size if mode == "generate" else self.micro_batch_size
 
 
 def capacity_bytes(params) -> int:
@@ -104,10 +141,10 @@ def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, ne
         attn_implementation=attn_implementation, data_parallel_size=max(gpus // tensor_parallel_size, 1)))
 
 
-def tensor_parallel_size(settings, config, budget: Budget, make: Callable[[int, int], Plan]) -> tuple[int, str]:
-    """The profile's tensor_parallel_size, or for 'auto' the layout ``layout.choose_tensor_parallel_size``
-    picks (``make(batch, T)`` plans one), and why ('' when given)."""
-    wanted = settings.get("tensor_parallel_size", 1)
+def tensor_parallel_size(wanted: int | str, config, budget: Budget,
+                         make: Callable[[int, int], Plan]) -> tuple[int, str]:
+    """The profile's tensor_parallel_size (``wanted``), or for 'auto' the layout
+    ``layout.choose_tensor_parallel_size`` picks (``make(batch, T)`` plans one), and why ('' when given)."""
     if wanted != AUTO:
         return int(wanted), ""
     return choose_tensor_parallel_size(lambda size: make(1, size), model_shape(config).num_key_value_heads,
@@ -149,44 +186,40 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
     A batch of 'auto' (or None with an 'auto' profile) plans at the largest batch that fits. The
     plan's ``network`` says what crosses the network over the profile's ``num_nodes`` nodes.
     """
-    settings = {**params, **overrides}
-    num_nodes = settings.get("num_nodes", 1)
-    mode = mode or settings["plan_mode"]
-    config = presets.load_config(model or settings["model"])
-    budget = Budget.from_params(settings)
+    profile = {**params, **overrides}
+    settings, budget = PlanSettings.from_params(profile), Budget.from_params(profile)  # all the plan reads
+    mode = mode or settings.plan_mode
+    config = presets.load_config(model or settings.model)
     if mode == "generate":
         def make_at(batch: int, size: int) -> Plan:
-            return generate_plan(config, budget, batch_size=batch, prompt_len=settings["prompt_len"],
-                                 new_tokens=settings["max_new_tokens"], dtype=settings["dtype"],
-                                 tensor_parallel_size=size, backend=settings.get("backend", "static"),
-                                 attn_implementation=settings.get("attn_implementation", "sdpa"))
-        size, why = tensor_parallel_size(settings, config, budget, make_at)
+            return generate_plan(config, budget, batch_size=batch, prompt_len=settings.prompt_len,
+                                 new_tokens=settings.max_new_tokens, dtype=settings.dtype,
+                                 tensor_parallel_size=size, backend=settings.backend,
+                                 attn_implementation=settings.attn_implementation)
+        size, why = tensor_parallel_size(settings.tensor_parallel_size, config, budget, make_at)
 
         def make(batch: int) -> Plan:
             made = make_at(batch, size)
             made.notes += [why] if why else []
             return made
-        wanted = settings["batch_size"] if batch_size is None else batch_size
     elif mode == "train":
         # Packed rows run the attention path the trainer picks for them (no seq x seq mask where it can).
-        attention = training_attention(model_shape(config), settings.get("attn_implementation", "sdpa"),
-                                       settings.get("padding", "packing"), settings["seq_len"],
-                                       on_gpu=budget.gpu_count > 0)
+        attention = training_attention(model_shape(config), settings.attn_implementation, settings.padding,
+                                       settings.seq_len, on_gpu=budget.gpu_count > 0)
 
         def make(batch: int) -> Plan:
-            return train_plan(config, budget, micro_batch_size=batch, seq_len=settings["seq_len"],
-                              dtype=settings["dtype"], grad_checkpointing=settings["grad_checkpointing"],
-                              lora_rank=settings["lora_rank"], optimizer=settings.get("optimizer", "adamw"),
-                              sharding=settings.get("sharding", "none"), num_nodes=num_nodes,
-                              lora_targets=settings.get("lora_targets", ""), attn_implementation=attention,
-                              loss_chunk_tokens=settings.get("loss_chunk_tokens", 0),
-                              precision=settings.get("precision", "mixed"),
-                              offload_activations=settings.get("offload_activations", False))
-        wanted = settings["micro_batch_size"] if batch_size is None else batch_size
+            return train_plan(config, budget, micro_batch_size=batch, seq_len=settings.seq_len,
+                              dtype=settings.dtype, grad_checkpointing=settings.grad_checkpointing,
+                              lora_rank=settings.lora_rank, optimizer=settings.optimizer,
+                              sharding=settings.sharding, num_nodes=settings.num_nodes,
+                              lora_targets=settings.lora_targets, attn_implementation=attention,
+                              loss_chunk_tokens=settings.loss_chunk_tokens, precision=settings.precision,
+                              offload_activations=settings.offload_activations)
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
+    wanted = settings.batch(mode) if batch_size is None else batch_size
     result = at_largest_batch(make) if wanted == AUTO else make(int(wanted))
-    result.network = network_traffic(result, num_nodes, budget.gpu_count)
+    result.network = network_traffic(result, settings.num_nodes, budget.gpu_count)
     return result
 
 
@@ -195,16 +228,21 @@ def refuse_over_ram(params, mode: str, processes: int = 1) -> None:
     ('auto', the largest batch one process could hold, is judged at batch 1 for several). A model the
     planner cannot plan (GPT-2, ...) is not refused; nor is a GPU profile: there an out-of-memory error
     is raised, and the generation engine splits the batch."""
-    if params["gpu_count"] > 0:
+    if Budget.from_params(params).gpu_count > 0:
         return
-    key = "batch_size" if mode == "generate" else "micro_batch_size"
+    key, asked = batch_key(mode), PlanSettings.from_params(params).batch(mode)
     try:
         planned = plan(params, mode=mode)
-        each = plan(params, mode=mode, batch_size=1) if params[key] == AUTO and processes > 1 else planned
+        each = plan(params, mode=mode, batch_size=1) if asked == AUTO and processes > 1 else planned
     except ValueError:
         return
-    check_ram(planned, key, params[key])
-    check_ram(each, key, params[key], processes)
+    check_ram(planned, key, asked)
+    check_ram(each, key, asked, processes)
+
+
+def batch_key(mode: str) -> str:
+    """The params key of ``mode``'s batch."""
+    return "batch_size" if mode == "generate" else "micro_batch_size"
 
 
 def check_ram(planned: Plan, key: str, asked, processes: int = 1) -> None:
@@ -228,8 +266,7 @@ def resolve_batch_size(params, mode: str, **overrides) -> int:
 
     Raises DoesNotFitError (with what to change) when not even batch 1 fits.
     """
-    key = "batch_size" if mode == "generate" else "micro_batch_size"
-    value = overrides.pop(key, params[key])
+    value = overrides.pop(batch_key(mode), PlanSettings.from_params(params).batch(mode))
     if value != AUTO:
         return int(value)
     return plan(params, mode=mode, batch_size=1, **overrides).require_fit().max_batch_size
@@ -244,7 +281,7 @@ def max_batch_table(profiles: dict, models: list[str], mode: str, **overrides) -
     for model in models:
         row = {"model": model}
         for name, params in profiles.items():
-            if params["gpu_count"] == 0:
+            if not Budget.from_params(params).gpu_count:
                 continue
             # Each GPU holds the whole model here; layout_table shows the tensor-parallel alternative.
             whole = {"tensor_parallel_size": 1} if mode == "generate" else {}
@@ -260,7 +297,7 @@ def layout_table(profiles: dict, models: list[str], **overrides) -> list[dict]:
     then holds, its largest batch and why: how a teacher bigger than one GPU is run."""
     rows = []
     for name, params in profiles.items():
-        if params["gpu_count"] < 2:
+        if Budget.from_params(params).gpu_count < 2:
             continue
         for model in models:
             chosen = plan(params, mode="generate", model=model, batch_size=1, tensor_parallel_size=AUTO, **overrides)
