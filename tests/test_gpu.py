@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 
 from workbook import gpu, params
+from workbook.hardware import Hardware
 from workbook.paths import PARAMS_DIR
 
 GIB = 2**30
@@ -107,7 +108,8 @@ def test_each_gpu_profile_is_chosen_exactly_for_its_gpu_and_agrees_with_the_spec
     gpus = fake_gpus(name, count, memory_mib, capability)
     choice = gpu.select_profile(gpus, params.load_all())
     assert (choice.profile, choice.exact) == (profile, True), choice.reason
-    assert gpu.profile_mismatches(params.load(PARAMS_DIR / f"{profile}.yaml"), gpus) == []
+    loaded = params.load(PARAMS_DIR / f"{profile}.yaml")
+    assert gpu.profile_mismatches(Hardware.from_params(loaded), gpus, loaded["dtype"]) == []
 
 
 def test_gpus_without_an_exact_profile_get_the_nearest_loudly():
@@ -117,7 +119,7 @@ def test_gpus_without_an_exact_profile_get_the_nearest_loudly():
     pcie_gpus = fake_gpus("NVIDIA H100 PCIe", 1, 81559)
     pcie = gpu.select_profile(pcie_gpus, profiles)
     assert pcie.profile == "h100" and not pcie.exact and "NO EXACT PROFILE" in pcie.reason
-    problems = gpu.profile_mismatches(profiles["h100"], pcie_gpus)
+    problems = gpu.profile_mismatches(Hardware.from_params(profiles["h100"]), pcie_gpus, profiles["h100"]["dtype"])
     assert any("memory_bandwidth_gbs=2000" in p for p in problems)
     unknown = gpu.select_profile(fake_gpus("NVIDIA B200", 1, 183359), profiles)
     assert unknown.profile == "h200" and not unknown.exact
@@ -143,7 +145,8 @@ def test_auto_runs_the_nearest_profile_with_the_detected_gpus_own_figures(monkey
     assert loaded["memory_bandwidth_gbs"] == 1900 and loaded["gpu_memory_gib"] == 79.6
     assert loaded["max_new_tokens"] == params.load(PARAMS_DIR / "h100.yaml")["max_new_tokens"]
     assert any("spec table for H100 PCIe" in line for line in said)
-    assert gpu.profile_mismatches({**loaded, "memory_bandwidth_gbs": 2000}, gpus) == []
+    assert gpu.profile_mismatches(Hardware.from_params({**loaded, "memory_bandwidth_gbs": 2000}), gpus,
+                                  loaded["dtype"]) == []
 
     # Not in the spec table: count and memory are the driver's; no other GPU's peaks stand in for its own.
     monkeypatch.setattr(gpu, "detect", lambda: {"gpus": fake_gpus("NVIDIA B200", 1, 183359)})

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from workbook import ceilings, params
+from workbook.hardware import Hardware
 from workbook.bench import gpu_session
 from workbook.paths import REPO_ROOT
 from workbook.planner import calibration, overhead_probe
@@ -146,11 +147,11 @@ def test_ceilings_are_measured_and_set_beside_the_datasheet(tmp_path):
     measured = ceilings.measure(torch.device("cpu"), copy_bytes=8 * 2 ** 20, matmul_size=256, repeats=2)
     assert measured.copy_bytes_per_second > 1e8 and measured.matmul_flops_per_second > 1e8
     assert "8 MiB device-to-device copy" in measured.how and "256^3 float32 matmul, best of 2" in measured.how
-    cpu = ceilings.against_datasheet(measured, params.load(params.profile_path("cpu")))
+    cpu = ceilings.against_datasheet(measured, Hardware.from_params(params.load(params.profile_path("cpu"))))
     assert cpu["copy_share_of_datasheet"] is None  # the cpu profile states no datasheet figure
     h100 = params.load(params.profile_path("h100"))
     fake_bf16 = ceilings.Ceilings(3.0e12, 800e12, "bfloat16", 2 ** 31, 8192, 5, "H100")
-    shares = ceilings.against_datasheet(fake_bf16, h100)
+    shares = ceilings.against_datasheet(fake_bf16, Hardware.from_params(h100))
     assert shares["copy_share_of_datasheet"] == pytest.approx(3000 / h100["memory_bandwidth_gbs"])
     assert shares["matmul_share_of_datasheet"] == pytest.approx(800 / h100["peak_bf16_tflops"])
 

@@ -22,6 +22,7 @@ import torch
 
 from workbook import gpu, runtime
 from workbook import params as params_module
+from workbook.hardware import Hardware
 
 RESULT_FILE = "ceilings.json"
 # Sizes: large enough that launch overheads and caches do not count (a GPU's L2 is tens of MiB),
@@ -97,12 +98,12 @@ def _best_seconds(work, device: torch.device, repeats: int, runs: int = 1) -> fl
     return best
 
 
-def against_datasheet(ceilings: Ceilings, params: dict) -> dict:
+def against_datasheet(ceilings: Ceilings, hardware: Hardware) -> dict:
     """Each measured ceiling as a share of the profile's datasheet figure (None where the profile
     states none, as the cpu profile does)."""
-    bandwidth = params.get("memory_bandwidth_gbs") or 0
-    tflops = gpu.dense_peak_tflops(params, ceilings.matmul_dtype)
-    return {"profile": params.get("profile"), "datasheet_bandwidth_gbs": bandwidth or None,
+    bandwidth = hardware.memory_bandwidth_gbs or 0
+    tflops = gpu.dense_peak_tflops(hardware, ceilings.matmul_dtype)
+    return {"profile": hardware.profile, "datasheet_bandwidth_gbs": bandwidth or None,
             "datasheet_tflops": tflops or None,
             "copy_share_of_datasheet": ceilings.copy_bytes_per_second / 1e9 / bandwidth if bandwidth else None,
             "matmul_share_of_datasheet": ceilings.matmul_flops_per_second / 1e12 / tflops if tflops else None}
@@ -138,12 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matmul-size", type=int, help="n of the n^3 matmul (default: 8192 on a GPU, 2048 on a CPU)")
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    params = params_module.load(params_module.profile_path(args.profile))
+    hardware = Hardware.from_params(params_module.load(params_module.profile_path(args.profile)))
     ceilings = measure(repeats=args.repeats, copy_bytes=args.copy_mib and args.copy_mib * 2 ** 20,
                        matmul_size=args.matmul_size)
     record = {"what": "the device's measured copy bandwidth and dense matmul throughput beside the profile's "
                       "datasheet figures", "command": "workbook ceilings " + " ".join(argv),
-              "measured": ceilings.to_dict(), "datasheet": against_datasheet(ceilings, params),
+              "measured": ceilings.to_dict(), "datasheet": against_datasheet(ceilings, hardware),
               "hardware": gpu.detect(), "versions": gpu.software_versions()}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -346,25 +346,27 @@ def hardware_overrides(gpus: list[dict]) -> tuple[dict, str]:
                        "memory_bandwidth_gbs= from its datasheet")
 
 
-def profile_mismatches(params, gpus: list[dict]) -> list[str]:
-    """Where the profile's hardware facts disagree with the detected GPU and the spec table."""
+def profile_mismatches(hardware, gpus: list[dict], dtype: str) -> list[str]:
+    """Where the profile's hardware facts (``hardware``: its ``workbook.hardware.Hardware``) disagree with
+    the detected GPU and the spec table, and whether the GPU runs ``dtype``."""
     if not gpus:
-        return [] if params["gpu_count"] == 0 else [
-            f"profile '{params['profile']}' expects {params['gpu_count']} GPU(s) but none was detected"]
+        return [] if hardware.gpu_count == 0 else [
+            f"profile '{hardware.profile}' expects {hardware.gpu_count} GPU(s) but none was detected"]
     problems = []
-    if params["gpu_count"] != len(gpus):
-        problems.append(f"profile expects {params['gpu_count']} GPU(s), detected {len(gpus)}")
+    if hardware.gpu_count != len(gpus):
+        problems.append(f"profile expects {hardware.gpu_count} GPU(s), detected {len(gpus)}")
     gpu = gpus[0]
     memory_gib = gpu["memory_total_bytes"] / GiB
-    if abs(params["gpu_memory_gib"] - memory_gib) > 0.1 * max(params["gpu_memory_gib"], 1e-9):
-        problems.append(f"profile says {params['gpu_memory_gib']:g} GiB per GPU, detected {memory_gib:.1f} GiB")
+    if abs(hardware.gpu_memory_gib - memory_gib) > 0.1 * max(hardware.gpu_memory_gib, 1e-9):
+        problems.append(f"profile says {hardware.gpu_memory_gib:g} GiB per GPU, detected {memory_gib:.1f} GiB")
     spec = gpu["spec"]
     if spec:
         for key in ("peak_bf16_tflops", "peak_fp16_tflops", "memory_bandwidth_gbs"):
-            if abs(params[key] - spec[key]) > 0.01 * max(spec[key], 1e-9):
-                problems.append(f"profile says {key}={params[key]:g}, the spec table says {spec[key]:g} "
+            stated = getattr(hardware, key)
+            if abs(stated - spec[key]) > 0.01 * max(spec[key], 1e-9):
+                problems.append(f"profile says {key}={stated:g}, the spec table says {spec[key]:g} "
                                 f"for {spec['name']} ({spec['source']}); override with --set {key}={spec[key]:g}")
-    if params["dtype"] == "bf16" and not gpu["supports_bf16"]:
+    if dtype == "bf16" and not gpu["supports_bf16"]:
         problems.append(f"dtype bf16 requested but {gpu['name']} (compute capability "
                         f"{gpu['compute_capability']}) has no bf16; use --set dtype=fp16")
     return problems
