@@ -677,8 +677,9 @@ def test_workbook_train_cli_trains_into_a_run_folder(tmp_path, monkeypatch, caps
 def test_every_set_counts_in_python_m_workbook_training(monkeypatch, capsys):
     seen = {}
 
-    def train_in_chosen_folder(params, params_arg, overrides):  # the real one's signature
+    def train_in_chosen_folder(params, wanted, params_arg, overrides):  # the real one's signature
         seen.update(params, params_arg=params_arg, overrides=overrides)
+        assert wanted == run_folder.FolderSettings.from_params(params)
         return 0
 
     monkeypatch.setattr(training_cli, "_train_in_chosen_folder", train_in_chosen_folder)
@@ -783,26 +784,28 @@ def test_a_kill_while_the_checkpoint_state_is_written_leaves_the_previous_checkp
 def test_only_an_unfinished_run_of_the_same_settings_with_a_checkpoint_is_resumed(tmp_path, monkeypatch):
     monkeypatch.setattr(run_folder, "OUTPUTS_DIR", tmp_path)
     profile = params.load_all()["cpu"]
-    settings = run_folder.training_settings(profile)
+    wanted = run_folder.FolderSettings.from_params(profile)
+    settings = wanted.resumes
     interrupted = fake_run(tmp_path, "20250101-000000-cpu", settings, step=6)  # killed: no result written
     fake_run(tmp_path, "20250102-000000-cpu", {**settings, "learning_rate": 1.0}, step=4)  # other settings
     fake_run(tmp_path, "20250103-000000-cpu", settings, step=None)  # killed before its first checkpoint
     fake_run(tmp_path, "20250104-000000-cpu", settings, step=9, status="finished")
-    chosen = run_folder.choose(profile, "workbook train --params cpu")
+    chosen = run_folder.choose(wanted, "workbook train --params cpu")
     assert (chosen.path, chosen.created) == (interrupted, False) and "at step 6" in chosen.note
 
     # While it trains, a second command leaves it alone (and names who holds it) and starts anew.
-    second = run_folder.choose(profile, "workbook train --params cpu")
+    second = run_folder.choose(wanted, "workbook train --params cpu")
     assert second.created and second.path.parent == tmp_path
     assert f"{interrupted} was started by the same settings but is still training (process {os.getpid()} on " in second.note
     second.discard()
     assert not second.path.exists()  # nothing was trained there: no folder left behind
     chosen.release()
-    again = run_folder.choose(profile, "workbook train --params cpu")
+    again = run_folder.choose(wanted, "workbook train --params cpu")
     assert again.path == interrupted
     again.release()
 
-    explicit = {**profile, "train_output_dir": str(tmp_path / "mine")}  # resumes by itself, one command at a time
+    # Resumes by itself, one command at a time.
+    explicit = run_folder.FolderSettings.from_params({**profile, "train_output_dir": str(tmp_path / "mine")})
     first = run_folder.choose(explicit, "workbook train")
     assert "train_output_dir is set" in first.note
     with pytest.raises(training.TrainError, match=r"train_output_dir .*mine is in use by process"):

@@ -33,19 +33,19 @@ def cli_main(params_arg: str, overrides: list[str]) -> int:
     one the same command left unfinished (or train_output_dir); train_processes > 1 forks that many
     processes here (one per GPU)."""
     params = runner.resolve_params(params_arg, overrides, log=lambda line: print(line, file=sys.stderr))[0]
-    return _train_in_chosen_folder(params, params_arg, overrides)
+    return _train_in_chosen_folder(params, run_folder.FolderSettings.from_params(params), params_arg, overrides)
 
 
-def _train_in_chosen_folder(params, params_arg: str, overrides: list[str]) -> int:
+def _train_in_chosen_folder(params, wanted: run_folder.FolderSettings, params_arg: str, overrides: list[str]) -> int:
     command = shlex.join(["workbook", "train", "--params", params_arg] + (["--set", *overrides] if overrides else []))
     try:
-        folder = run_folder.choose(params, command)
+        folder = run_folder.choose(wanted, command)
     except TrainError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     except OSError as error:  # e.g. a read-only outputs folder: said before any model loads
-        where = (f"train_output_dir {params['train_output_dir']} must be a folder you can write (or one that can be "
-                 "created)" if params["train_output_dir"] else
+        where = (f"train_output_dir {wanted.train_output_dir} must be a folder you can write (or one that can be "
+                 "created)" if wanted.train_output_dir else
                  f"make {run_folder.OUTPUTS_DIR} writable, or set train_output_dir to a writable folder")
         print(f"error: cannot create or lock a run folder ({error}); {where}", file=sys.stderr)
         return 2
@@ -113,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         params = runner.resolve_params(args.params, args.set, log=lambda line: print(line, file=sys.stderr))[0]
+        wanted = run_folder.FolderSettings.from_params(params)
     except ParamsError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -121,10 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not runtime.inside_launcher():
         if not args.run_dir:
-            return _train_in_chosen_folder(params, args.params, args.set)
+            return _train_in_chosen_folder(params, wanted, args.params, args.set)
         Path(args.run_dir).mkdir(parents=True, exist_ok=True)
         return _run_and_report(params, Path(args.run_dir))
-    run_dir = Path(args.run_dir) if args.run_dir else notebook.new_run_dir(params["profile"])
+    run_dir = Path(args.run_dir) if args.run_dir else notebook.new_run_dir(wanted.profile)
     run_dir.mkdir(parents=True, exist_ok=True)
     try:  # one of the launched processes: the launcher made them, train here
         config = config_from_params(params, run_dir)

@@ -48,20 +48,37 @@ class RunFolder:
             _remove_new(self.path)
 
 
+@dataclass(frozen=True)
+class FolderSettings:
+    """What choosing the run folder reads, built once from the params at the CLI (``from_params``):
+    before the folder is chosen no TrainConfig can be built, as its paths lie in the folder."""
+
+    profile: str  # names a new run folder
+    train_output_dir: str  # set: training goes there (resuming itself), metrics to a new run folder
+    save_every_steps: int  # 0: no checkpoints, so an interrupted run cannot be resumed
+    resumes: dict  # every key training reads, as JSON values: what a rerun must share with a run to resume it
+
+    @classmethod
+    def from_params(cls, params) -> "FolderSettings":
+        return cls(profile=params["profile"], train_output_dir=params["train_output_dir"],
+                   save_every_steps=params["save_every_steps"], resumes=training_settings(params))
+
+
 def training_settings(params) -> dict:
     """What a rerun must share with a run to resume it: every key training reads, as JSON values."""
     return json.loads(json.dumps({key: params[key] for key in PARAMS_USED}, default=str))
 
 
-def choose(params, command: str) -> RunFolder:
-    """The run folder for ``params`` (validated, overrides applied), locked; ``command`` as typed.
+def choose(wanted: FolderSettings, command: str) -> RunFolder:
+    """The run folder for the settings ``wanted`` (of validated params, overrides applied), locked;
+    ``command`` as typed.
 
     The runs looked at are in OUTPUTS_DIR (read when called, so tests can point it elsewhere).
     """
-    settings = training_settings(params)
-    if params["train_output_dir"]:
-        folder = _new_folder(params, command, settings)
-        training_dir = Path(params["train_output_dir"])
+    settings = wanted.resumes
+    if wanted.train_output_dir:
+        folder = _new_folder(wanted, command)
+        training_dir = Path(wanted.train_output_dir)
         try:
             lock = _lock(training_dir)
         except runtime.LockHeldError as held:
@@ -90,9 +107,9 @@ def choose(params, command: str) -> RunFolder:
         notes.append(f"resuming {folder}: started by the same settings and interrupted before it finished; "
                      f"continuing from its checkpoint at step {step}, metrics go there")
         return RunFolder(folder, False, "\n".join(notes), lock)
-    folder = _new_folder(params, command, settings)
+    folder = _new_folder(wanted, command)
     lock = _lock(folder / TRAINING_DIR_NAME)  # nobody else knows this folder yet
-    every = params["save_every_steps"]
+    every = wanted.save_every_steps
     notes.append(f"new run folder {folder}" + (
         f" (a checkpoint every {every} step(s): if this run is interrupted, the same command resumes it)" if every else
         " (save_every_steps is 0, no checkpoints: an interrupted run starts over; set it to make a rerun resume)"))
@@ -123,11 +140,11 @@ def _resumable(training_dir: Path) -> bool:
         return True
 
 
-def _new_folder(params, command: str, settings: dict) -> Path:
+def _new_folder(wanted: FolderSettings, command: str) -> Path:
     # The place a CLI run folder is made (and where its manifest belongs).
-    folder = notebook.new_run_dir(params["profile"], OUTPUTS_DIR)
+    folder = notebook.new_run_dir(wanted.profile, OUTPUTS_DIR)
     record = {"command": command, "started": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-              "settings": settings}
+              "settings": wanted.resumes}
     (folder / COMMAND_FILE).write_text(json.dumps(record, indent=2) + "\n")
     return folder
 
