@@ -121,3 +121,30 @@ def test_the_training_memory_switches_replan_and_an_overfull_setting_lists_what_
     assert tuner.plan.settings["mixed_precision"] is False
     tuner.mode.value = "generate"
     assert tuner.loss_chunk_tokens.disabled and tuner.precision.disabled
+
+
+def test_the_trace_button_traces_the_setting_shown_and_a_slider_move_traces_nothing():
+    import html
+
+    from workbook.units import format_bytes
+    profiles = params.load_all()
+    tuner = widgets.PlannerTuner(profiles, presets.preset_names(), {
+        **profiles["cpu"], "model": "tiny", "plan_mode": "train", "micro_batch_size": 2, "seq_len": 64})
+    assert tuner.traced is None and tuner.trace_output.value == ""
+    assert tuner.trace_button.description.startswith("Trace this setting (fake tensors, ~")
+    tuner.trace_button.click()
+    traced, shown = tuner.traced, html.unescape(tuner.trace_output.value)
+    assert traced["mode"] == "train" and traced["settings"]["micro_batch_size"] == 2 and traced["settings"]["seq_len"] == 64
+    # The peak, its phase and its bytes by kind, beside the plan's terms.
+    assert f"peak {format_bytes(traced['peak_bytes'])} ({traced['peak_bytes']:,} B) in {traced['phase']}" in shown
+    assert all(f"{kind} {format_bytes(value)}" in shown for kind, value in traced["by_kind"].items())
+    assert "trace beside the plan" in shown and traced["beside_plan"]["plan_tensor_bytes"] < tuner.plan.total_bytes
+    # A slider move re-plans and traces nothing: the trace shown is marked as another setting's.
+    tuner.batch_size.value = 3
+    assert tuner.plan.batch_size == 3 and tuner.traced is traced
+    assert "earlier setting" in tuner.trace_output.value
+    # What cannot be traced is said, and the plan stands.
+    tuner.dtype.value = "int4"
+    tuner.lora_rank.value = 4
+    tuner.trace_button.click()
+    assert "dtype int4" in html.unescape(tuner.trace_output.value) and "FIT" in tuner.verdict.value

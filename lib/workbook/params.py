@@ -87,6 +87,8 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("interactive", bool, "show ipywidgets controls (JupyterLab); false draws static figures (papermill)", default=False),
     # Memory planning (notebook 01) and the batch sizes the later notebooks run with.
     Key("plan_mode", str, "what notebook 01 plans first", choices=PLAN_MODES, default='generate'),
+    Key("trace_plan", bool, "notebook 01: also run each plan's step on fake tensors (no GPU, no weights; seconds for a "
+        "small model, about a minute for an 8B one) and show its peak beside the plan", default=True),
     Key("batch_size", int, "generation batch size (sequences per GPU)", minimum=1, auto=True, default='auto'),
     Key("micro_batch_size", int, "training micro-batch per GPU", minimum=1, auto=True, default='auto'),
     Key("prompt_len", int, "prompt tokens per sequence the generation plan assumes", minimum=1, default=512),

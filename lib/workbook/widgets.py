@@ -10,12 +10,19 @@ Layout: four labelled groups (model and hardware, workload, generation, training
 two by two on a laptop (1024 to 1280 px) and stack on a narrow window; the verdict line right
 under them; the two plots side by side so controls, verdict and plot fit on one laptop screen.
 `tests/test_browser.py` checks all of this in JupyterLab in a headless browser.
+
+Under the plot a button traces the setting shown (``planner.trace``: the real step on fake tensors,
+seconds to a minute): only when clicked, never on a slider move. Its answer (the peak, its phase and
+bytes by kind, beside the plan's) stays until the next click, marked once the setting has changed.
+
+The params are read once, at entry, into typed settings (``TunerStart``, ``Hardware`` per profile).
 """
 
 from __future__ import annotations
 
 import html
 import traceback
+from dataclasses import dataclass
 
 import ipywidgets as widgets
 import matplotlib.pyplot as plt
@@ -23,7 +30,10 @@ from matplotlib.transforms import ScaledTranslation
 from IPython.display import clear_output, display
 
 from workbook import plots
-from workbook.planner import fit, profile
+from workbook.hardware import Hardware
+from workbook.params import default, settings_of
+from workbook.planner import fit, profile, trace
+from workbook.planner.shape import model_shape
 from workbook.units import GiB, format_bytes
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp16", "int8", "int4")
@@ -41,7 +51,31 @@ AUTO_LAYOUT = "auto"  # the tensor-parallel size the planner chooses (planner.la
 TENSOR_PARALLEL_SIZES = [1, 2, 4, 8]  # divisors of an 8-GPU machine
 CSS_CLASSES = {"widget": "workbook-tuner", "verdict": "workbook-tuner-verdict",
                "max_batch": "workbook-tuner-max-batch", "advice": "workbook-tuner-advice",
-               "error": "workbook-tuner-error", "output": "workbook-tuner-figure"}
+               "error": "workbook-tuner-error", "output": "workbook-tuner-figure",
+               "trace_button": "workbook-tuner-trace-button", "trace_output": "workbook-tuner-trace"}
+# Seconds a trace takes per decoder layer, until the tuner has timed one itself: the medians of the committed
+# reference table outputs/reference/cpu/trace_vs_plan.json (72 training traces: two steps; 24 generation traces:
+# prefill and two decode steps; 0.2 to 4.9 s and 0.07 to 1.9 s per layer on the CPU that made it).
+TRACE_SECONDS_PER_LAYER = {"train": 0.9, "generate": 0.2}
+
+
+@dataclass(frozen=True)
+class TunerStart:
+    """Where the tuner's controls start: the params keys of the same names (``params.settings_of``)."""
+
+    profile: str = default("profile")
+    model: str = default("model")
+    dtype: str = default("dtype")
+    plan_mode: str = default("plan_mode")
+    prompt_len: int = default("prompt_len")
+    max_new_tokens: int = default("max_new_tokens")
+    tensor_parallel_size: int | str = default("tensor_parallel_size")
+    seq_len: int = default("seq_len")
+    grad_checkpointing: bool = default("grad_checkpointing")
+    lora_rank: int = default("lora_rank")
+    loss_chunk_tokens: int = default("loss_chunk_tokens")
+    precision: str = default("precision")
+    offload_activations: bool = default("offload_activations")
 
 
 def _labelled(control, label: str, tooltip: str):
@@ -78,16 +112,17 @@ class PlannerTuner:
     """ipywidgets controls around `planner.profile.plan`; `widget` is what the notebook displays.
 
     Tests drive it by setting control values (`tuner.batch_size.value = 64`) and reading
-    `tuner.plan`, `tuner.verdict.value` and `tuner.figure`.
+    `tuner.plan`, `tuner.verdict.value` and `tuner.figure`; `tuner.trace_button.click()` traces.
     """
 
     def __init__(self, profiles: dict, models: list[str], params: dict):
         self.profiles = profiles
-        self.base = dict(params)
+        self.hardware = {name: Hardware.from_params(values) for name, values in profiles.items()}
+        start = settings_of(TunerStart, params)
         models = list(models)
-        model = _canonical_model(params["model"], models)
+        model = _canonical_model(start.model, models)
         models += [model] if model not in models else []
-        mode = params["plan_mode"]
+        mode = start.plan_mode
         # A batch per mode, as in the params (batch_size, micro_batch_size): a generation batch of
         # hundreds means nothing for a training step. 'auto' starts at the planner's answer.
         self._batch_by_mode = {m: profile.plan(params, mode=m).batch_size for m in ("generate", "train")}
@@ -95,9 +130,9 @@ class PlannerTuner:
         batch = self._batch_by_mode[mode]
         self.model = _labelled(widgets.Dropdown(options=models, value=model), "model",
                                "a preset or a local model directory (its config.json only; nothing is loaded)")
-        self.profile = _labelled(widgets.Dropdown(options=list(profiles), value=params["profile"]), "GPU profile",
+        self.profile = _labelled(widgets.Dropdown(options=list(profiles), value=start.profile), "GPU profile",
                                  "params/<profile>.yaml: GPU memory, count, safety margin, CUDA overhead")
-        self.dtype = _labelled(widgets.Dropdown(options=WEIGHT_DTYPES, value=params["dtype"]), "weights dtype",
+        self.dtype = _labelled(widgets.Dropdown(options=WEIGHT_DTYPES, value=start.dtype), "weights dtype",
                                "bytes per weight: fp32 4, bf16/fp16 2, int8 1, int4 0.5")
         self.mode = _labelled(widgets.ToggleButtons(options=("generate", "train"), value=mode), "mode",
                               "plan generation (KV cache) or a training step (gradients, optimizer)")
@@ -107,32 +142,32 @@ class PlannerTuner:
         self.batch_size = _labelled(widgets.IntSlider(min=1, max=max(64, 2 * batch), value=batch,
                                                       continuous_update=False), "batch (seqs/GPU)",
                                     "sequences per GPU (the micro-batch when training); click the number to type one")
-        self.prompt_len = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["prompt_len"]),
+        self.prompt_len = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=start.prompt_len),
                                     "prompt (tokens)", "prompt tokens per sequence (use your data's longest)")
-        self.new_tokens = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["max_new_tokens"]),
+        self.new_tokens = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=start.max_new_tokens),
                                     "new (tokens)", "tokens generated per sequence; the KV cache grows with them")
         sizes = [AUTO_LAYOUT, *TENSOR_PARALLEL_SIZES]
-        size = params.get("tensor_parallel_size", 1)
+        size = start.tensor_parallel_size
         self.tensor_parallel = _labelled(widgets.Dropdown(options=sizes + ([size] if size not in sizes else []),
                                                           value=size), "tensor parallel",
                                          "GPUs one copy of the model is sharded over (T; the profile's other GPUs "
                                          "run copies, D); auto: the smallest T that fits a useful batch")
-        self.seq_len = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=params["seq_len"]),
+        self.seq_len = _labelled(widgets.BoundedIntText(min=1, max=1_000_000, value=start.seq_len),
                                  "sequence (tokens)", "training sequence length; activations grow with it")
-        self.grad_checkpointing = _switch(params["grad_checkpointing"], "gradient checkpointing",
+        self.grad_checkpointing = _switch(start.grad_checkpointing, "gradient checkpointing",
                                           "recompute activations in backward: ~1 layer of activations, "
                                           "~30% more compute")
-        self.lora_rank = _labelled(widgets.Dropdown(options=sorted({*LORA_RANKS, params["lora_rank"]}),
-                                                    value=params["lora_rank"]), "LoRA rank",
+        self.lora_rank = _labelled(widgets.Dropdown(options=sorted({*LORA_RANKS, start.lora_rank}),
+                                                    value=start.lora_rank), "LoRA rank",
                                    "0: full fine-tune; > 0: train LoRA adapters only, on a frozen base")
         self.loss_chunk_tokens = _labelled(
-            widgets.Dropdown(options=sorted({*LOSS_CHUNKS, params["loss_chunk_tokens"]}),
-                             value=params["loss_chunk_tokens"]), "loss chunk (tokens)",
+            widgets.Dropdown(options=sorted({*LOSS_CHUNKS, start.loss_chunk_tokens}),
+                             value=start.loss_chunk_tokens), "loss chunk (tokens)",
             "0: all logits at once; N: the loss over chunks of N positions (same loss, less memory)")
-        self.precision = _labelled(widgets.Dropdown(options=["mixed", "bf16"], value=params["precision"]),
+        self.precision = _labelled(widgets.Dropdown(options=["mixed", "bf16"], value=start.precision),
                                    "precision", "mixed: autocast over fp32 master weights; bf16: pure bf16 "
                                    "weights and AdamW states (needs weights dtype bf16)")
-        self.offload_activations = _switch(params["offload_activations"], "offload activations",
+        self.offload_activations = _switch(start.offload_activations, "offload activations",
                                            "saved activations in host memory: about one layer's on the GPU, "
                                            "PCIe copies every step")
         self.verdict = widgets.HTML()
@@ -140,6 +175,14 @@ class PlannerTuner:
         self.advice = widgets.HTML()
         self.error = widgets.HTML(layout=widgets.Layout(display="none"))  # shown only when there is one
         self.output = widgets.Output(layout=widgets.Layout(min_height=FIGURE_MIN_HEIGHT))
+        self.trace_button = widgets.Button(layout=widgets.Layout(width="auto"), icon="search",
+                                           tooltip="run this setting's step on fake tensors (no GPU, no weights) and "
+                                                   "show its peak beside the plan; a slider move traces nothing")
+        self.trace_output = widgets.HTML()
+        self.trace_button.on_click(self.trace)
+        self.traced: dict | None = None  # the last trace's block (trace.traced_plan), None before the first click
+        self._traced_setting = None  # what it traced: (settings, mode, batch)
+        self._seconds_per_layer = dict(TRACE_SECONDS_PER_LAYER)  # replaced by the tuner's own timing per mode
         for name, css_class in CSS_CLASSES.items():
             if name != "widget":
                 getattr(self, name).add_class(css_class)
@@ -167,7 +210,8 @@ class PlannerTuner:
         controls = widgets.HBox(groups, layout=widgets.Layout(flex_flow="row wrap"))
         result = widgets.HBox([self.verdict, self.max_batch],
                               layout=widgets.Layout(flex_flow="row wrap", align_items="baseline"))
-        return widgets.VBox([controls, result, self.advice, self.error, self.output])
+        return widgets.VBox([controls, result, self.advice, self.error, self.output, self.trace_button,
+                             self.trace_output])
 
     def settings(self) -> dict:
         """The planner settings the controls describe (profile facts + control values)."""
@@ -201,6 +245,7 @@ class PlannerTuner:
             self.plan = profile.plan(settings, mode=mode, batch_size=self.batch_size.value)
             self._show_verdict()
             self._redraw(settings, mode)
+            self._show_trace_state()
             self.error.value = ""
             self.error.layout.display = "none"
         except Exception as error:  # shown to the person at the controls, not swallowed
@@ -220,7 +265,7 @@ class PlannerTuner:
 
     def _show_verdict(self) -> None:
         plan = self.plan
-        per = " per GPU" if self.settings()["gpu_count"] > 0 else ""  # the cpu profile plans this machine's RAM
+        per = " per GPU" if self._on_gpu() else ""  # the cpu profile plans this machine's RAM
         color, word = ("#1a7f37", "FITS") if plan.fits else ("#b00", "DOES NOT FIT")
         self.verdict.value = (f"<span style='font-size:1.2em;color:{color}'><b>{word}</b></span> "
                               f"batch {plan.batch_size} ({plan.mode}): {format_bytes(plan.total_bytes)} predicted of "
@@ -246,7 +291,7 @@ class PlannerTuner:
         totals = [profile.plan(settings, mode=mode, batch_size=b).total_bytes for b in batches]
         figure, (bar_axis, curve_axis) = plt.subplots(1, 2, figsize=FIGURE_INCHES, width_ratios=(1, 1.15),
                                                       layout="constrained")
-        on_gpu = settings["gpu_count"] > 0
+        on_gpu = self._on_gpu()
         plots.plan_breakdown(plan, axis=bar_axis, on_gpu=on_gpu)
         # Half a figure wide, the bar has no room for the legend beside it: legend under, a shorter title.
         # Its gap below the axis is in points (tick labels + x label), not a fraction of the axis height.
@@ -257,7 +302,7 @@ class PlannerTuner:
         bar_axis.set_title(f"{mode}, {plan.dtype}, batch {plan.batch_size}: {format_bytes(plan.total_bytes)}, "
                            f"{verdict}", fontsize=9.5, color="black" if plan.fits else "#b00")
         bar_axis.set_xlabel(f"GiB{' per GPU' if on_gpu else ''} (predicted from the model config)", fontsize=8.5)
-        plots.memory_vs_batch({f"{settings['model']}, {plan.dtype}": (batches, totals)}, plan.capacity_bytes,
+        plots.memory_vs_batch({f"{self.model.value}, {plan.dtype}": (batches, totals)}, plan.capacity_bytes,
                               plan.budget_bytes, f"predicted peak vs batch (red dot: batch {plan.batch_size}, "
                                                  f"max {plan.max_batch_size})", axis=curve_axis, on_gpu=on_gpu)
         curve_axis.plot([plan.batch_size], [plan.total_bytes / GiB], "o", color="red", markersize=8)
@@ -267,3 +312,55 @@ class PlannerTuner:
         plt.close(self.figure) if self.figure is not None else None
         self.figure = figure
         plt.close(figure)  # shown through the Output widget only, not again by the inline backend
+
+    def _on_gpu(self) -> bool:
+        return self.hardware[self.profile.value].has_gpu
+
+    def _setting(self) -> tuple:
+        return (tuple(sorted(self.settings().items(), key=lambda item: item[0])), self.mode.value,
+                self.batch_size.value)
+
+    def _trace_seconds(self) -> float:
+        """About how long tracing the setting shown takes: seconds per decoder layer (the tuner's last trace of
+        this mode, else the reference) x layers."""
+        return self._seconds_per_layer[self.mode.value] * model_shape(self.model.value).num_layers
+
+    def _show_trace_state(self) -> None:
+        """The button's label for the setting shown, and the last trace marked when it is of another setting."""
+        self.trace_button.description = f"Trace this setting (fake tensors, ~{max(1, round(self._trace_seconds()))} s)"
+        if self.traced is not None and self._traced_setting != self._setting():
+            self.trace_output.value = self._trace_html(stale=True)
+
+    def trace(self, _button=None) -> None:
+        """Trace the setting shown (the button's handler): the peak, its phase and bytes by kind, beside the
+        plan. What cannot be traced (int4, FSDP, tensor parallel, ...) is said, and the plan still stands."""
+        if self.plan is None or self.error.value:
+            self.trace_output.value = ("<pre style='color:#b00;margin:0'>nothing traced: the planner failed for these "
+                                       "settings (above)</pre>")
+            return
+        label = self.trace_button.description
+        self.trace_button.disabled, self.trace_button.description = True, "Tracing (fake tensors) ..."
+        try:
+            setting, plan = self._setting(), self.plan
+            self.traced = trace.traced_plan(self.settings(), plan)
+            self._traced_setting = setting
+            if "seconds" in self.traced:
+                layers = model_shape(self.model.value).num_layers
+                self._seconds_per_layer[plan.mode] = self.traced["seconds"] / layers
+            self.trace_output.value = self._trace_html(stale=False)
+        except Exception as error:  # shown beside the button, as a failed update is
+            self.traced, self._traced_setting = None, None
+            self.trace_output.value = (f"<pre style='color:#b00;white-space:pre-wrap;margin:0'>trace failed: "
+                                       f"{html.escape(type(error).__name__)}: {html.escape(str(error))}</pre>")
+        finally:
+            self.trace_button.disabled = False
+            self.trace_button.description = label
+            self._show_trace_state()
+
+    def _trace_html(self, stale: bool) -> str:
+        lines = trace.traced_plan_lines(self.traced)
+        if stale:
+            lines.insert(0, "this trace is of an earlier setting: click the button to trace the one shown")
+        color = "#888" if stale else "#222"
+        return (f"<pre style='color:{color};white-space:pre-wrap;margin:0;font-size:0.9em'>"
+                f"{html.escape(chr(10).join(lines))}</pre>")
