@@ -7,6 +7,7 @@ import pytest
 
 from workbook import presets
 from workbook.planner import trace
+from workbook.planner.generation import plan_generate
 from workbook.planner.training import plan_train
 from workbook.training.config import TrainConfig
 
@@ -68,6 +69,16 @@ def test_the_training_plan_is_within_2_percent_of_the_traced_peak(models, preset
     for term in plan.terms:
         if term.bytes == 0 and plan.settings["bytes_when_alive"].get(term.name):
             assert term.explanation.startswith("0 at the peak")
+
+
+@pytest.mark.parametrize("backend", ["static", "static-compiled"])
+def test_the_generation_plan_is_within_2_percent_of_the_traced_peak(models, backend):
+    model = models["Llama-3.2-1B"]
+    traced = trace.trace_generation(model, batch_size=2, prompt_len=512, new_tokens=64, backend=backend)
+    plan = plan_generate(presets.load_config(model), batch_size=2, prompt_len=512, new_tokens=64,
+                         gpu_memory_bytes=1 << 50, attn_implementation=traced.settings["attention"],
+                         static_cache=backend == "static-compiled", overhead_bytes=0, fragmentation_fraction=0.0)
+    assert plan.total_bytes == pytest.approx(traced.peak_bytes, rel=TOLERANCE)
 
 
 def test_gradients_are_not_alive_at_the_start_of_backward_unless_they_are_accumulated():

@@ -141,9 +141,12 @@ def _prefill_terms(
         _static_cache_term(shape, dtype, batch, static_tokens, tp, "prefill") if static_tokens else kv_term,
         Term("activations",
              _inference_layer_peak_bytes(shape, p, batch, prompt_len, prompt_len,
-                                         attn_implementation, tp),
+                                         attn_implementation, tp)
+             + _forward_held_bytes(shape, p, batch, prompt_len, static_tokens or prompt_len, attn_implementation),
              f"prefill: largest transient inside one layer for {batch} x {prompt_len} tokens "
-             f"(MLP or {attn_implementation} attention, whichever is larger{_over_tp(tp, 'heads and MLP width')})"),
+             f"(MLP or {attn_implementation} attention, whichever is larger{_over_tp(tp, 'heads and MLP width')}), "
+             "+ what the forward holds across its layers (the embeddings, the layer's input, rotary cos/sin, the "
+             "padding mask)"),
         _generate_logits_term(shape, p, batch, logit_positions, "prefill", tp),
         *_communication_terms(shape, p, batch * prompt_len, tp, "prefill"),
     ]
@@ -170,8 +173,10 @@ def _last_decode_terms(
         _static_cache_term(shape, dtype, batch, static_tokens, tp, "last decode step", cached_tokens)
         if static_tokens else kv_term,
         Term("activations",
-             _inference_layer_peak_bytes(shape, p, batch, 1, cached_tokens, attn_implementation, tp),
-             f"last decode step: largest transient inside one layer for {batch} x 1 token"),
+             _inference_layer_peak_bytes(shape, p, batch, 1, cached_tokens, attn_implementation, tp)
+             + _forward_held_bytes(shape, p, batch, 1, static_tokens or cached_tokens + 1, attn_implementation),
+             f"last decode step: largest transient inside one layer for {batch} x 1 token, + what the forward "
+             "holds across its layers"),
         _generate_logits_term(shape, p, batch, 1, "last decode step", tp),
         *_communication_terms(shape, p, batch, tp, "last decode step"),
     ]
@@ -217,6 +222,24 @@ def _inference_layer_peak_bytes(
             eager_extra += 2 * p * query_width * key_len
     tokens = batch * query_len
     return tokens * (2 * p * h + max(mlp, attention)) + batch * eager_extra
+
+
+def _forward_held_bytes(shape: ModelShape, p: int, batch: int, query_len: int, key_len: int,
+                        attn_implementation: str) -> int:
+    """What the model's forward holds beside one layer's own tensors (transformers 5.x LlamaModel.forward and its
+    kin): the embeddings' output, kept to the forward's end, and the layer's input, which the loop over the layers
+    holds while the layer makes its residual sum (2 p h per token); the rotary cos and sin of every position (p
+    each, batch-wide: generate() passes position ids per row); and the attention mask of a padded batch (a batch
+    of unequal prompts is left-padded): bool for sdpa, in the compute dtype for eager, none for flash attention,
+    one for the full layers and one for the sliding ones, over the cache's whole length (a static cache's too)."""
+    tokens = batch * query_len
+    hidden = tokens * 2 * p * shape.hidden_size
+    rotary = tokens * 2 * p * shape.head_dim
+    if attn_implementation.startswith("flash"):
+        return hidden + rotary
+    masks = len({window is None for window in shape.attention_windows})  # full, sliding or both
+    mask = masks * tokens * key_len * (p if attn_implementation == "eager" else 1)
+    return hidden + rotary + mask
 
 
 def _generate_logits_term(
