@@ -98,6 +98,7 @@ class PlanSettings:
     loss_chunk_tokens: int = _default("loss_chunk_tokens")
     precision: str = _default("precision")
     offload_activations: bool = _default("offload_activations")
+    gradient_accumulation_steps: int = _default("gradient_accumulation_steps")  # earlier micro-batches' gradients
     num_nodes: int = _default("num_nodes")
     sharding: str = "none"  # no params key: FSDP's, given as an override (the training sweep)
 
@@ -138,7 +139,8 @@ def generate_plan(model, budget: Budget, *, batch_size: int, prompt_len: int, ne
         model, prompt_len=prompt_len, new_tokens=new_tokens, dtype=dtype, batch_size=batch_size,
         gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
         safety_margin=budget.safety_margin, tensor_parallel_size=tensor_parallel_size,
-        attn_implementation=attn_implementation, data_parallel_size=max(gpus // tensor_parallel_size, 1)))
+        attn_implementation=attn_implementation, data_parallel_size=max(gpus // tensor_parallel_size, 1),
+        static_cache=backend == "static-compiled"))
 
 
 def tensor_parallel_size(wanted: int | str, config, budget: Budget,
@@ -154,7 +156,8 @@ def tensor_parallel_size(wanted: int | str, config, budget: Budget,
 def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dtype: str, grad_checkpointing: bool,
                lora_rank: int, optimizer: str = "adamw", sharding: str = "none", num_nodes: int = 1,
                lora_targets: str = "", attn_implementation: str = "sdpa", loss_chunk_tokens: int = 0,
-               precision: str = "mixed", offload_activations: bool = False) -> Plan:
+               precision: str = "mixed", offload_activations: bool = False,
+               gradient_accumulation_steps: int = 1) -> Plan:
     """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs on each of
     ``num_nodes`` nodes, with mixed precision (fp32 master weights under autocast) whenever the dtype
     is 16-bit and ``precision`` is 'mixed', pure bf16 weights and states when it is 'bf16': what the
@@ -169,7 +172,8 @@ def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dt
         mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing,
         lora_rank=lora_rank, lora_target_modules=lora_targets, attn_implementation=attn_implementation,
         optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
-        offload_activations=offload_activations, gpu_count=max(budget.gpu_count, 1) * num_nodes,
+        offload_activations=offload_activations, gradient_accumulation_steps=gradient_accumulation_steps,
+        gpu_count=max(budget.gpu_count, 1) * num_nodes,
         gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
         safety_margin=budget.safety_margin))
 
@@ -214,7 +218,8 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
                               sharding=settings.sharding, num_nodes=settings.num_nodes,
                               lora_targets=settings.lora_targets, attn_implementation=attention,
                               loss_chunk_tokens=settings.loss_chunk_tokens, precision=settings.precision,
-                              offload_activations=settings.offload_activations)
+                              offload_activations=settings.offload_activations,
+                              gradient_accumulation_steps=settings.gradient_accumulation_steps)
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
     wanted = settings.batch(mode) if batch_size is None else batch_size
