@@ -339,10 +339,11 @@ def trace_generation(model: str, *, batch_size: int, prompt_len: int, new_tokens
     refuse_non_causal(model)
     if dtype in ("int8", "int4"):
         raise TraceError(f"dtype {dtype} (bitsandbytes 4/8-bit layers) has no CPU kernels to trace")
+    if backend == "continuous":
+        return trace_continuous(model, batch_size=batch_size, prompt_len=prompt_len, new_tokens=new_tokens,
+                                dtype=dtype, attn_implementation=attn_implementation, fake=fake)
     if backend not in ("static", "static-compiled"):
-        raise TraceError(f"backend {backend!r}: the trace runs the static backends (static, static-compiled); the "
-                         "continuous backend's paged cache runs in transformers' manager thread, which fake tensors "
-                         "do not follow: read the plan's paged terms")
+        raise TraceError(f"backend {backend!r}: the trace runs the backends static, static-compiled and continuous")
     started = time.perf_counter()
     mode = fake_mode() if fake else None
     tracker = LiveTensors(real_when_no_fake_input=fake)
@@ -413,6 +414,85 @@ def trace_generation(model: str, *, batch_size: int, prompt_len: int, new_tokens
     )
 
 
+def trace_continuous(model: str, *, batch_size: int, prompt_len: int, new_tokens: int, dtype: str = "bf16",
+                     attn_implementation: str = "sdpa", fake: bool = True) -> Trace:
+    """The continuous backend (transformers' continuous batching, a paged cache) traced: its manager runs its
+    steps in a thread of its own, which a fake-tensor mode (one per thread) does not follow, so the manager is
+    made as the backend makes it and its batch processor's steps run here, in this thread: the paged cache
+    allocated in full for ``batch_size`` requests in flight, every prefill step and the first decode step; then,
+    the same cache holding every request at its next-to-last token, one decode step: the last, which reads the
+    most. The sampled tokens have no values on fake tensors: each request is handed token 1 instead (no end id:
+    every request runs to its length)."""
+    from transformers import ContinuousBatchingConfig
+
+    from workbook.planner.paged import paged_layout
+
+    started = time.perf_counter()
+    mode = fake_mode() if fake else None
+    tracker = LiveTensors(real_when_no_fake_input=fake)
+    loaded = (_on_meta if fake else models.build_random)(model, dtype, "cpu", attn_implementation=attn_implementation)
+    built = loaded.model
+    if fake:
+        materialize(built, mode)
+    # The backend's own layout (generation/continuous.py manager_arguments): every request in flight at its full
+    # length, no blocks held back.
+    layout = paged_layout(batch_size, prompt_len, new_tokens, ContinuousBatchingConfig.page_size)
+    generation_config = built.generation_config
+    generation_config.eos_token_id, generation_config.do_sample = -1, False
+    manager = built.init_continuous_batching(
+        generation_config=generation_config,
+        continuous_batching_config=ContinuousBatchingConfig(
+            max_requests_per_batch=batch_size, num_blocks=layout.num_blocks, max_batch_tokens=layout.max_batch_tokens,
+            safety_margin=0.0, page_size=layout.page_size, seed=0,
+            allow_block_sharing=False))  # the trace's prompts are alike; a job's share no pages (an upper bound)
+    attention = built.config._attn_implementation
+    phases = []
+    # torch.random.fork_rng: the processor seeds torch's generator (its tensor-parallel seed), this process's stays
+    with (mode or contextlib.nullcontext()), tracker, _named_failures(built), torch.no_grad(), torch.random.fork_rng():
+        tracker.track_module(built)
+        tracker.set_phase("setup", "inputs")
+        processor = manager._create_batch_processor()
+        manager.batch_processor = processor
+        tracker.track(processor.cache.cache_tensor, "kv_cache")
+        io = processor.inputs_and_outputs
+        io.prepare_batch_update = lambda: (io.requests_in_batch, [1] * io.num_request_in_batch, None)
+
+        def run(prompt_tokens: int, recorded_decode_phase: str, record_prefill: bool) -> None:
+            for row in range(batch_size):
+                manager.add_request([1] * prompt_tokens, request_id=f"{recorded_decode_phase} {row}", max_new_tokens=2)
+            while True:
+                tracker.set_phase("between steps")
+                if not processor.prepare_next_batch():
+                    return
+                decoding = all(state.query_length == 1 and state.state.position_offset > prompt_tokens
+                               for state in io.requests_in_batch)
+                tracker.recording = decoding or record_prefill
+                tracker.set_phase(recorded_decode_phase if decoding else "prefill")
+                phases.append(tracker.phase)
+                manager._generation_step()
+                processor.update_batch()
+                if decoding:
+                    tracker.recording = True
+                    return
+
+        run(prompt_len, "first decode step", record_prefill=True)
+        if new_tokens > 2:  # every request at prompt + new - 2 tokens decodes its last one
+            run(prompt_len + new_tokens - 2, "last decode step", record_prefill=False)
+    tracker.recording = True
+    peak = tracker.peak
+    return Trace(
+        mode="generate", model=model, peak_bytes=peak.bytes, phase=peak.phase,
+        by_kind={kind: peak.by_kind[kind] for kind in KINDS if peak.by_kind.get(kind)},
+        phase_peaks={phase: value for phase, value in tracker.phase_peaks.items() if phase in GENERATION_PHASES},
+        seconds=round(time.perf_counter() - started, 2),
+        settings={"batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
+                  "backend": "continuous", "cache": "PagedAttentionCache", "attention": attention,
+                  "num_blocks": layout.num_blocks, "max_batch_tokens": layout.max_batch_tokens, "fake": fake},
+        not_seen=_not_seen(),
+        substitutions=["the manager's steps run in this thread, not in its own; each sampled token is token 1"],
+    )
+
+
 def _cache_tensors(cache) -> list[torch.Tensor]:
     tensors = []
     for layer in getattr(cache, "layers", []):
@@ -437,7 +517,7 @@ GROUPS = {
     "autocast weight copies": (("autocast_weight_copies",), ("autocast_weight_copies",)),
     "KV cache": (("kv_cache",), ("kv_cache",)),
     "activations, logits and temporaries": (("activations", "logits_and_loss", "logits", "backward_temporaries",
-                                             "optimizer_step_temporaries"),
+                                             "optimizer_step_temporaries", "kv_read", "attention_mask"),
                                             ("activations", "temporaries", "inputs")),
 }
 
@@ -477,7 +557,8 @@ def trace_plan(settings: dict, plan) -> Trace:
                               backend="static" if backend == "auto" else backend,
                               attn_implementation=settings.get("attn_implementation", "sdpa"))
     if backend == "auto":
-        traced.substitutions.append("backend auto traced as static (the continuous backend is not traced)")
+        traced.substitutions.append("backend auto traced as static, as it is planned (where the job picks "
+                                    "continuous, trace backend continuous)")
     return traced
 
 
