@@ -13,6 +13,7 @@ from workbook import bench, cli, generation, params, recorded_forecast
 from workbook.forecast import eta, model as forecast, pilot, regression, startup, stream as stream_forecast, training_steps
 from workbook.forecast.model import GenerationTimings, OutputLengths
 from workbook.generation import progress
+from workbook.hardware import Hardware
 from workbook.paths import PARAMS_DIR
 
 
@@ -562,9 +563,9 @@ def test_every_profile_is_projected_and_costed_on_as_many_nodes():
     data-parallel phases split over all of them and it pays for all of them."""
     phases = forecast.Phases(decode_seconds=10.0, compute_seconds=4.0, other_seconds=1.0)
     peaks = dict(peak_bf16_tflops=1.0, peak_fp16_tflops=1.0, memory_bandwidth_gbs=1.0, usd_per_gpu_hour=2.0)
-    here = {"profile": "test-here", "gpu_count": 1, "dtype": "bf16", **peaks}
-    other = {"profile": "test-other", "gpu_count": 2, **peaks}
-    rows = forecast.profile_rows(phases, here, forecast.profile_peaks(here, "bf16"),
+    here = Hardware(profile="test-here", gpu_count=1, **peaks)
+    other = Hardware(profile="test-other", gpu_count=2, **peaks)
+    rows = forecast.profile_rows(phases, "test-here", "bf16", forecast.profile_peaks(here, "bf16"),
                                  {"test-here": here, "test-other": other}, 15.0, "generate",
                                  processes_here=2, num_nodes=2)  # simulated for 2 nodes x 1 process
     by_name = {row["profile"]: row for row in rows}
@@ -575,11 +576,12 @@ def test_every_profile_is_projected_and_costed_on_as_many_nodes():
 
 def test_an_fp32_job_is_projected_at_the_16_bit_peak_it_would_run_at_and_the_row_says_so():
     phases = forecast.Phases(decode_seconds=0.0, compute_seconds=8.0, other_seconds=0.0)
-    here = {"profile": "test-here", "gpu_count": 1, "dtype": "fp32", "peak_bf16_tflops": 100.0,
-            "peak_fp16_tflops": 100.0, "memory_bandwidth_gbs": 1.0, "usd_per_gpu_hour": 1.0}
-    v100 = {**here, "profile": "test-v100", "peak_bf16_tflops": 0.0, "peak_fp16_tflops": 200.0}
+    here = Hardware(profile="test-here", gpu_count=1, peak_bf16_tflops=100.0, peak_fp16_tflops=100.0,
+                    memory_bandwidth_gbs=1.0, usd_per_gpu_hour=1.0)
+    v100 = dataclasses.replace(here, profile="test-v100", peak_bf16_tflops=0.0, peak_fp16_tflops=200.0)
     rows = {row["profile"]: row for row in forecast.profile_rows(
-        phases, here, forecast.profile_peaks(here, "fp32"), {"test-here": here, "test-v100": v100}, 8.0, "train")}
+        phases, "test-here", "fp32", forecast.profile_peaks(here, "fp32"), {"test-here": here, "test-v100": v100},
+        8.0, "train")}
     assert rows["test-v100"]["wall_seconds"] == pytest.approx(4.0)  # twice the compute: its fp16 peak
     assert rows["test-v100"]["basis"].endswith("; at test-v100's fp16 peak (it states none for fp32)")
     assert forecast.profile_peaks(here, "bf16").note == ""

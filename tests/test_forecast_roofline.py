@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from workbook import cli, params as params_module
 from workbook.forecast import roofline, work
+from workbook.generation.settings import GenerationSettings
+from workbook.hardware import Hardware
 from workbook.tiny_model import build_tokenizer
 
 # Small enough to count by hand: 2 layers, 4 query heads of 16 over 2 KV heads (grouped-query attention).
@@ -136,28 +138,31 @@ def tiny_params(tmp_path, records, **changes):
                                                   "do_sample": False, **changes})
 
 
+def settings(params) -> GenerationSettings:
+    return GenerationSettings.from_params(params)
+
+
 def test_output_lengths_come_from_the_reference_outputs_the_input_carries(tmp_path):
     tokenizer = build_tokenizer()
     records = [{"input": "What is 2 + 3?", "output": "5"},
                {"input": "What is 40 + 2?", "metadata": {"original_output": "The answer is 42."}}]
-    lengths = roofline.job_lengths(tiny_params(tmp_path, records), tokenizer)
-    assert lengths.output_basis == "reference outputs"
+    lengths = roofline.job_lengths(settings(tiny_params(tmp_path, records)), tokenizer, expected=(3,))
+    assert lengths.output_basis == "reference outputs in the input"  # they win over expected_new_tokens
     assert lengths.output_tokens == [len(tokenizer("5", add_special_tokens=False)["input_ids"]) + 1,
                                      len(tokenizer("The answer is 42.", add_special_tokens=False)["input_ids"]) + 1]
     chat = [len(ids) for ids in roofline.tokenize_prompts(tokenizer, [r["input"] for r in records], True)]
     assert lengths.prompt_tokens == chat
     # Without reference outputs: the stated expected length, else none (max_new_tokens, the bound).
     bare = [{"input": r["input"]} for r in records]
-    stated_params = params_module.Params({**tiny_params(tmp_path, bare), "expected_new_tokens": 3})  # --expected-new-tokens
-    stated = roofline.job_lengths(stated_params, tokenizer)
-    assert (stated.output_basis, stated.output_tokens) == ("expected_new_tokens", [3.0, 3.0])
-    bound = roofline.job_lengths(tiny_params(tmp_path, bare), tokenizer)
-    assert (bound.output_basis, bound.output_tokens) == ("max_new_tokens (bound)", None)
+    stated = roofline.job_lengths(settings(tiny_params(tmp_path, bare)), tokenizer, expected=(3,))
+    assert (stated.output_basis, stated.output_tokens) == ("expected_new_tokens (params)", [3.0, 3.0])
+    bound = roofline.job_lengths(settings(tiny_params(tmp_path, bare)), tokenizer)
+    assert (bound.output_basis, bound.output_tokens) == ("max_new_tokens as the bound", None)
 
 
 def test_a_preset_without_a_tokenizer_is_counted_by_its_bytes_and_says_so(tmp_path):
     records = [{"input": "x" * 40, "output": "y" * 400}]
-    lengths = roofline.job_lengths(tiny_params(tmp_path, records, model="Llama-3.2-1B"), None)
+    lengths = roofline.job_lengths(settings(tiny_params(tmp_path, records, model="Llama-3.2-1B")), None)
     assert lengths.prompt_tokens == [10] and lengths.output_tokens == [101.0]
     assert lengths.token_counts.startswith("estimated: UTF-8 bytes / 4")
 
@@ -190,7 +195,7 @@ def test_a_preset_forecast_needs_no_weights_and_no_gpu_and_states_range_and_basi
                      f"prompts_path={prompts}", "max_new_tokens=256"])
     assert code == 0
     made = json.loads(capsys.readouterr().out)["without_pilot"]
-    assert made["lengths"]["output_basis"] == "reference outputs"
+    assert made["lengths"]["output_basis"] == "reference outputs in the input"
     assert made["job"]["prompts"] == 39
     row = next(row for row in made["rows"] if row["profile"] == "h100")
     low, high = row["wall_seconds_range"]
@@ -201,18 +206,18 @@ def test_a_preset_forecast_needs_no_weights_and_no_gpu_and_states_range_and_basi
 
 
 def test_auto_pilots_where_the_model_runs_here_and_counts_the_work_elsewhere(tmp_path):
-    params = params_module.load(params_module.profile_path("cpu"))
-    assert roofline.pilot_or_work(params) == "pilot"  # the tiny model: built and run here
-    assert roofline.pilot_or_work({**params, "model": "Llama-3.1-8B"}) == "work"  # a preset: no weights
+    cpu = Hardware.from_params(params_module.load(params_module.profile_path("cpu")))
+    assert roofline.pilot_or_work("tiny", cpu) == "pilot"  # the tiny model: built and run here
+    assert roofline.pilot_or_work("Llama-3.1-8B", cpu) == "work"  # a preset: no weights
     folder = tmp_path / "model"
     folder.mkdir()
     small_config().save_pretrained(folder)
-    assert roofline.pilot_or_work({**params, "model": str(folder)}) == "work"  # config.json only
+    assert roofline.pilot_or_work(str(folder), cpu) == "work"  # config.json only
     (folder / "model.safetensors").write_bytes(b"")
-    assert roofline.pilot_or_work({**params, "model": str(folder)}) == "pilot"
-    h100 = params_module.load(params_module.profile_path("h100"))
+    assert roofline.pilot_or_work(str(folder), cpu) == "pilot"
+    h100 = Hardware.from_params(params_module.load(params_module.profile_path("h100")))
     expected = "pilot" if torch.cuda.is_available() else "work"  # a GPU profile without its GPU here: work
-    assert roofline.pilot_or_work({**h100, "model": str(folder)}) == expected
+    assert roofline.pilot_or_work(str(folder), h100) == expected
 
 
 def test_the_report_shows_a_pilot_forecast_beside_the_work_forecast():
@@ -280,3 +285,90 @@ def test_a_profile_whose_batch_does_not_fit_gets_no_time_and_a_job_that_fits_now
                                                                {"profile": "v100", "wall_seconds": None}]
     with pytest.raises(DoesNotFitError):
         roofline.require_somewhere_to_run([{"profile": "v100", "wall_seconds": None, "error": unfit}], "v100")
+
+
+@pytest.mark.parametrize("value, expected", [("400", "400"), (400, "400"), ("120, 300,650", "120, 300,650"), ("", "")])
+def test_expected_new_tokens_takes_one_length_or_several(value, expected):
+    assert params_module.validate_value("expected_new_tokens", value, "params/h100.yaml:3") == expected
+    assert params_module.parse_overrides(["expected_new_tokens=400"]) == {"expected_new_tokens": "400"}
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "400 tokens", "1.5", "120,,300", "auto", True])
+def test_expected_new_tokens_refuses_what_is_no_length_and_names_the_key(value):
+    with pytest.raises(params_module.ParamsError,
+                       match=r"params/h100.yaml:3: 'expected_new_tokens' is .*; expected comma-separated positive "
+                             r"integers.*or '' \(not stated\)"):
+        params_module.validate_value("expected_new_tokens", value, "params/h100.yaml:3")
+
+
+def without_pilot(tmp_path, records, capsys, *settings_, flag=None) -> dict:
+    """``workbook forecast --method work --json`` for an h100 job of a preset over ``records``."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl", records)
+    code = cli.main(["forecast", "--params", "h100", "--method", "work", "--json", *(flag or []), "--set",
+                     "model=Llama-3.2-1B", f"prompts_path={prompts}", "max_new_tokens=256", "batch_size=8", *settings_])
+    assert code == 0
+    return json.loads(capsys.readouterr().out)["without_pilot"]
+
+
+def h100_row(made: dict) -> dict:
+    return next(row for row in made["rows"] if row["profile"] == "h100")
+
+
+BARE = [{"input": "word " * n} for n in range(1, 25)]  # prompts without reference outputs
+
+
+def test_the_forecast_takes_expected_new_tokens_where_the_input_carries_no_outputs_and_says_so(tmp_path, capsys):
+    stated = without_pilot(tmp_path, BARE, capsys, "expected_new_tokens=100")
+    assert stated["lengths"]["output_basis"] == "expected_new_tokens (params)"
+    assert stated["lengths"]["expected_new_tokens"] == [100] and stated["lengths"]["output_tokens_total"] == 24 * 100
+    assert any(note.startswith("outputs: expected_new_tokens (params): every output 100 tokens") for note in stated["notes"])
+    row = h100_row(stated)
+    assert row["basis"].endswith("outputs: expected_new_tokens (params)")
+    low, high = row["wall_seconds_range"]
+    assert low < row["wall_seconds"] < high < row["every_output_to_max_new_tokens_seconds"]
+    bound = without_pilot(tmp_path, BARE, capsys)  # not stated: every output runs to max_new_tokens
+    assert bound["lengths"]["output_basis"] == "max_new_tokens as the bound"
+    assert h100_row(bound)["wall_seconds"] > row["wall_seconds"]
+    # The command line's flag sets the same key; the terminal report names the basis too.
+    assert h100_row(without_pilot(tmp_path, BARE, capsys, flag=["--expected-new-tokens", "100"])) == row
+    prompts = tmp_path / "prompts.jsonl"
+    assert cli.main(["forecast", "--params", "h100", "--method", "work", "--expected-new-tokens", "100", "--set",
+                     "model=Llama-3.2-1B", f"prompts_path={prompts}", "max_new_tokens=256"]) == 0
+    assert "outputs: expected_new_tokens (params)" in capsys.readouterr().out
+    assert cli.main(["forecast", "--params", "h100", "--method", "work", "--expected-new-tokens", "0"]) == 2
+    assert "'expected_new_tokens' is '0'" in capsys.readouterr().err
+
+
+def test_reference_outputs_in_the_input_win_over_expected_new_tokens(tmp_path, capsys):
+    records = [{**record, "output": "answer " * 30} for record in BARE]
+    made = without_pilot(tmp_path, records, capsys, "expected_new_tokens=200")
+    assert made["lengths"]["output_basis"] == "reference outputs in the input"
+    assert made["lengths"]["expected_new_tokens"] is None
+    assert h100_row(made)["basis"].endswith("outputs: reference outputs in the input")
+    # Some records without one: the stated length counts for all, and a note says why.
+    partly = without_pilot(tmp_path, records[:3] + BARE[3:], capsys, "expected_new_tokens=200")
+    assert partly["lengths"]["output_basis"] == "expected_new_tokens (params)"
+    assert "3 of 24 records carry a reference output; all must for the forecast to use them" in partly["notes"]
+
+
+def test_a_distribution_of_lengths_gives_a_range_from_all_at_the_shortest_to_all_at_the_longest(tmp_path, capsys):
+    one = {length: h100_row(without_pilot(tmp_path, BARE, capsys, f"expected_new_tokens={length}"))
+           for length in (40, 256)}
+    # 900 is over max_new_tokens (256): the job stops there, so it counts as 256.
+    made = without_pilot(tmp_path, BARE, capsys, "expected_new_tokens=40,120,900")
+    assert made["lengths"]["expected_new_tokens"] == [40, 120, 900]
+    assert made["lengths"]["output_tokens_total"] == 8 * (40 + 120 + 256)  # each length an equal share of 24
+    row = h100_row(made)
+    low, high = row["wall_seconds_range"]
+    assert low == pytest.approx(one[40]["wall_seconds_range"][0], rel=1e-6)
+    assert high == pytest.approx(one[256]["wall_seconds_range"][1], rel=1e-6)
+    # A static batch decodes until its longest output: batches of 8 nearly all hold a 256.
+    assert one[40]["wall_seconds"] < row["wall_seconds"] <= one[256]["wall_seconds"]
+    assert any("the range runs from every output at 40 tokens" in note for note in made["notes"])
+    assert any("each length over max_new_tokens (256) counted as 256" in note for note in made["notes"])
+
+
+def test_the_lengths_are_dealt_in_equal_shares_in_the_same_order_every_time():
+    dealt = roofline.dealt([10.0, 20.0, 30.0], 7)
+    assert sorted(dealt) == [10.0, 10.0, 10.0, 20.0, 20.0, 30.0, 30.0]
+    assert dealt == roofline.dealt([10.0, 20.0, 30.0], 7)

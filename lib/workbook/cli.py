@@ -311,9 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                                   "bytes from the model's config and price them on every profile at a measured "
                                   "efficiency or a labelled prior (no GPU, no weights); both: side by side; auto "
                                   "(default): the pilot where this machine can run the model, else work")
-            job.add_argument("--expected-new-tokens", type=int, default=0,
-                             help="work: every output's expected length in tokens, where the prompts carry no "
-                                  "reference outputs (default: max_new_tokens, an upper bound)")
+            job.add_argument("--expected-new-tokens", metavar="TOKENS",
+                             help="work: the outputs' expected length in tokens where the prompts carry no reference "
+                                  "outputs, e.g. 400, or equally likely lengths, e.g. 120,300,650: the params key "
+                                  "expected_new_tokens, set here (neither set: max_new_tokens, an upper bound)")
             job.add_argument("--seed-000", metavar="FOLDER",
                              help="forecast seed 000's job (53,597 prompts, an 8B model, up to 2,048 new tokens) on "
                                   "every profile from its work, into FOLDER/seed_000_forecast.md and .json")

@@ -26,8 +26,9 @@ VERIFY = ("profile", "output_path", "verifier", "max_accepted_per_prompt")
 
 # workbook forecast pilots either job (generate or train), so it reads both jobs' keys, and besides
 # them the profile's bandwidth for the simulated rows, plan_mode (its default --mode), the node count
-# (the job's global split) and seq_len.
-FORECAST = tuple(dict.fromkeys(GENERATE + TRAIN + ("memory_bandwidth_gbs", "plan_mode", "num_nodes", "seq_len")))
+# (the job's global split), seq_len and the outputs' expected length (the forecast without a pilot).
+FORECAST = tuple(dict.fromkeys(GENERATE + TRAIN + ("memory_bandwidth_gbs", "plan_mode", "num_nodes", "seq_len",
+                                                   "expected_new_tokens")))
 
 READ_BY = {"generate": GENERATE, "train": TRAIN, "bench": BENCH, "forecast": FORECAST, "verify": VERIFY}
 

@@ -51,7 +51,8 @@ class Key:
             names = ", ".join(repr(c) for c in self.choices)
             return f"comma-separated names, each one of {names}" if self.choice_list else f"one of {names}"
         if self.int_list:
-            return "comma-separated positive integers, e.g. '8,32'" + (", or 'auto' among them" if self.auto else "")
+            return ("comma-separated positive integers, e.g. '8,32'" + (", or 'auto' among them" if self.auto else "")
+                    + (", or '' (not stated)" if self.default == "" else ""))
         text = {int: "an integer", float: "a finite number", bool: "true or false",
                 str: "a non-empty string" if self.non_empty else "a string"}[self.kind]
         if self.minimum is not None:
@@ -93,6 +94,12 @@ SCHEMA: dict[str, Key] = {k.name: k for k in (
     Key("micro_batch_size", int, "training micro-batch per GPU", minimum=1, auto=True, default='auto'),
     Key("prompt_len", int, "prompt tokens per sequence the generation plan assumes", minimum=1, default=512),
     Key("max_new_tokens", int, "new tokens generated per sequence", minimum=1, default=2048),
+    Key("expected_new_tokens", str, "the outputs' length in new tokens (end of sequence included) for the forecast "
+        "without a pilot, where the prompts carry no reference outputs: '' = not stated (every output runs to "
+        "max_new_tokens, the bound); one number = the typical length, e.g. '400'; several = lengths equally likely, "
+        "e.g. a previous run's percentiles '120,300,650,1400' (the forecast's middle deals them out in equal shares, "
+        "its range runs from every output at the shortest to every output at the longest); each capped at "
+        "max_new_tokens", int_list=True, default=''),
     Key("seq_len", int, "training sequence length in tokens", minimum=1, default=2048),
     Key("grad_checkpointing", bool, "recompute activations in backward: less memory, ~30% more compute", default=False),
     Key("lora_rank", int, "LoRA rank; 0 trains every weight", minimum=0, default=0),
@@ -291,8 +298,9 @@ def validate_value(key: str, value: Any, where: str) -> Any:
         value, ok = float(value), True
     if ok and spec.kind is float and not math.isfinite(value):
         ok = False  # NaN passes every comparison below unnoticed; infinity is no setting either
-    if ok and spec.int_list and not (_INT_OR_AUTO_LIST if spec.auto else _INT_LIST).fullmatch(value.replace(" ", "")):
-        ok = False
+    if ok and spec.int_list and not (value == "" == spec.default) and not (
+            _INT_OR_AUTO_LIST if spec.auto else _INT_LIST).fullmatch(value.replace(" ", "")):
+        ok = False  # '' passes only where it is the default: "not stated"
     if ok and spec.choices:
         names = _names(value) if spec.choice_list else [value]
         ok = bool(names) and set(names) <= set(spec.choices)

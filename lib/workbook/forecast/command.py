@@ -10,9 +10,11 @@ from pathlib import Path
 
 from workbook import jsonl, notebook, params as params_module, recorded_forecast, runner
 from workbook.forecast import model as forecast, roofline, seed_example
+from workbook.forecast.settings import ForecastSettings
 from workbook.forecast.pilot import forecast_generation, forecast_training
 from workbook.generation.engine import GenerationError
 from workbook.generation.files import OUTPUT_FILE_NAME
+from workbook.hardware import Hardware
 from workbook.planner import network
 from workbook.planner.fit import lines_for_unfit_run
 from workbook.planner.plans import DoesNotFitError
@@ -46,13 +48,14 @@ def units_seconds(seconds: float) -> str:
 
 
 def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json: bool, share: float,
-             seconds: float | None, clock: str = "wall", method: str = "pilot", expected_new_tokens: int = 0,
+             seconds: float | None, clock: str = "wall", method: str = "pilot", expected_new_tokens: str | None = None,
              seed_000: str | None = None) -> int:
     """`workbook forecast`: pilot, forecast, print; the forecast is also written beside the job's
     output (``<output>.forecast.json``; training: ``<train_output_dir>/forecast.json``) so the
     run records the forecast it started with. ``method`` 'work' forecasts from the job's work
     without a pilot (``roofline``), 'both' shows the two side by side, 'auto' pilots where this
-    machine can run the model; ``seed_000``: a folder for seed 000's job forecast on every profile."""
+    machine can run the model; ``expected_new_tokens``: the key of that name, given on the command line;
+    ``seed_000``: a folder for seed 000's job forecast on every profile."""
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -62,14 +65,16 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
         print(json.dumps(record, indent=2) if as_json else (Path(seed_000) / "seed_000_forecast.md").read_text())
         return 0
     params, _, _ = runner.resolve_params(params_arg, overrides, log=say)
-    mode = mode or params["plan_mode"]
-    method = roofline.pilot_or_work(params) if method == "auto" else method
-    if expected_new_tokens < 0:
-        print(f"error: --expected-new-tokens {expected_new_tokens}: expected a number of tokens > 0, e.g. 400",
-              file=sys.stderr)
-        return 2
-    if expected_new_tokens:
-        params = params_module.Params({**params, "expected_new_tokens": expected_new_tokens})
+    if expected_new_tokens is not None:
+        try:
+            params = params_module.apply_overrides(params, {"expected_new_tokens": params_module.validate_value(
+                "expected_new_tokens", expected_new_tokens, "--expected-new-tokens")})
+        except params_module.ParamsError as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+    own = ForecastSettings.from_params(params)  # the forecast's own keys; the jobs build theirs at their entry
+    mode = mode or own.plan_mode
+    method = roofline.pilot_or_work(own.model, Hardware.from_params(params)) if method == "auto" else method
     if method == "work":
         return _without_pilot(params, mode, as_json, None, say)
     if not 0 < share <= 1:
@@ -80,7 +85,7 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
         return 2
     try:
         with contextlib.redirect_stdout(sys.stderr):  # the training loop prints its progress; --json owns stdout
-            result, record = _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock)
+            result, record = _forecast_and_record(params, own, params_arg, overrides, mode, share, seconds, say, clock)
     except (GenerationError, TrainError, jsonl.DataError, ValueError, DoesNotFitError) as error:
         print(f"error: {error}", file=sys.stderr)
         if isinstance(error, DoesNotFitError):
@@ -99,29 +104,30 @@ def cli_main(params_arg: str, overrides: list[str], *, mode: str | None, as_json
     return 0
 
 
-def _forecast_and_record(params, params_arg, overrides, mode, share, seconds, say, clock):
+def _forecast_and_record(params, own: ForecastSettings, params_arg, overrides, mode, share, seconds, say, clock):
     """The forecast, and the file it is recorded in for the run to read back."""
     if mode == "generate":
-        job = None
-        if not params["output_path"]:
-            folder = notebook.new_run_dir(params["profile"])
-            params = params_module.Params({**params, "output_path": str(folder / OUTPUT_FILE_NAME)})
+        job, output_path = None, own.output_path
+        if not output_path:
+            folder = notebook.new_run_dir(own.profile)
+            output_path = str(folder / OUTPUT_FILE_NAME)
+            params = params_module.Params({**params, "output_path": output_path})
             # The pilot's folder is the job's: notebook 05 lists it, and `workbook generate` resumes its record.
             job = runner.start_job(folder, "generate", params, params_arg, overrides)
         settings = " ".join(item for item in overrides if not item.startswith("output_path="))
         resume = (f"workbook generate --params {params_arg} --set {settings + ' ' if settings else ''}"
-                  f"output_path={params['output_path']}")
+                  f"output_path={output_path}")
         try:
             result = forecast_generation(params, share=share, seconds=seconds, log=say, clock=clock)
         except Exception as error:
             runner.finish_job(job, 2, error)
             raise
         runner.finish_job(job, 1, f"the forecast's pilot only; the job resumes after it: {resume}")
-        record = recorded_forecast.generation_file(params["output_path"])
-        say(f"the pilot's outputs are in {params['output_path']}; the job resumes after them: {resume}")
+        record = recorded_forecast.generation_file(output_path)
+        say(f"the pilot's outputs are in {output_path}; the job resumes after them: {resume}")
     else:
         result = forecast_training(params, share=share, seconds=seconds, log=say, clock=clock)
-        record = recorded_forecast.training_file(params["train_output_dir"] or notebook.new_run_dir(params["profile"]))
+        record = recorded_forecast.training_file(own.train_output_dir or notebook.new_run_dir(own.profile))
     return result, record
 
 

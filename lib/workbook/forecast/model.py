@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from workbook import gpu
+from workbook.hardware import Hardware
 from workbook.paths import REFERENCE_DIR, REPO_ROOT
 from workbook.recorded_forecast import FORECAST_SUFFIX, TRAINING_FILE_NAME
 
@@ -221,12 +222,12 @@ def simulate_training(total_steps: int, evaluations: int, timings: TrainingTimin
 # Cost and projection to the other profiles.
 
 
-def cost(wall_seconds: float, profile: dict, num_nodes: int = 1) -> dict:
+def cost(wall_seconds: float, hardware: Hardware, num_nodes: int = 1) -> dict:
     """GPU-hours and dollars of ``wall_seconds`` on ``num_nodes`` machines of a profile (its
     gpu_count GPUs each) at its usd_per_gpu_hour."""
-    gpu_hours = wall_seconds / SECONDS_PER_HOUR * max(profile["gpu_count"], 0) * num_nodes
-    return {"gpu_hours": round(gpu_hours, 4), "usd": round(gpu_hours * profile["usd_per_gpu_hour"], 4),
-            "usd_per_gpu_hour": profile["usd_per_gpu_hour"]}
+    gpu_hours = wall_seconds / SECONDS_PER_HOUR * max(hardware.gpu_count, 0) * num_nodes
+    return {"gpu_hours": round(gpu_hours, 4), "usd": round(gpu_hours * hardware.usd_per_gpu_hour, 4),
+            "usd_per_gpu_hour": hardware.usd_per_gpu_hour}
 
 
 @dataclass
@@ -255,18 +256,18 @@ class Peaks:
     note: str = ""  # set when the compute peak is not the job's dtype's
 
 
-def profile_peaks(profile: dict, dtype: str) -> Peaks | None:
+def profile_peaks(hardware: Hardware, dtype: str) -> Peaks | None:
     """The spec-table peaks a profile states, or None when it states none (the cpu profile). Where
     the profile has no peak for ``dtype`` (fp32 always; bf16 on a V100), the job is projected at the
     16-bit peak it would run at there, and the source says so."""
-    tflops, used = gpu.dense_peak_tflops(profile, dtype), dtype
+    tflops, used = gpu.dense_peak_tflops(hardware, dtype), dtype
     for other in ("bf16", "fp16"):
         if not tflops:
-            tflops, used = gpu.dense_peak_tflops(profile, other), other
-    if tflops <= 0 or profile["memory_bandwidth_gbs"] <= 0:
+            tflops, used = gpu.dense_peak_tflops(hardware, other), other
+    if tflops <= 0 or hardware.memory_bandwidth_gbs <= 0:
         return None
-    note = f"at {profile['profile']}'s {used} peak (it states none for {dtype})" if used != dtype else ""
-    return Peaks(tflops * 1e12, profile["memory_bandwidth_gbs"] * 1e9, f"params/{profile['profile']}.yaml", note)
+    note = f"at {hardware.profile}'s {used} peak (it states none for {dtype})" if used != dtype else ""
+    return Peaks(tflops * 1e12, hardware.memory_bandwidth_gbs * 1e9, f"params/{hardware.profile}.yaml", note)
 
 
 def efficiencies(phases: Phases, peaks: Peaks) -> dict:
@@ -312,27 +313,28 @@ def project(phases: Phases, here: Peaks, there: Peaks, gpus_there: int, processe
     return phases.other_seconds + (decode + compute) / split
 
 
-def profile_rows(phases: Phases, this_profile: dict, here: Peaks, profiles: dict, wall_seconds: float,
-                 mode: str, processes_here: int = 1, num_nodes: int = 1) -> list[dict]:
-    """One row per profile: wall seconds, GPU-hours and dollars, and the basis of the number. Every
-    profile runs the job on ``num_nodes`` machines of its gpu_count GPUs; ``processes_here``: the
-    processes over all nodes that ``phases`` were simulated for."""
+def profile_rows(phases: Phases, this_profile: str, dtype: str, here: Peaks, profiles: dict[str, Hardware],
+                 wall_seconds: float, mode: str, processes_here: int = 1, num_nodes: int = 1) -> list[dict]:
+    """One row per profile of ``profiles`` (each its machine): wall seconds, GPU-hours and dollars, and
+    the basis of the number. ``this_profile``: the one the pilot ran on, in ``dtype``. Every profile runs
+    the job on ``num_nodes`` machines of its gpu_count GPUs; ``processes_here``: the processes over all
+    nodes that ``phases`` were simulated for."""
     rows = []
-    for name, profile in sorted(profiles.items()):
-        if name == this_profile["profile"]:
+    for name, hardware in sorted(profiles.items()):
+        if name == this_profile:
             seconds, basis = wall_seconds, "measured here (pilot)"
         else:
-            there = profile_peaks(profile, this_profile["dtype"])
+            there = profile_peaks(hardware, dtype)
             if there is None:
                 rows.append({"profile": name, "wall_seconds": None, "usd": None, "gpu_hours": None,
                              "basis": "not projected: the profile states no peak compute or bandwidth"})
                 continue
             reference = reference_efficiencies(name, mode)
-            seconds = project(phases, here, there, profile["gpu_count"] * num_nodes, processes_here, reference)
+            seconds = project(phases, here, there, hardware.gpu_count * num_nodes, processes_here, reference)
             basis = (f"projected from {name}'s committed reference ({reference['file']})"
-                     if reference else f"projected from here ({this_profile['profile']}: {here.source}) by "
+                     if reference else f"projected from here ({this_profile}: {here.source}) by "
                      "bandwidth (decode) and compute (prefill, steps) ratios") + (f"; {there.note}" if there.note else "")
-        rows.append({"profile": name, "wall_seconds": round(seconds, 2), **cost(seconds, profile, num_nodes),
+        rows.append({"profile": name, "wall_seconds": round(seconds, 2), **cost(seconds, hardware, num_nodes),
                      "basis": basis})
     return rows
 

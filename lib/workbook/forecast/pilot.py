@@ -26,15 +26,17 @@ from typing import Callable
 
 import torch
 
-from workbook import ceilings, decoding, job_keys, params as params_module, runtime
+from workbook import ceilings, decoding, job_keys, runtime
 from workbook.forecast import eta, model as forecast, regression, startup, stream as stream_forecast, training_steps
 from workbook.forecast.forward_timer import ForwardTimer
 from workbook.forecast.model import GenerationTimings, OutputLengths, Phases, Peaks
+from workbook.forecast.settings import profiles_hardware
 from workbook.generation import job
 from workbook.generation.engine import in_batches, sort_longest_first
 from workbook.generation.files import OutputFiles, lock_output, resolve_output_path
 from workbook.generation.inputs import read_inputs
 from workbook.generation.settings import GenerationSettings
+from workbook.hardware import Hardware
 from workbook.paths import OUTPUTS_DIR
 from workbook.planner import profile
 from workbook.planner.formulas import kv_cache_bytes_per_token
@@ -151,11 +153,13 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
                         log: Callable[[str], None] = print, model=None, tokenizer=None,
                         clock: str = "wall") -> forecast.Forecast:
     """Forecast a generation job from a pilot of its own batches on this machine. The pilot's
-    outputs go into the job's output (``params['output_path']``, which must be set): the job's
-    resume skips them. ``model``/``tokenizer`` preloaded skip loading ``params['model']`` (tests)."""
+    outputs go into the job's output (its ``output_path``, which must be set): the job's resume skips
+    them. ``model``/``tokenizer`` preloaded skip loading the job's model (tests). The entry: the params
+    become the job's settings, this machine's hardware and every profile's, here."""
 
     entered = startup.seconds_so_far(clock)
     settings = GenerationSettings.from_params(params)  # the job's own settings, as run_job builds them
+    hardware, profiles = Hardware.from_params(params), profiles_hardware(params)
     files = OutputFiles(resolve_output_path(settings.output_path, None))  # where the job writes
     rank = job.Rank(0, 1, runtime.default_device())
     with lock_output(files):
@@ -198,8 +202,8 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
         outputs, rows, simulate_job = (OutputLengths([(c.longest_prompt, c.output_lengths) for c in calls]),
                                        sum(c.rows for c in calls), forecast.simulate_generation)
     timings.exit_seconds = startup.job_exit(clock, fresh)
-    processes = params["data_parallel_processes"] * params["num_nodes"]  # the job's global split, every node's
-    simulate = dict(prompts_per_call=backend.prompts_per_call, max_new_tokens=params["max_new_tokens"],
+    processes = settings.data_parallel_processes * hardware.num_nodes  # the job's global split, every node's
+    simulate = dict(prompts_per_call=backend.prompts_per_call, max_new_tokens=settings.max_new_tokens,
                     timings=timings, outputs=outputs, processes=processes)
     whole = simulate_job(every, **simulate)
     low, high = forecast.generation_range(every, fit_error=fit_error, simulate=simulate_job, **simulate)
@@ -207,17 +211,19 @@ def forecast_generation(params, *, share: float = DEFAULT_SHARE, seconds: float 
     left_prompts = [p for p in share_.prompts if (p.index, p.sample) not in piloted]
     left = [len(p.token_ids) for p in left_prompts]
     remaining = simulate_job(left, **simulate).seconds if left else 0.0
-    phases = generation_phases(model, params["dtype"], whole)
-    made = _assemble("generate", params, whole.seconds, (low, high), remaining, phases, timings.to_dict(), rank.device, {
+    phases = generation_phases(model, settings.dtype, whole)
+    network = profile.plan(settings.profile_params, mode="generate").network
+    made = _assemble("generate", hardware, settings.dtype, profiles, network, whole.seconds, (low, high), remaining,
+                     phases, timings.to_dict(), rank.device, {
         "batches": piloted_batches, "prompts": rows, "seconds": pilot_seconds, "timed": timed_how,
         "share_of_job_batches": piloted_batches / max(len(forecast.batch_plan(every, backend.prompts_per_call)), 1),
         "batch_indices": chosen[:piloted_batches], "written_to": str(files.output),
         "fit_error": fit_error, "output_lengths": outputs.by_prompt_length,
         "fresh_process": startup.record(fresh, entered),
     }, {"prompts": len(every), "batches": len(whole.batch_seconds), "batch_size": share_.batch_size,
-        "backend": backend.name, "model": params["model"], "prompt_tokens": {
+        "backend": backend.name, "model": settings.model, "prompt_tokens": {
             "min": min(every), "median": statistics.median(every), "max": max(every)},
-        "max_new_tokens": params["max_new_tokens"], "processes": processes,
+        "max_new_tokens": settings.max_new_tokens, "processes": processes,
         "batch_seconds_planned": whole.batch_seconds}, clock)
     # The job run next plans its ETA by this model: its batches (as the engine cuts what is left) priced here.
     left_batches = in_batches(sort_longest_first(left_prompts), backend.prompts_per_call)
@@ -275,16 +281,16 @@ def generation_phases(model, dtype: str, whole: forecast.GenerationSimulation) -
                   compute_flops=2.0 * parameters * whole.prefill_tokens)
 
 
-def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings, device, pilot, job_facts,
-              clock: str = "wall") -> forecast.Forecast:
-    here = forecast.profile_peaks(params, params["dtype"]) or host_peaks(device)
-    profiles = params_module.load_all()
-    profiles[params["profile"]] = params  # this run's settings (--set) for its own row
-    rows = forecast.profile_rows(phases, params, here, profiles, wall, mode,
-                                 processes_here=job_facts.get("processes", 1), num_nodes=params["num_nodes"])
-    network = profile.plan(params, mode=mode).network
+def _assemble(mode, hardware: Hardware, dtype: str, profiles: dict[str, Hardware], network: dict, wall, wall_range,
+              remaining, phases: Phases, timings, device, pilot, job_facts, clock: str = "wall") -> forecast.Forecast:
+    """The forecast from what the pilot measured on ``hardware`` (the job in ``dtype``), projected to
+    every profile of ``profiles`` (this run's own among them, its --set included); ``network``: the
+    planner's account of what crosses the network between the job's nodes."""
+    here = forecast.profile_peaks(hardware, dtype) or host_peaks(device)
+    rows = forecast.profile_rows(phases, hardware.profile, dtype, here, profiles, wall, mode,
+                                 processes_here=job_facts.get("processes", 1), num_nodes=hardware.num_nodes)
     notes = [f"not in the time: the network ({network['explanation']}); the profiles state no network bandwidth"
-             ] if params["num_nodes"] > 1 and network["network_bytes_per_node_per_step"] else []
+             ] if hardware.num_nodes > 1 and network["network_bytes_per_node_per_step"] else []
     fresh = pilot.get("fresh_process", {})
     if clock == "wall" and fresh.get("measured") and fresh["this_process_start_seconds"] > 2 * fresh["startup_seconds"] + 1:
         notes.append(f"this process took {fresh['this_process_start_seconds']:.1f} s to start and a fresh one "
@@ -292,11 +298,11 @@ def _assemble(mode, params, wall, wall_range, remaining, phases: Phases, timings
                      "the forecast counts the second, as the job run next will find the cache")
     notes += ["projections keep start-up and per-call overheads as measured here and scale only the decode "
              "(bandwidth) and compute phases; a small model on a CPU is overhead-bound, so its projections "
-             "understate GPU overheads"] if not forecast.profile_peaks(params, params["dtype"]) else []
+             "understate GPU overheads"] if not forecast.profile_peaks(hardware, dtype) else []
     return forecast.Forecast(
-        mode=mode, profile=params["profile"], predicted_wall_seconds=wall, predicted_wall_seconds_range=wall_range,
+        mode=mode, profile=hardware.profile, predicted_wall_seconds=wall, predicted_wall_seconds_range=wall_range,
         remaining_wall_seconds=remaining, pilot=pilot, timings=timings, job=job_facts,
-        cost=forecast.cost(wall, params, params["num_nodes"]), profiles=rows, network=network,
+        cost=forecast.cost(wall, hardware, hardware.num_nodes), profiles=rows, network=network,
         efficiency={mode: forecast.efficiencies(phases, here), "peaks": dataclasses.asdict(here),
                     "phases": phases.to_dict()}, notes=notes, clock=clock)
 
@@ -309,14 +315,15 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     not, is then priced by what it holds. The loop times its steps on the wall clock; with
     ``clock='cpu'`` every time is converted by the pilot's CPU/wall ratio."""
     entered = startup.seconds_so_far(clock)
+    hardware, profiles = Hardware.from_params(params), profiles_hardware(params)
     with tempfile.TemporaryDirectory(prefix="forecast-") as scratch:
         config = training_config.config_from_params(params, scratch)
         prepared = prepare_data(config, log=log)
         # The run over every node: the same micro-batches and accumulation per process, so more
         # processes make a larger effective batch and (by epochs) fewer steps. The pilot runs on this
         # node alone, so its steps are those of a run over this node's processes.
-        run = plan_run(config, prepared, processes=config.processes * params["num_nodes"])
-        here = plan_run(config, prepared) if params["num_nodes"] > 1 else run
+        run = plan_run(config, prepared, processes=config.processes * hardware.num_nodes)
+        here = plan_run(config, prepared) if hardware.num_nodes > 1 else run
         lengths = [example.length for example in prepared.train]
         rows = batches.plan_rows(lengths, config.padding, prepared.max_seq_length)
         contents = training_steps.run_step_contents(rows, lengths, config.padding, run, config.seed)
@@ -354,7 +361,7 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
     # before and after, the first validation, the first step's warm-up.
     fixed = (result["time"]["wall_seconds"] * to_clock - sum(model.seconds(contents_here[step]) for step in chosen)
              - loader_start_seconds * max(sum(starts) - 1, 0) - pilot_evaluations * evaluation_seconds)
-    save_seconds = _save_seconds(result["parameters"], params["dtype"])
+    save_seconds = _save_seconds(result["parameters"], config.dtype)
     fresh = startup.fresh_process("workbook.training.loop")
     timings = forecast.TrainingTimings(startup.job_startup(clock, entered, before_pilot, fresh), max(fixed, 0.0), step_seconds,
                                        evaluation_seconds, save_seconds, startup.job_exit(clock, fresh))
@@ -366,7 +373,9 @@ def forecast_training(params, *, share: float = DEFAULT_SHARE, seconds: float | 
                     other_seconds=wall - steps_part - evaluations * evaluation_seconds,
                     compute_flops=flops_per_token * tokens_per_step * (run.total_steps + evaluations * validation_tokens
                                                                        / tokens_per_step / 3))
-    return _assemble("train", params, wall, forecast.widened(wall, wall, spread), wall, phases, timings.to_dict(), runtime.default_device(), {
+    network = profile.plan(params, mode="train").network
+    return _assemble("train", hardware, config.dtype, profiles, network, wall, forecast.widened(wall, wall, spread), wall,
+                     phases, timings.to_dict(), runtime.default_device(), {
                          "steps": len(chosen), "seconds": pilot_seconds, "share_of_job_steps": len(chosen) / run.total_steps,
                          "step_indices": chosen, "step_seconds": measured, "starts_a_loader": starts,
                          "step_model": {**model.to_dict(), "loader_start_seconds": loader_start_seconds,

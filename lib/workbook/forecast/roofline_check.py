@@ -29,6 +29,8 @@ from workbook.forecast import roofline
 from workbook.forecast.forward_timer import ForwardTimer
 from workbook.forecast.work import model_work, static_generation_work
 from workbook.generation.job import run_job
+from workbook.generation.settings import GenerationSettings
+from workbook.hardware import Hardware
 
 GOAL = 0.15  # |forecast - measured| / measured
 # (name, prompts file, max_new_tokens): the first job measures the efficiency, the others are forecast.
@@ -91,16 +93,16 @@ def cpu_time_peaks(copy_bytes: int = 128 * 2 ** 20, size: int = 1024, repeats: i
 def check(profile: str = "cpu", model_name: str = tiny_model.TINY_MODEL_NAME, repeats: int = 3, log=print,
           clock: str = "cpu") -> dict:
     base = params_module.load(params_module.profile_path(profile))
+    hardware, dtype = Hardware.from_params(base), GenerationSettings.from_params(base).dtype
     torch.manual_seed(0)
     if model_name == tiny_model.TINY_MODEL_NAME:  # random weights: every output runs to max_new_tokens
         model = AutoModelForCausalLM.from_config(presets.load_config(model_name)).to(runtime.default_device()).eval()
         tokenizer = tiny_model.build_tokenizer()
     else:
-        loaded = models.load_model(model_name, base["dtype"], runtime.default_device())
+        loaded = models.load_model(model_name, dtype, runtime.default_device())
         model, tokenizer = loaded.model, models.load_tokenizer(model_name)
-    dtype = base["dtype"]
     counted = model_work(presets.load_config(models.model_source(model_name)), dtype)
-    peaks = roofline.peaks_for(base, dtype) if clock == "wall" or base["gpu_count"] else cpu_time_peaks()
+    peaks = roofline.peaks_for(hardware, dtype) if clock == "wall" or hardware.has_gpu else cpu_time_peaks()
     cases, efficiency = [], None
     with tempfile.TemporaryDirectory(prefix="roofline-check-") as scratch:
         warm = params_module.apply_overrides(base, {"model": model_name, "prompts_path": WARM_UP[0], "backend": "static",
@@ -111,7 +113,7 @@ def check(profile: str = "cpu", model_name: str = tiny_model.TINY_MODEL_NAME, re
             params = params_module.apply_overrides(base, {
                 "model": model_name, "prompts_path": prompts, "max_new_tokens": new_tokens, "backend": "static",
                 "do_sample": False, "samples_per_prompt": 1, "verifier": "", "max_accepted_per_prompt": 0})
-            lengths = roofline.job_lengths(params, tokenizer)
+            lengths = roofline.job_lengths(GenerationSettings.from_params(params), tokenizer)
             batch = roofline.planner_profile.resolve_batch_size(params, "generate")
             job = static_generation_work(counted, lengths.prompt_tokens, [float(new_tokens)] * len(lengths.prompt_tokens),
                                          batch_size=batch, max_new_tokens=new_tokens)

@@ -20,6 +20,9 @@ from pathlib import Path
 from workbook import params as params_module
 from workbook.bench.claims import SEED_000_CLAIMS, SEED_000_JOB
 from workbook.forecast import roofline
+from workbook.forecast.settings import jobs_on_profiles
+from workbook.generation.settings import GenerationSettings
+from workbook.hardware import Hardware
 
 MODEL = "Llama-3.1-8B"  # the seed's teacher: "llama-3.1-8b-maml-merged"
 # Assumed shapes (the seed states none): short questions and chat-model answers, log-normal, in tokens.
@@ -76,15 +79,16 @@ def forecast(log=print) -> tuple[roofline.RooflineForecast, list[dict]]:
     with tempfile.TemporaryDirectory(prefix="seed-000-") as scratch:
         params = seed_params(write_prompts(Path(scratch) / "prompts.jsonl"))
         made = roofline.forecast_without_pilot(params, log=log)
-        lengths = roofline.job_lengths(params)
-        model = roofline.model_work(roofline.presets.load_config(MODEL), params["dtype"])
-        profiles = params_module.load_all()
-        at_seed_batch = [roofline.generation_row(params_module.Params({
-            **roofline.on_profile(params, profiles[name]), "batch_size": batch}), model, lengths)
-            for name, batch in SEED_BATCHES.items()]
+        settings, on_profiles = GenerationSettings.from_params(params), jobs_on_profiles(params)
+        lengths = roofline.job_lengths(settings)
+        model = roofline.model_work(roofline.presets.load_config(MODEL), settings.dtype)
+        at_seed_batch = [roofline.generation_row(Hardware.from_params(on_profiles[name]),
+                                                 GenerationSettings.from_params(on_profiles[name]).replace(batch_size=batch),
+                                                 model, lengths)
+                         for name, batch in SEED_BATCHES.items()]
     for row in at_seed_batch:
         row.pop("error", None)  # the row's basis says it; the exception is not part of the table
-    made.job["planned_prompt_len"] = params["prompt_len"]
+    made.job["planned_prompt_len"] = settings.prompt_len
     made.job["prompts_path"] = (f"synthetic: {SEED_000_JOB['prompts']:,} records with reference outputs, lengths "
                                 "log-normal as workbook.forecast.seed_example.SHAPE states")
     return made, at_seed_batch
