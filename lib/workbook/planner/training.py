@@ -22,12 +22,13 @@ from workbook.planner.plans import (
     DEFAULT_FRAGMENTATION_FRACTION, DEFAULT_OVERHEAD_BYTES, DEFAULT_SAFETY_MARGIN, Plan, Term, check_overheads,
     make_plan, overhead_terms,
 )
-from workbook.planner.step_moments import StepTensors
 from workbook.planner.shape import (
     ATTENTION_IMPLEMENTATIONS, DEFAULT_LORA_TARGET_MODULES, FP32_BYTES, INT64_BYTES, OPTIMIZERS,
     QUANTIZED_DTYPES, SHARDINGS, ModelShape, canonical_dtype, check_choice, compute_bytes, lora_target_choice,
     model_shape, positive_bytes, require_non_negative, require_positive,
 )
+from workbook.planner.step_moments import StepTensors
+from workbook.units import format_bytes
 
 # 8-bit Adam (bitsandbytes) keeps one fp32 absmax per block of 256 values of each of its two states.
 ADAM_8BIT_BLOCK_SIZE = 256
@@ -158,6 +159,8 @@ def plan_train(
                   for name in lora_target_choice(shape, lora_target_modules).unmatched]
     planned_step = step_for(micro_batch_size)
     peak_moment, moments = step_moments.peak(state_terms, planned_step)
+    notes.insert(0, f"the peak is a moment of the step, the {peak_moment.name}; the tensors alive in each: "
+                    + ", ".join(f"{moment.name} {format_bytes(moment.total)}" for moment in moments))
     return make_plan(
         mode="train", shape=shape, dtype=dtype, batch_size=micro_batch_size,
         lengths={"seq_len": seq_len},
