@@ -17,7 +17,8 @@ Per 4-bit layer of n = in x out weights:
   0.43 and older kept ``(A, B)``, every 4-bit layer's input (``legacy_saved_input_bytes_per_token``);
 - a temporary: the whole weight dequantized to the compute dtype, one layer at a time. Backward
   always makes it (``dequantize_4bit(B, ctx.state)`` for the input's gradient); forward too past 1,536
-  rows (``gemm_4bit``'s ``_dequant_linear_fallback``), where its fused kernel stops. Double
+  rows (``gemm_4bit``'s ``_dequant_linear_fallback``), where its fused kernel stops, and below that wherever
+  its per-GPU heuristic prefers dequantizing (on an H100, past 16 to 64 rows for large layers). Double
   quantization first dequantizes the absmax to fp32 (and the fallback adds the offset into a second copy).
 Embeddings, norms, biases and the lm_head stay bf16 (PEFT's ``prepare_model_for_kbit_training``, which
 upcasts them to fp32, is not planned).
