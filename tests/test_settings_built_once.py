@@ -104,3 +104,17 @@ def test_the_job_keys_are_listed_without_importing_torch():
     probe = "import sys, workbook.job_keys; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_planners_settings_start_at_the_schemas_defaults():
+    # plan() takes a whole profile; a key the profile does not hold is planned at the schema's default
+    # (no default of its own written beside the read), a key it holds at its own value.
+    from dataclasses import replace
+
+    from workbook.params import defaults
+    from workbook.planner.profile import PlanSettings
+    schema_defaults, built = defaults(), PlanSettings()
+    assert {f.name: getattr(built, f.name) for f in fields(PlanSettings) if f.name in SCHEMA} == \
+        {f.name: schema_defaults[f.name] for f in fields(PlanSettings) if f.name in SCHEMA}
+    assert PlanSettings.from_params({"lora_rank": 8, "sharding": "fsdp", "bench_examples": 3}) == \
+        replace(built, lora_rank=8, sharding="fsdp")
