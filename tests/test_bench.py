@@ -131,19 +131,19 @@ def test_a_batch_of_zero_an_empty_list_or_no_strategy_is_refused_and_cpu_runs_in
     with pytest.raises(bench.BenchError, match="bench_strategies"):
         bench.parse_strategies(" , ")
     # bf16 matmuls are emulated on a CPU: the profile's dtype applies on a GPU only.
-    assert bench.run_dtype({"dtype": "bf16"}, torch.device("cpu")) == "fp32"
-    assert bench.run_dtype({"dtype": "bf16"}, torch.device("cuda")) == "bf16"
+    assert bench.run_dtype("bf16", torch.device("cpu")) == "fp32"
+    assert bench.run_dtype("bf16", torch.device("cuda")) == "bf16"
 
 
 def test_static_compiled_and_training_compile_are_skipped_with_a_reason_on_cpu():
     import torch
-    params = {"bench_batch_sizes": "8,32", "bench_strategies": ",".join(bench.STRATEGIES),
-              "bench_train_micro_batches": "4"}
-    points = bench.sweep_points(params, torch.device("cpu"))
+    settings = bench.BenchSettings(bench_batch_sizes="8,32", bench_strategies=",".join(bench.STRATEGIES),
+                                   bench_train_micro_batches="4")
+    points = bench.sweep_points(settings, torch.device("cpu"))
     assert [(p["strategy"], p["batch_size"]) for p in points][:2] == [("seed-before", 1), ("seed-after", 32)]
     compiled = [p for p in points if p["strategy"] == "static-compiled"]
     assert len(compiled) == 2 and all("skipped on CPU" in p["skipped"] for p in compiled)
-    training = bench.training_points(params, torch.device("cpu"))
+    training = bench.training_points(settings, torch.device("cpu"))
     # The compile point comes last (a minute or more of compiling on a GPU), skipped on CPU.
     assert [(p["torch_compile"], bool(p.get("skipped"))) for p in training] == [
         (False, False), (False, False), (False, False), (True, True)]
@@ -155,9 +155,10 @@ def test_the_training_sweep_runs_each_memory_setting_named_as_one_more_point(tmp
     from workbook import params as params_module
     import importlib
     training_sweep = importlib.import_module("workbook.bench.training_sweep")  # the package exports a function so named
-    params = {**params_module.load_all()["cpu"], "bench_train_micro_batches": "2", "bench_train_steps": 3,
-              "bench_train_settings": "loss_chunk_tokens,precision_bf16,offload_activations,sdpa_block_mask"}
-    points = bench.training_points(params, torch.device("cpu"))
+    settings = bench.BenchSettings.from_params({
+        **params_module.load_all()["cpu"], "bench_train_micro_batches": "2", "bench_train_steps": 3,
+        "bench_train_settings": "loss_chunk_tokens,precision_bf16,offload_activations,sdpa_block_mask"})
+    points = bench.training_points(settings, torch.device("cpu"))
     added = points[3:7]  # after plain, checkpointing, length grouping; the compile point last
     assert points[7]["torch_compile"] and "loss_chunk_tokens" not in points[7]
     assert [{k: v for k, v in p.items() if k in training_sweep.SETTING_KEYS} for p in added] == [
@@ -171,11 +172,11 @@ def test_the_training_sweep_runs_each_memory_setting_named_as_one_more_point(tmp
         "loss in chunks of 1024", "pure bf16 weights and states", "activations offloaded to host",
         "4D block mask (sdpa)"]
     assert rows[0]["memory setting"] == "" and rows[7]["compile"]
-    measured = training_sweep.training_point(params, added[3], tmp_path, log=lambda line: None)
+    measured = training_sweep.training_point(settings, added[3], tmp_path, log=lambda line: None)
     assert measured["tokens_per_second"] > 0 and measured["model"].endswith("attention sdpa_block_mask")
     assert len(measured["timed_step_tokens_per_second"]) == measured["timed_steps"] == 1  # 3 steps, 2 warm-up
     with pytest.raises(ValueError, match="bench_train_settings: unknown chunked"):
-        bench.training_points({**params, "bench_train_settings": "chunked"}, torch.device("cpu"))
+        bench.training_points(settings.replace(bench_train_settings="chunked"), torch.device("cpu"))
 
 
 def test_a_point_whose_runs_spread_far_apart_is_marked_noisy_where_it_is_shown():
@@ -213,11 +214,12 @@ def test_offloaded_activations_are_capped_by_the_host_memory_they_are_pinned_in(
     training_sweep = importlib.import_module("workbook.bench.training_sweep")
     monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))
     monkeypatch.setattr(run_plan.psutil, "virtual_memory", lambda: FakeMemory(120 * 2**30))
-    params = {**params_module.load_all()["h200"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
-              "bench_train_settings": "offload_activations", "bench_train_micro_batches": "auto"}
-    offloaded = [p for p in training_sweep.training_points(params, torch.device("cuda")) if p.get("offload_activations")]
+    settings = bench.BenchSettings.from_params({
+        **params_module.load_all()["h200"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+        "bench_train_settings": "offload_activations", "bench_train_micro_batches": "auto"})
+    offloaded = [p for p in training_sweep.training_points(settings, torch.device("cuda")) if p.get("offload_activations")]
     micro = offloaded[0]["micro_batch_size"]
-    config = training_sweep.point_config(params, offloaded[0], Path("unused"))
+    config = training_sweep.point_config(settings, offloaded[0], Path("unused"))
     per_row = run_plan.memory_plan(config, 1, 2048).settings["offloaded_activation_bytes"]
     assert 2 * micro * per_row <= 0.9 * 120 * 2**30 < 2 * (micro + 1) * per_row
     assert run_plan.memory_plan(config, micro + 1, 2048).fits  # the GPU would hold more: the host decided
@@ -231,10 +233,11 @@ def test_a_host_with_almost_no_free_memory_still_gets_a_micro_batch_of_one_row(m
     training_sweep = importlib.import_module("workbook.bench.training_sweep")
     monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))
     monkeypatch.setattr(run_plan.psutil, "virtual_memory", lambda: FakeMemory(2**20))
-    params = {**params_module.load_all()["h200"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
-              "bench_train_settings": "offload_activations", "bench_train_micro_batches": "auto"}
-    offloaded = [p for p in training_sweep.training_points(params, torch.device("cuda")) if p.get("offload_activations")]
-    config = training_sweep.point_config(params, offloaded[0], Path("unused"))
+    settings = bench.BenchSettings.from_params({
+        **params_module.load_all()["h200"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+        "bench_train_settings": "offload_activations", "bench_train_micro_batches": "auto"})
+    offloaded = [p for p in training_sweep.training_points(settings, torch.device("cuda")) if p.get("offload_activations")]
+    config = training_sweep.point_config(settings, offloaded[0], Path("unused"))
     fits, rule = run_plan.largest_micro_batch(config, 2048)
     assert fits == 1 and "capped at 1 by host memory" in rule
 
@@ -246,12 +249,13 @@ def test_an_auto_micro_batch_runs_each_memory_setting_at_the_largest_the_planner
     training_sweep = importlib.import_module("workbook.bench.training_sweep")
     monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))  # the h100's bf16
     monkeypatch.setattr(run_plan.psutil, "virtual_memory", lambda: FakeMemory(2**40))  # a host that holds any offload
-    params = {**params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
-              "bench_train_settings": "loss_chunk_tokens,offload_activations"}
-    points = training_sweep.training_points({**params, "bench_train_micro_batches": "auto"}, torch.device("cuda"))
+    settings = bench.BenchSettings.from_params({
+        **params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+        "bench_train_settings": "loss_chunk_tokens,offload_activations"})
+    points = training_sweep.training_points(settings.replace(bench_train_micro_batches="auto"), torch.device("cuda"))
     plain, checkpointed, _, chunked, offloaded, compiled = points
     for point in (plain, checkpointed, chunked, offloaded):
-        config = training_sweep.point_config(params, point, Path("unused"))
+        config = training_sweep.point_config(settings, point, Path("unused"))
         micro = point["micro_batch_size"]
         assert training.memory_plan(config, micro, 2048).fits and not training.memory_plan(config, micro + 1, 2048).fits
         assert training_sweep.training_label(point).startswith(f"mb {micro} (planned)")
@@ -260,12 +264,12 @@ def test_an_auto_micro_batch_runs_each_memory_setting_at_the_largest_the_planner
         plain["micro_batch_size"]
     assert compiled["torch_compile"] and compiled["micro_batch_size"] == plain["micro_batch_size"]
     # A number the list names and 'auto' landing on it: one point, not the same run twice.
-    both = training_sweep.training_points({**params, "bench_train_micro_batches": f"{plain['micro_batch_size']},auto"},
-                                          torch.device("cuda"))
+    both = training_sweep.training_points(
+        settings.replace(bench_train_micro_batches=f"{plain['micro_batch_size']},auto"), torch.device("cuda"))
     assert len([p for p in both if training_sweep._is_plain(p)]) == 1
     # Not even one row fits: said, not run.
-    too_big = training_sweep.training_points({**params, "bench_train_model": "Llama-3.1-70B", "bench_train_settings": "",
-                                              "bench_train_micro_batches": "auto"}, torch.device("cuda"))
+    too_big = training_sweep.training_points(settings.replace(bench_train_model="Llama-3.1-70B", bench_train_settings="",
+                                                              bench_train_micro_batches="auto"), torch.device("cuda"))
     assert too_big[0]["micro_batch_size"] == "auto" and "not even micro-batch 1 fits" in too_big[0]["skipped"]
 
 
@@ -280,17 +284,18 @@ def test_a_training_point_trains_with_the_profiles_optimizer_lora_targets_and_da
     from workbook.bench import trainer_baseline
     training_sweep = importlib.import_module("workbook.bench.training_sweep")
     monkeypatch.setattr(training_sweep.runtime, "default_device", lambda: torch.device("cuda"))
-    h100 = {**params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
-            "bench_train_settings": "", "bench_train_micro_batches": "auto"}
-    assert (h100["dataloader_workers"], h100["pin_memory"]) == (4, True)  # what the GPU profiles train with
-    eight_bit = {**h100, "optimizer": "adamw-8bit", "prefetch_factor": 3}
+    h100 = bench.BenchSettings.from_params({
+        **params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+        "bench_train_settings": "", "bench_train_micro_batches": "auto"})
+    assert (h100.dataloader_workers, h100.pin_memory) == (4, True)  # what the GPU profiles train with
+    eight_bit = h100.replace(optimizer="adamw-8bit", prefetch_factor=3)
     point = training_sweep.training_points(eight_bit, torch.device("cuda"))[0]
     config = training_sweep.point_config(eight_bit, point, Path("unused"))
     assert (config.optimizer, config.dataloader_workers, config.pin_memory, config.prefetch_factor) == \
         ("adamw-8bit", 4, True, 3)
     # 8-bit states (2 B/param instead of 8) leave room for a larger planned micro-batch than AdamW's.
     assert point["micro_batch_size"] > training_sweep.training_points(h100, torch.device("cuda"))[0]["micro_batch_size"]
-    lora = training_sweep.point_config({**h100, "lora_rank": 8, "lora_targets": "q_proj,v_proj"}, point, Path("unused"))
+    lora = training_sweep.point_config(h100.replace(lora_rank=8, lora_targets="q_proj,v_proj"), point, Path("unused"))
     assert (lora.lora_rank, lora.lora_targets) == (8, "q_proj,v_proj")
 
     run = types.SimpleNamespace(total_steps=4, micro_batch_size=point["micro_batch_size"], learning_rate=1e-4)
@@ -421,12 +426,12 @@ def test_auto_batch_is_the_planners_point_and_named_as_such():
     with pytest.raises(bench.BenchError, match="bench_train_micro_batches"):
         bench.parse_int_list("auto", "bench_train_micro_batches")  # no planner answer given: an error, not a guess
     planned = {"planned": 1500, "batch_size": 32, "note": "the planner's largest batch on h200: 1500, capped at 32"}
-    params = {"bench_batch_sizes": "8,32,auto", "bench_strategies": "static-sorted"}
-    points = bench.sweep_points(params, torch.device("cpu"), planned)
+    settings = bench.BenchSettings(bench_batch_sizes="8,32,auto", bench_strategies="static-sorted")
+    points = bench.sweep_points(settings, torch.device("cpu"), planned)
     assert [p["batch_size"] for p in points] == [8, 32]  # 'auto' = 32 is run once
     assert points[1]["planner_batch"] == planned["note"] and "planner_batch" not in points[0]
     # A batch above the sweep's prompts is the batch of all of them: run once, not again under another label.
-    capped = bench.sweep_points({**params, "bench_batch_sizes": "8,32,64,auto", "bench_examples": 32},
+    capped = bench.sweep_points(settings.replace(bench_batch_sizes="8,32,64,auto", bench_examples=32),
                                 torch.device("cpu"), planned)
     assert [p["batch_size"] for p in capped] == [8, 32] and capped[1]["planner_batch"] == planned["note"]
 
@@ -721,8 +726,35 @@ def test_the_sweep_drops_static_compiled_graphs_before_the_next_point(monkeypatc
     monkeypatch.setattr(torch._dynamo, "reset", lambda: order.append("reset"))
     setup = sweep.GenerationSetup(model=None, description="tiny", model_name="tiny", prompts=[types.SimpleNamespace(
         token_ids=[1, 2])], settings=types.SimpleNamespace(max_new_tokens=2), device=torch.device("cpu"), dtype="fp32")
-    sweep.generation_sweep({"bench_repeats": 1, "bench_batch_sizes": "4"}, log=lambda line: None, setup=setup)
+    sweep.generation_sweep(bench.BenchSettings(bench_repeats=1, bench_batch_sizes="4"), log=lambda line: None,
+                           setup=setup)
     assert order == ["static-compiled", "reset", "static-sorted"]
+
+
+def test_the_benchmarks_settings_are_built_once_with_the_schemas_defaults_and_are_the_keys_it_reads():
+    import papermill
+    from workbook import job_keys, params as params_module
+    from workbook.bench.settings import BenchSettings, field_keys
+    from workbook.paths import REPO_ROOT
+    # No defaults of its own: settings built in code run as a profile that leaves every key out would.
+    defaults = params_module.defaults()
+    assert BenchSettings().as_params() == {key: defaults[key] for key in field_keys()}
+    h100 = params_module.load_all()["h100"]
+    built = BenchSettings.from_params(h100)
+    assert built.as_params() == {key: h100[key] for key in field_keys()}
+    assert built.hardware.memory_bandwidth_gbs == h100["memory_bandwidth_gbs"] > 0
+    # A change reaches the machine's facts as well as the sweeps' settings.
+    changed = built.replace(usd_per_gpu_hour=0.0, bench_examples=8)
+    assert (changed.hardware.usd_per_gpu_hour, changed.bench_examples, built.hardware.usd_per_gpu_hour) == \
+        (0.0, 8, h100["usd_per_gpu_hour"])
+    # The key list --help and --set read is these fields, written once; notebook 04 declares every one.
+    assert job_keys.BENCH == field_keys()
+    assert set(field_keys()) <= set(papermill.inspect_notebook(str(REPO_ROOT / f"{job_keys.NOTEBOOKS['bench']}.ipynb")))
+    with pytest.raises(params_module.ParamsError, match=r"workbook bench needs the parameter\(s\) gpu_spec, "
+                                                        r"bench_repeats; .*notebooks/04_benchmarking"):
+        BenchSettings.from_params({k: v for k, v in h100.items() if k not in ("gpu_spec", "bench_repeats")})
+    # That nothing past the entry reads the params, and that job_keys imports no torch (so the bench package
+    # loads its sweeps lazily): tests/test_settings_built_once.py.
 
 
 def test_a_gpu_profile_run_on_a_cpu_is_not_judged_against_that_gpus_peaks_or_price():
@@ -730,11 +762,12 @@ def test_a_gpu_profile_run_on_a_cpu_is_not_judged_against_that_gpus_peaks_or_pri
     from workbook import params as params_module
     from workbook.bench import report
     profiles, said = params_module.load_all(), []
-    on_cpu = report.without_absent_peaks(profiles["h100"], torch.device("cpu"), said.append)
-    assert all(on_cpu[key] == 0 for key in report.GPU_FIGURES) and on_cpu["gpu_memory_gib"] == 79.6
+    h100, cpu = (bench.BenchSettings.from_params(profiles[name]) for name in ("h100", "cpu"))
+    on_cpu = report.without_absent_peaks(h100, torch.device("cpu"), said.append)
+    assert all(on_cpu.as_params()[key] == 0 for key in report.GPU_FIGURES) and on_cpu.hardware.gpu_memory_gib == 79.6
     assert "describes a GPU and this run is on cpu" in said[0]
-    assert report.without_absent_peaks(profiles["h100"], torch.device("cuda"), said.append) is profiles["h100"]
-    assert report.without_absent_peaks(profiles["cpu"], torch.device("cpu"), said.append) is profiles["cpu"]
+    assert report.without_absent_peaks(h100, torch.device("cuda"), said.append) is h100
+    assert report.without_absent_peaks(cpu, torch.device("cpu"), said.append) is cpu
     assert len(said) == 1
 
 
@@ -797,13 +830,14 @@ def test_a_training_point_that_diverges_is_recorded_and_the_sweep_goes_on(tmp_pa
     import importlib
     from workbook import params as params_module, training
     training_sweep = importlib.import_module("workbook.bench.training_sweep")
-    params = {**params_module.load_all()["cpu"], "bench_train_micro_batches": "2", "bench_train_steps": 3}
+    settings = bench.BenchSettings.from_params({**params_module.load_all()["cpu"], "bench_train_micro_batches": "2",
+                                                "bench_train_steps": 3})
     point = {"micro_batch_size": 2, **training_sweep.PLAIN}
 
     def diverges(config, output_dir):
         raise training.TrainingDiverged("the loss is nan at step 2 (learning rate 1e+09): training diverged")
     said = []
-    measured = training_sweep._measure(params, point, tmp_path, diverges, said.append)
+    measured = training_sweep._measure(settings, point, tmp_path, diverges, said.append)
     assert measured == {"skipped": "stopped: training diverged (the loss is nan at step 2 (learning rate 1e+09))"}
     assert said and "diverged" in said[0]
 

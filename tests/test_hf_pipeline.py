@@ -21,8 +21,9 @@ EXAMPLES, NEW_TOKENS = 6, 12  # without min_new_tokens the tiny model ends these
 def sweep(tiny_model_path):
     """seed-before (one at a time), static-sorted and hf-pipeline at batches 4 and 6 on the tiny model."""
     cpu = params.load(PARAMS_DIR / "cpu.yaml")
-    chosen = {**cpu, "bench_strategies": "seed-before,static-sorted,hf-pipeline", "bench_batch_sizes": "4,6",
-              "bench_examples": EXAMPLES, "bench_max_new_tokens": NEW_TOKENS, "prompt_len": 16, "bench_repeats": 1}
+    chosen = bench.BenchSettings.from_params({
+        **cpu, "bench_strategies": "seed-before,static-sorted,hf-pipeline", "bench_batch_sizes": "4,6",
+        "bench_examples": EXAMPLES, "bench_max_new_tokens": NEW_TOKENS, "prompt_len": 16, "bench_repeats": 1})
     return generation_sweep.generation_sweep(chosen, log=lambda line: None)
 
 
@@ -91,6 +92,7 @@ def test_the_report_shows_the_pipeline_rows_and_the_workbooks_best_over_it(sweep
 
 def test_the_strategy_is_parsed_and_runs_per_batch_size_in_file_order():
     assert bench.parse_strategies("static-sorted,hf-pipeline") == ["static-sorted", "hf-pipeline"]
-    points = bench.sweep_points({"bench_batch_sizes": "8,32", "bench_strategies": "hf-pipeline"}, torch.device("cpu"))
+    points = bench.sweep_points(bench.BenchSettings(bench_batch_sizes="8,32", bench_strategies="hf-pipeline"),
+                                torch.device("cpu"))
     assert [(p["batch_size"], p["backend"], p["sort"]) for p in points] == [(8, "static", False), (32, "static", False)]
     assert "hf-pipeline" in params.load(PARAMS_DIR / "cpu.yaml")["bench_strategies"].split(",")

@@ -21,8 +21,9 @@ LOSS_TOLERANCE = 2e-5
 
 @pytest.fixture
 def cpu_params(tiny_model_path):
-    return {**params_module.load_all()["cpu"], "bench_train_micro_batches": "8", "bench_train_steps": 4,
-            "bench_train_settings": "", "bench_train_baselines": "hf-trainer"}
+    return bench.BenchSettings.from_params({**params_module.load_all()["cpu"], "bench_train_micro_batches": "8",
+                                            "bench_train_steps": 4, "bench_train_settings": "",
+                                            "bench_train_baselines": "hf-trainer"})
 
 
 @pytest.mark.slow
@@ -67,12 +68,12 @@ def test_each_micro_batch_plain_point_gets_one_trainer_point_and_none_turns_it_o
                         lambda params, point, work_dir, log: {**point, "tokens_per_second": 1.0})
     monkeypatch.setattr(training_sweep, "baseline_point",
                         lambda params, point, work_dir, log, tool: {**point, "loop": tool})
-    params = {**cpu_params, "bench_train_micro_batches": "2,4", "bench_train_settings": "loss_chunk_tokens"}
+    params = cpu_params.replace(bench_train_micro_batches="2,4", bench_train_settings="loss_chunk_tokens")
     sweep = training_sweep.training_sweep(params, tmp_path, log=lambda line: None)
     assert len(sweep["points"]) == 10  # 5 per micro-batch: plain, checkpointing, grouped, chunked loss, compile
     assert [(p["micro_batch_size"], p["grad_checkpointing"], p["torch_compile"], p["padding"], "loss_chunk_tokens" in p)
             for p in sweep["baselines"]] == [(2, False, False, "packing", False), (4, False, False, "packing", False)]
-    both = training_sweep.training_sweep({**params, "bench_train_baselines": "trl-sft, hf-trainer"}, tmp_path,
+    both = training_sweep.training_sweep(params.replace(bench_train_baselines="trl-sft, hf-trainer"), tmp_path,
                                          log=lambda line: None)["baselines"]
     assert [(p["loop"], p["micro_batch_size"]) for p in both] == [("trl-sft", 2), ("hf-trainer", 2), ("trl-sft", 4),
                                                                   ("hf-trainer", 4)]
@@ -84,7 +85,7 @@ def test_each_micro_batch_plain_point_gets_one_trainer_point_and_none_turns_it_o
     assert order == (["point", "baseline"] + ["point"] * 3) * 2 + ["compiled"] * 2
     # One process trains every point: flex attention's recompiles must not run out at dynamo's default of 8.
     assert torch._dynamo.config.recompile_limit >= training_sweep.SWEEP_RECOMPILE_LIMIT
-    assert training_sweep.training_sweep({**params, "bench_train_baselines": "none"}, tmp_path,
+    assert training_sweep.training_sweep(params.replace(bench_train_baselines="none"), tmp_path,
                                          log=lambda line: None)["baselines"] == []
 
 
@@ -104,8 +105,9 @@ def test_a_point_that_runs_out_of_memory_is_recorded_beside_the_plan_and_the_swe
     # them fit): one out-of-memory point must not take the sweep's other points with it.
     from workbook import training
     from workbook.bench import report
-    params = {**params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
-              "bench_train_micro_batches": "16", "bench_train_settings": "", "bench_train_baselines": "hf-trainer"}
+    params = bench.BenchSettings.from_params({
+        **params_module.load_all()["h100"], "bench_train_model": "Llama-3.2-1B", "bench_train_steps": 4,
+        "bench_train_micro_batches": "16", "bench_train_settings": "", "bench_train_baselines": "hf-trainer"})
 
     def out_of_memory(config):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 15.66 GiB")
@@ -113,7 +115,7 @@ def test_a_point_that_runs_out_of_memory_is_recorded_beside_the_plan_and_the_swe
     plain = training_sweep.training_points(params, torch.device("cpu"))[0]
     record = training_sweep.training_point(params, plain, tmp_path, log=lambda line: None)
     config = training_sweep.point_config(params, plain, tmp_path)
-    planned = training.memory_plan(config, 16, params["seq_len"])
+    planned = training.memory_plan(config, 16, params.seq_len)
     assert not planned.fits  # the 1B at 16 x 2048 tokens does not fit an H100 without a memory setting
     assert record["out_of_memory"].startswith("OutOfMemoryError: CUDA out of memory")
     assert record["predicted_peak_bytes"] == planned.total_bytes and record["planner_said"] == "does not fit"
@@ -122,7 +124,7 @@ def test_a_point_that_runs_out_of_memory_is_recorded_beside_the_plan_and_the_swe
 
     # The sweep goes on past it, and no Trainer baseline is run against a point that measured nothing.
     monkeypatch.setattr(training_sweep, "baseline_point", lambda *args, **kwargs: pytest.fail("no baseline"))
-    sweep = training_sweep.training_sweep({**params, "bench_train_micro_batches": "16"}, tmp_path,
+    sweep = training_sweep.training_sweep(params.replace(bench_train_micro_batches="16"), tmp_path,
                                           log=lambda line: None)
     assert all("out_of_memory" in p or p.get("skipped") for p in sweep["points"]) and sweep["baselines"] == []
 

@@ -17,8 +17,9 @@ training_sweep = importlib.import_module("workbook.bench.training_sweep")  # the
 
 @pytest.fixture
 def cpu_params(tiny_model_path):
-    return {**params_module.load_all()["cpu"], "bench_train_micro_batches": "8", "bench_train_steps": 3,
-            "bench_train_settings": "", "bench_train_baselines": "trl-sft"}
+    return bench.BenchSettings.from_params({**params_module.load_all()["cpu"], "bench_train_micro_batches": "8",
+                                            "bench_train_steps": 3, "bench_train_settings": "",
+                                            "bench_train_baselines": "trl-sft"})
 
 
 @pytest.mark.slow
@@ -104,8 +105,9 @@ def test_trl_trains_a_preset_without_its_tokenizer_or_the_hub(tmp_path, monkeypa
              "head_dim": 16, "vocab_size": 512}
     monkeypatch.setitem(presets.PRESETS, "Small-Llama", small)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a Hub lookup fails at once instead of passing unnoticed here
-    params = {**params_module.load_all()["cpu"], "bench_train_model": "Small-Llama", "seq_len": 64,
-              "bench_train_micro_batches": "2", "bench_train_steps": 3, "bench_train_settings": ""}
+    params = bench.BenchSettings.from_params({
+        **params_module.load_all()["cpu"], "bench_train_model": "Small-Llama", "seq_len": 64,
+        "bench_train_micro_batches": "2", "bench_train_steps": 3, "bench_train_settings": ""})
     plain = training_sweep.training_points(params, torch.device("cpu"))[0]
     measured = trl_baseline.sft_run(training_sweep.point_config(params, plain, tmp_path), str(tmp_path / "trl"))
     assert measured["steps"] == 3 and all(math.isfinite(loss) for loss in measured["step_losses"])

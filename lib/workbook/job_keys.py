@@ -3,6 +3,7 @@ without importing the job, `--set` can say when a key changes nothing, and a job
 hold every key before it starts. Each notebook's parameters cell declares its job's keys."""
 
 from workbook import job_settings
+from workbook.bench import settings as bench_settings
 
 # workbook generate (notebook 02): its settings' fields, and the memory budget its planner reads
 GENERATE = job_settings.generation_keys()
@@ -11,15 +12,8 @@ GENERATE = job_settings.generation_keys()
 # the paths it resolves (the training data, notebook 02's outputs and verifier, the training folder)
 TRAIN = job_settings.train_keys()
 
-# workbook bench (notebook 04)
-BENCH = (
-    "profile", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops", "peak_fp16_tflops", "memory_bandwidth_gbs",
-    "usd_per_gpu_hour", "dtype", "prompt_len", "seq_len", "safety_margin", "cuda_overhead_gib",
-    "bench_generate_model", "bench_train_model", "bench_batch_sizes", "bench_strategies", "bench_examples",
-    "bench_max_new_tokens", "bench_repeats", "bench_train_micro_batches", "bench_train_steps",
-    "bench_train_settings", "bench_train_baselines", "lora_rank", "lora_targets", "attn_implementation", "optimizer",
-    "dataloader_workers", "pin_memory", "prefetch_factor", "learning_rate",
-)
+# workbook bench (notebook 04): the fields of its settings (torch-free, as this module must stay)
+BENCH = bench_settings.field_keys()
 
 # workbook verify: an existing output through a verifier
 VERIFY = ("profile", "output_path", "verifier", "max_accepted_per_prompt")
@@ -33,7 +27,7 @@ FORECAST = tuple(dict.fromkeys(GENERATE + TRAIN + ("memory_bandwidth_gbs", "plan
 READ_BY = {"generate": GENERATE, "train": TRAIN, "bench": BENCH, "forecast": FORECAST, "verify": VERIFY}
 
 NOTEBOOKS = {"generate": "notebooks/02_batched_generation", "train": "notebooks/03_training",
-             "bench": "notebooks/04_benchmarking"}
+             "bench": bench_settings.NOTEBOOK}
 
 
 def missing(params, job: str) -> str | None:

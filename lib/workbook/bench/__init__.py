@@ -27,35 +27,49 @@ An NVML sampler (a thread) records GPU utilization, memory used, power and SM cl
 NVML's utilization is the share of time some kernel ran, not how much of the chip it used: it is
 reported under that name, and efficiency is judged by the roofline fractions instead.
 
-Where each part lives: ``counting`` (bytes and FLOPs per step, rooflines, peaks, cost), ``sampler``
-(NVML), ``generation_sweep``, ``hf_pipeline`` (the pipeline strategy), ``training_sweep``,
-``trainer_baseline`` (the HF Trainer beside the loop), ``claims`` (the seeds' claims and the goals),
-``report`` (the whole benchmark, its tables, ``workbook bench``), ``engine_overhead`` (the engine against a bare ``generate`` loop) and
-``review`` (every run side by side, notebook 05).
+Where each part lives: ``settings`` (the params the benchmark reads, as one typed ``BenchSettings``),
+``counting`` (bytes and FLOPs per step, rooflines, peaks, cost), ``sampler`` (NVML),
+``generation_sweep``, ``hf_pipeline`` (the pipeline strategy), ``training_sweep``, ``trainer_baseline``
+(the HF Trainer beside the loop), ``claims`` (the seeds' claims and the goals), ``report`` (the whole
+benchmark, its tables, ``workbook bench``), ``engine_overhead`` (the engine against a bare ``generate``
+loop) and ``review`` (every run side by side, notebook 05).
 """
 
-from workbook.bench.claims import GOALS, claims_table, goals_table
-from workbook.bench.counting import (
-    BASELINE, HF_PIPELINE, NA, NOT_MEASURED, STRATEGIES, BenchError, PassCost, StepCost, cost_figures,
-    decode_step_cost, noise_note, parse_int_list, parse_strategies, pass_cost, pass_figures, run_dtype,
-)
-from workbook.bench.generation_sweep import (
-    GenerationSetup, generation_point, generation_setup, generation_sweep, mixed_prompts, planner_batch,
-    same_greedy_tokens, sweep_points,
-)
-from workbook.bench.report import (
-    PARAMS_USED, POINTS_FILE, baseline_note, cli_main, failed_points, generation_rows, gpu_capacity_bytes, hardware_text, nvml_rows,
-    partial_record, pipeline_comparison_lines, run_benchmark, training_rows,
-)
-from workbook.bench.sampler import NvmlSampler
-from workbook.bench.training_sweep import training_point, training_points, training_sweep
+import importlib
 
-__all__ = [
-    "BASELINE", "GOALS", "HF_PIPELINE", "NA", "NOT_MEASURED", "PARAMS_USED", "POINTS_FILE", "STRATEGIES", "BenchError",
-    "GenerationSetup", "NvmlSampler", "PassCost", "StepCost", "baseline_note", "claims_table", "cli_main", "cost_figures",
-    "decode_step_cost", "generation_point", "generation_rows", "generation_setup",
-    "generation_sweep", "goals_table", "gpu_capacity_bytes", "hardware_text", "mixed_prompts", "noise_note", "nvml_rows",
-    "failed_points", "parse_int_list", "parse_strategies", "partial_record", "pass_cost", "pass_figures", "pipeline_comparison_lines", "planner_batch",
-    "run_benchmark", "run_dtype", "same_greedy_tokens", "sweep_points",
-    "training_point", "training_points", "training_rows", "training_sweep",
-]
+# What the package offers by name -> the module that defines it, imported on first use: job_keys reads
+# the benchmark's keys from ``settings`` (torch-free) for ``--help``, which must not import the sweeps.
+# ``generation_sweep`` and ``training_sweep`` name the modules (each holds a function of its own name).
+EXPORTS = {
+    "claims": ("GOALS", "claims_table", "goals_table"),
+    "counting": ("BASELINE", "HF_PIPELINE", "NA", "NOT_MEASURED", "STRATEGIES", "BenchError", "PassCost", "StepCost",
+                 "cost_figures", "decode_step_cost", "noise_note", "parse_int_list", "parse_strategies", "pass_cost",
+                 "pass_figures", "run_dtype"),
+    "generation_sweep": ("GenerationSetup", "generation_point", "generation_setup", "mixed_prompts", "planner_batch",
+                         "same_greedy_tokens", "sweep_points"),
+    "report": ("PARAMS_USED", "POINTS_FILE", "baseline_note", "cli_main", "failed_points", "generation_rows",
+               "gpu_capacity_bytes", "hardware_text", "nvml_rows", "partial_record", "pipeline_comparison_lines",
+               "run_benchmark", "training_rows"),
+    "sampler": ("NvmlSampler",),
+    "settings": ("BenchSettings",),
+    "training_sweep": ("training_point", "training_points"),
+}
+_MODULE_OF = {name: module for module, names in EXPORTS.items() for name in names}
+
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    """``bench.<name>``: the name from the module that defines it, or one of the package's modules."""
+    module = _MODULE_OF.get(name, name)
+    try:
+        found = importlib.import_module(f"{__name__}.{module}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{module}":
+            raise  # a module of the package that failed to import: its own error, not a missing name
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    return getattr(found, name) if name in _MODULE_OF else found
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_MODULE_OF))

@@ -174,6 +174,6 @@ def noise_note(values: list[float]) -> str:
     return f"noisy: its runs spread {values[-1] / values[0]:.1f}x (a busy machine?); rerun before comparing"
 
 
-def run_dtype(params, device: torch.device) -> str:
-    """The profile's dtype on a GPU; fp32 on CPU (bf16 matmuls there are emulated and slow)."""
-    return params["dtype"] if device.type == "cuda" else "fp32"
+def run_dtype(dtype: str, device: torch.device) -> str:
+    """The profile's ``dtype`` on a GPU; fp32 on CPU (bf16 matmuls there are emulated and slow)."""
+    return dtype if device.type == "cuda" else "fp32"

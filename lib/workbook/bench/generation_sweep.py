@@ -35,6 +35,7 @@ from workbook.bench.counting import (
     noise_note, pass_cost, pass_figures, run_dtype, spread,
 )
 from workbook.bench.sampler import NvmlSampler
+from workbook.bench.settings import BenchSettings
 from workbook.params import AUTO
 from workbook.planner import profile
 
@@ -51,28 +52,28 @@ class GenerationSetup:
     ceilings: dict | None = None  # this GPU's measured copy bandwidth and matmul (None on a CPU)
 
 
-def generation_setup(params, device: torch.device | None = None) -> GenerationSetup:
+def generation_setup(settings: BenchSettings, device: torch.device | None = None) -> GenerationSetup:
     device = device or runtime.default_device()
-    name = params["bench_generate_model"]
-    dtype = run_dtype(params, device)
+    name = settings.bench_generate_model
+    dtype = run_dtype(settings.dtype, device)
     # Before the model: the copy needs free memory. On a CPU the tiny model is overhead-bound, no roofline.
     measured = ceilings.measure(device).to_dict() if device.type == "cuda" else None
     loaded = models.load_model(name, dtype, device)
     model, described = loaded.model, loaded.description
-    new_tokens = params["bench_max_new_tokens"]
-    settings = generation.DecodingSettings(new_tokens, decoding.eos_token_ids(model, None),
-                                           decoding.pad_token_id(model, None), min_new_tokens=new_tokens)
-    longest = params["prompt_len"]
+    new_tokens = settings.bench_max_new_tokens
+    forced = generation.DecodingSettings(new_tokens, decoding.eos_token_ids(model, None),
+                                         decoding.pad_token_id(model, None), min_new_tokens=new_tokens)
+    longest = settings.prompt_len
     context = decoding.context_length(model)
     if context and longest + new_tokens > context:
         raise BenchError(f"prompt_len {longest} + bench_max_new_tokens {new_tokens} exceed {name}'s context of "
                          f"{context} tokens; lower one of them")
-    prompts = mixed_prompts(model.config.vocab_size, params["bench_examples"], (max(1, longest // 4), longest),
+    prompts = mixed_prompts(model.config.vocab_size, settings.bench_examples, (max(1, longest // 4), longest),
                             new_tokens)
     tokenizer = models.load_tokenizer(name)
     if tokenizer is not None:  # a real model: prompts its own tokenizer writes, so they survive a trip through text
         prompts = text_stable_prompts(tokenizer, prompts, longest)
-    return GenerationSetup(model, described, name, settings, prompts, device, dtype, measured)
+    return GenerationSetup(model, described, name, forced, prompts, device, dtype, measured)
 
 
 def text_stable_prompts(tokenizer, prompts: list[generation.Prompt], longest: int,
@@ -106,32 +107,41 @@ def mixed_prompts(vocab_size: int, count: int, lengths: tuple[int, int], max_new
             for i in range(count)]
 
 
-def planner_batch(params, setup: GenerationSetup) -> dict:
+def planner_profile(settings: BenchSettings) -> dict:
+    """The profile the planner's ``plan`` is asked with, for every plan of the sweep: the machine's memory
+    and the attention the points run. One process on one GPU runs each point, so it plans one unsharded
+    copy (tensor_parallel_size 1) with the static backend unless a point names its own."""
+    return {**dataclasses.asdict(settings.hardware), "attn_implementation": settings.attn_implementation,
+            "tensor_parallel_size": 1, "backend": "static"}
+
+
+def planner_batch(settings: BenchSettings, setup: GenerationSetup) -> dict:
     """The planner's largest batch for the sweep's worst case (its longest prompt plus every new
     token) on the profile, and the batch the sweep can form: no larger than its prompts."""
-    largest = profile.plan(params, mode="generate", model=setup.model_name, batch_size=AUTO, dtype=setup.dtype,
-                           prompt_len=max(len(p.token_ids) for p in setup.prompts),
+    largest = profile.plan(planner_profile(settings), mode="generate", model=setup.model_name, batch_size=AUTO,
+                           dtype=setup.dtype, prompt_len=max(len(p.token_ids) for p in setup.prompts),
                            max_new_tokens=setup.settings.max_new_tokens).max_batch_size
+    name = settings.hardware.profile
     if largest == 0:
-        raise BenchError(f"bench_batch_sizes has 'auto' but {setup.model_name} does not fit the {params['profile']} "
+        raise BenchError(f"bench_batch_sizes has 'auto' but {setup.model_name} does not fit the {name} "
                          "profile even at batch 1 (workbook plan says what to change); give batch sizes instead")
     return {"planned": largest, "batch_size": min(largest, len(setup.prompts)),
-            "note": f"the planner's largest batch on {params['profile']}: {largest}"
+            "note": f"the planner's largest batch on {name}: {largest}"
                     + (f", capped at the {len(setup.prompts)} prompts of the sweep (raise bench_examples to run it)"
                        if largest > len(setup.prompts) else "")}
 
 
-def sweep_points(params, device: torch.device, planned: dict | None = None) -> list[dict]:
+def sweep_points(settings: BenchSettings, device: torch.device, planned: dict | None = None) -> list[dict]:
     """(strategy, batch size, sort, backend name) of every point, with a skip reason where one applies.
     ``planned``: ``planner_batch``'s answer, which an 'auto' batch size stands for."""
     auto = planned["batch_size"] if planned else None
     # A batch larger than the sweep's prompts runs them all in one batch: the same point as a batch of
     # exactly them (measured once, and labelled by the rows it holds).
-    examples = params.get("bench_examples")
-    batch_sizes = list(dict.fromkeys(min(batch, examples or batch) for batch in
-                                     parse_int_list(params["bench_batch_sizes"], "bench_batch_sizes", auto)))
+    examples = settings.bench_examples
+    batch_sizes = list(dict.fromkeys(min(batch, examples) for batch in
+                                     parse_int_list(settings.bench_batch_sizes, "bench_batch_sizes", auto)))
     points = []
-    for strategy in parse_strategies(params["bench_strategies"]):
+    for strategy in parse_strategies(settings.bench_strategies):
         if strategy == "seed-before":
             points.append({"strategy": strategy, "batch_size": 1, "backend": "static", "sort": False})
         elif strategy == "seed-after":
@@ -198,7 +208,7 @@ def _engine_pass(setup: GenerationSetup, point: dict) -> tuple[Callable[[], dict
     return (lambda: _run_strategy(setup, backend, point["sort"])), {}
 
 
-def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
+def generation_point(setup: GenerationSetup, settings: BenchSettings, point: dict, repeats: int,
                      log: Callable[[str], None] = print) -> dict:
     """Warm up, then time ``repeats`` passes of one strategy at one batch size."""
     result = dict(point)
@@ -236,7 +246,7 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
     whole = pass_cost(setup.model.config, dtype, [len(p.token_ids) for p in ran], rows,
                       [len(made[p.index].token_ids) for p in ran], refill=point["backend"] == "continuous")
     try:
-        predicted = profile.plan(params, mode="generate", model=setup.model_name, batch_size=rows,
+        predicted = profile.plan(planner_profile(settings), mode="generate", model=setup.model_name, batch_size=rows,
                                  prompt_len=max(lengths), max_new_tokens=setup.settings.max_new_tokens,
                                  dtype=dtype, backend=point["backend"]).total_bytes  # continuous: paged plan
     except ValueError as error:
@@ -244,6 +254,7 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
         result["prediction_error"] = str(error)
     measured = runtime.peak_memory(setup.device)
     peak_bytes = measured.total_bytes if measured else None
+    hardware = settings.hardware
     result.update(
         examples=median_run["generated"], failed=median_run["failed"], output_tokens=tokens,
         seconds=spread(seconds),
@@ -256,9 +267,9 @@ def generation_point(setup: GenerationSetup, params, point: dict, repeats: int,
         if peak_bytes is None else "torch.cuda.max_memory_reserved + memory outside PyTorch's allocator",
         predicted_peak_bytes=predicted,
         rows_per_batch=rows, pass_cost=dataclasses.asdict(whole),
-        **pass_figures(whole, tokens, median_run["seconds"], params["memory_bandwidth_gbs"], gpu.dense_peak_tflops(params, dtype),
-                       setup.ceilings),
-        cost=cost_figures(median_run["seconds"], median_run["generated"], tokens, params["usd_per_gpu_hour"]),
+        **pass_figures(whole, tokens, median_run["seconds"], hardware.memory_bandwidth_gbs,
+                       gpu.dense_peak_tflops(hardware, dtype), setup.ceilings),
+        cost=cost_figures(median_run["seconds"], median_run["generated"], tokens, hardware.usd_per_gpu_hour),
         nvml=sampler.summary(),
         # transformers' continuous batching ignores min_new_tokens (measured): its rows may end at
         # end of sequence, so it is counted rather than assumed.
@@ -282,17 +293,17 @@ def same_greedy_tokens(candidate: generation.Completion | None, reference: gener
     return candidate.token_ids == reference.token_ids
 
 
-def generation_sweep(params, log: Callable[[str], None] = print, setup: GenerationSetup | None = None,
+def generation_sweep(settings: BenchSettings, log: Callable[[str], None] = print, setup: GenerationSetup | None = None,
                      on_point: Callable[[dict], None] = lambda point: None, budget: TimeBudget = NO_BUDGET) -> dict:
     """Every point of the sweep; ``on_point`` gets each as it is measured (its outputs left out), so a
     sweep stopped part way still leaves what it measured; the points ``budget`` leaves no time for are
     marked so."""
-    setup = setup or generation_setup(params)
-    repeats = params["bench_repeats"]
-    planned = planner_batch(params, setup) if AUTO in str(params["bench_batch_sizes"]) else None
+    setup = setup or generation_setup(settings)
+    repeats = settings.bench_repeats
+    planned = planner_batch(settings, setup) if AUTO in str(settings.bench_batch_sizes) else None
     points = []
-    for point in sweep_points(params, setup.device, planned):
-        points.append(budget.measure(point, lambda: generation_point(setup, params, point, repeats, log)))
+    for point in sweep_points(settings, setup.device, planned):
+        points.append(budget.measure(point, lambda: generation_point(setup, settings, point, repeats, log)))
         if point["strategy"] == "static-compiled" and not point.get("skipped"):
             # Its CUDA graphs keep their memory pool while the compiled step lives (on the model): the next
             # point would carry it in its peak memory. Dropped, as a fresh process would have none.

@@ -22,11 +22,13 @@ from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.claims import claims_table, goals_table, tf32_matmul_speedup
 from workbook.bench.counting import HF_PIPELINE, NA, NOT_MEASURED, BenchError, noise_note, run_dtype
 from workbook.bench.generation_sweep import generation_sweep
-from workbook.bench.training_sweep import memory_setting_names, training_label, training_setting, training_sweep
+from workbook.bench.settings import BenchSettings
+from workbook.bench.training_sweep import (
+    memory_budget, memory_setting_names, training_label, training_setting, training_sweep,
+)
 from workbook.generation import GenerationError
 from workbook.jsonl import DataError
 from workbook.planner import DoesNotFitError
-from workbook.planner.profile import Budget
 from workbook.units import GiB, format_bytes
 from workbook import presets, tiny_model
 from workbook.planner import weights_bytes
@@ -34,35 +36,35 @@ from workbook.planner import weights_bytes
 PARAMS_USED = job_keys.BENCH
 
 
-def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
+def run_benchmark(settings: BenchSettings, work_dir: Path, log: Callable[[str], None] = print,
                   on_point: Callable[[str, dict], None] = lambda sweep, point: None,
                   budget: TimeBudget = NO_BUDGET) -> dict:
-    """Both sweeps, the claims and the context (params, versions, hardware), as one JSON-ready dict.
-    ``on_point(sweep, point)`` gets each point ("generation" or "training") as soon as it is measured;
-    the points ``budget`` leaves no time for are marked so, and the report is written all the same."""
-    problem = job_keys.missing(params, "bench")
-    if problem:
-        raise BenchError(problem)
-    check_names(params)
+    """Both sweeps, the claims and the context (settings, versions, hardware), as one JSON-ready dict.
+    ``settings``: ``BenchSettings.from_params`` of the run's params, built once at its entry (the command,
+    notebook 04). ``on_point(sweep, point)`` gets each point ("generation" or "training") as soon as it is
+    measured; the points ``budget`` leaves no time for are marked so, and the report is written all the same."""
+    check_names(settings)
     device = runtime.default_device()
-    params = without_absent_peaks(params, device, log)
-    refuse_models_over_ram(params, device)
+    settings = without_absent_peaks(settings, device, log)
+    refuse_models_over_ram(settings, device)
     began, load_before, started_at = time.perf_counter(), os.getloadavg(), runner.now()
-    generation = generation_sweep(params, log, on_point=lambda point: on_point("generation", point), budget=budget)
+    generation = generation_sweep(settings, log, on_point=lambda point: on_point("generation", point), budget=budget)
     runtime.reset_peak_memory(device)  # the generation model is gone: training measures its own memory only
-    training = (training_sweep(params, Path(work_dir), log, on_point=lambda point: on_point("training", point),
+    training = (training_sweep(settings, Path(work_dir), log, on_point=lambda point: on_point("training", point),
                                budget=budget)
-                if params["bench_train_steps"] else None)
+                if settings.bench_train_steps else None)
     matmul = tf32_matmul_speedup(device)
-    dtype = run_dtype(params, device)
+    dtype = run_dtype(settings.dtype, device)
+    hardware = settings.hardware
     return {
         "what": "generation and training sweeps against the profile's bandwidth and compute peaks",
-        "profile": params["profile"],
+        "profile": hardware.profile,
         # When and from what code: a reference folder keeps this file without a run's manifest.
         "started_at": started_at, "git": runner.git_state(),
-        "params": {key: params[key] for key in params},
-        "peaks": {"memory_bandwidth_gbs": params["memory_bandwidth_gbs"], "dense_tflops": gpu.dense_peak_tflops(params, dtype),
-                  "dtype": dtype, "usd_per_gpu_hour": params["usd_per_gpu_hour"],
+        "params": settings.as_params(),
+        "peaks": {"memory_bandwidth_gbs": hardware.memory_bandwidth_gbs,
+                  "dense_tflops": gpu.dense_peak_tflops(hardware, dtype),
+                  "dtype": dtype, "usd_per_gpu_hour": hardware.usd_per_gpu_hour,
                   "note": "from the profile; 0 means none to measure against (n/a)"},
         "versions": gpu.software_versions(),
         "hardware": gpu.detect(),
@@ -79,12 +81,12 @@ def run_benchmark(params, work_dir: Path, log: Callable[[str], None] = print,
     }
 
 
-def check_names(params) -> None:
+def check_names(settings: BenchSettings) -> None:
     """The sweeps' models and memory settings exist: a BenchError naming the key now, not a traceback
     after minutes of measuring."""
-    memory_setting_names(params)
+    memory_setting_names(settings)
     for key in ("bench_generate_model", "bench_train_model"):
-        name = params[key]
+        name = getattr(settings, key)
         if name != tiny_model.TINY_MODEL_NAME and not Path(name).expanduser().is_dir():
             try:
                 presets.load_config(name)
@@ -96,17 +98,17 @@ def check_names(params) -> None:
 GPU_FIGURES = ("memory_bandwidth_gbs", "peak_bf16_tflops", "peak_fp16_tflops", "usd_per_gpu_hour")
 
 
-def without_absent_peaks(params, device: torch.device, log: Callable[[str], None]):
-    """``params``, or on a machine without the profile's GPU, with its peaks and price set to 0: a CPU run
+def without_absent_peaks(settings: BenchSettings, device: torch.device, log: Callable[[str], None]) -> BenchSettings:
+    """``settings``, or on a machine without the profile's GPU, with its peaks and price set to 0: a CPU run
     of the h100 profile must not read as 0.1% of an H100's bandwidth or cost H100 dollars."""
-    if device.type == "cuda" or params["gpu_count"] == 0:
-        return params
-    log(f"warning: profile {params['profile']} describes a GPU and this run is on {device}: its bandwidth, "
+    if device.type == "cuda" or settings.hardware.gpu_count == 0:
+        return settings
+    log(f"warning: profile {settings.hardware.profile} describes a GPU and this run is on {device}: its bandwidth, "
         "compute peaks and price are not applied (n/a); its memory plans still are")
-    return params_module.apply_overrides(params, {key: 0.0 for key in GPU_FIGURES})
+    return settings.replace(**{key: 0.0 for key in GPU_FIGURES})
 
 
-def refuse_models_over_ram(params, device: torch.device) -> None:
+def refuse_models_over_ram(settings: BenchSettings, device: torch.device) -> None:
     """On a CPU the sweeps run fp32: a GPU profile's 8B there would fill the RAM, and past it the kernel
     kills the process without a word. BenchError first, naming the model, when its fp32 weights (for
     the training sweep: weights, gradients and AdamW states, 16 B per parameter) exceed the RAM free."""
@@ -115,17 +117,18 @@ def refuse_models_over_ram(params, device: torch.device) -> None:
     import psutil
     available = psutil.virtual_memory().available
     swept = [("bench_generate_model", 1, "fp32 weights")]
-    if params["bench_train_steps"]:
+    if settings.bench_train_steps:
         swept.append(("bench_train_model", 4, "fp32 weights, gradients and AdamW states"))
     for key, copies, held in swept:
+        name = getattr(settings, key)
         try:
-            weights = weights_bytes(params[key], "fp32")
+            weights = weights_bytes(name, "fp32")
         except (ValueError, OSError):  # a model the planner cannot read: the sweep's own loading says why
             continue
         if weights * copies > available:
-            raise BenchError(f"{key} {params[key]}: its {held} ({format_bytes(weights * copies)}) are over the "
+            raise BenchError(f"{key} {name}: its {held} ({format_bytes(weights * copies)}) are over the "
                              f"{format_bytes(available)} of RAM free on this CPU (the sweeps run fp32 there); run "
-                             f"profile {params['profile']} on its GPU, or set {key}=tiny")
+                             f"profile {settings.hardware.profile} on its GPU, or set {key}=tiny")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,9 +320,9 @@ def nvml_rows(report: dict) -> list[dict]:
 # Command line: `workbook bench --params FILE [--set key=value ...]`.
 
 
-def gpu_capacity_bytes(params) -> int | None:
+def gpu_capacity_bytes(settings: BenchSettings) -> int | None:
     """The profile's memory per GPU, the capacity line of the memory figure; None on the cpu profile."""
-    return Budget.from_params(params).capacity_bytes if params["gpu_count"] else None
+    return memory_budget(settings.hardware).capacity_bytes if settings.hardware.gpu_count else None
 
 
 POINTS_FILE = "points.jsonl"  # each point as it is measured: what a stopped benchmark leaves
@@ -349,14 +352,15 @@ def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float |
     run = None  # the run folder, recorded in its manifest.json like any run (notebook 05 lists it)
     try:
         params, params_file, _ = runner.resolve_params(params_arg, overrides, log=say)
-        run = runner.start_job(notebook.new_run_dir(f"bench-{params['profile']}"), "bench", params, params_file,
-                               overrides)
+        settings = BenchSettings.from_params(params)
+        run = runner.start_job(notebook.new_run_dir(f"bench-{settings.hardware.profile}"), "bench", params,
+                               params_file, overrides)
         run_dir = run.run_dir
         # From the process's start (its imports count), less the report's writing (figures, the TF32 matmuls).
         budget = TimeBudget(time_budget_seconds and time_budget_seconds - (runtime.process_age_seconds() or 0)
                             - REPORT_SECONDS, points_only=True)
         try:
-            report = run_benchmark(params, run_dir, log=say, on_point=partial_record(run_dir / POINTS_FILE),
+            report = run_benchmark(settings, run_dir, log=say, on_point=partial_record(run_dir / POINTS_FILE),
                                    budget=budget)
         finally:
             budget.cancel()
@@ -370,7 +374,7 @@ def cli_main(params_arg: str, overrides: list[str], time_budget_seconds: float |
                          + (f" --time-budget-seconds {time_budget_seconds:g}" if time_budget_seconds else ""))
     report["time_budget"] = {"seconds": time_budget_seconds, "ran_out": budget.expired}
     (run_dir / "benchmark.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
-    for name, figure in (figures(report, gpu_capacity_bytes(params)) if figures else {}).items():
+    for name, figure in (figures(report, gpu_capacity_bytes(settings)) if figures else {}).items():
         figure.savefig(run_dir / name, dpi=120, bbox_inches="tight")
     # Lines under a section's table: what the tools users know measured beside ours.
     notes = {"Generation": pipeline_comparison_lines(report), "Training": [baseline_note(report)],

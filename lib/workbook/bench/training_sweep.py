@@ -16,10 +16,12 @@ from typing import Callable
 import torch
 from accelerate.utils.memory import clear_device_cache, should_reduce_batch_size
 
-from workbook import models, params as params_module, runtime, training
+from workbook import models, runtime, training
 from workbook.bench.budget import NO_BUDGET, TimeBudget
 from workbook.bench.counting import BenchError, cost_figures, parse_int_list, run_dtype
 from workbook.bench.sampler import NvmlSampler
+from workbook.bench.settings import BenchSettings
+from workbook.hardware import Hardware
 from workbook.params import AUTO
 from workbook.planner import DoesNotFitError
 from workbook.planner.finder import error_summary
@@ -67,34 +69,35 @@ def training_label(point: dict) -> str:
     return " ".join(words + ([f"+{setting}"] if setting else []))
 
 
-def memory_setting_names(params) -> list[str]:
+def memory_setting_names(settings: BenchSettings) -> list[str]:
     """The names in ``bench_train_settings``; a BenchError naming any unknown one (checked before the
     generation sweep, not after its minutes)."""
-    settings = [name.strip() for name in params.get("bench_train_settings", "").split(",") if name.strip()]
-    unknown = [name for name in settings if name not in MEMORY_SETTINGS]
+    names = [name.strip() for name in settings.bench_train_settings.split(",") if name.strip()]
+    unknown = [name for name in names if name not in MEMORY_SETTINGS]
     if unknown:
         raise BenchError(f"bench_train_settings: unknown {', '.join(unknown)}; expected some of "
                          f"{', '.join(MEMORY_SETTINGS)}")
-    return settings
+    return names
 
 
-def training_points(params, device: torch.device) -> list[dict]:
+def training_points(settings: BenchSettings, device: torch.device) -> list[dict]:
     """One factor at a time around each micro-batch: the plain point, then checkpointing, length
     grouping instead of packing, and each of ``bench_train_settings`` (a full grid would cost 8 runs
     per micro-batch); the compile points of every micro-batch come last, as each compiles for a minute
     or more on a GPU: a sweep stopped by a time budget keeps the others."""
-    settings = memory_setting_names(params)
+    names = memory_setting_names(settings)
+    dtype = run_dtype(settings.dtype, device)
     points = []
-    for micro in parse_int_list(params["bench_train_micro_batches"], "bench_train_micro_batches", auto=AUTO):
+    for micro in parse_int_list(settings.bench_train_micro_batches, "bench_train_micro_batches", auto=AUTO):
         base = {"micro_batch_size": micro, **PLAIN}
         changes = [{}, {"grad_checkpointing": True}, {"padding": "length_grouped"}]
-        for change in changes + [MEMORY_SETTINGS[name] for name in settings]:
+        for change in changes + [MEMORY_SETTINGS[name] for name in names]:
             point = {**base, **change}
-            if point.get("precision") == "bf16" and run_dtype(params, device) != "bf16":
+            if point.get("precision") == "bf16" and dtype != "bf16":
                 point["skipped"] = (f"skipped: precision bf16 needs dtype bf16, and this sweep runs "
-                                    f"{run_dtype(params, device)} (CPU: fp32)")
+                                    f"{dtype} (CPU: fp32)")
             elif micro == AUTO:
-                point = planned_micro_batch(params, point)
+                point = planned_micro_batch(settings, point)
             if _settings(point) not in map(_settings, points):  # 'auto' may land on a micro-batch the list names
                 points.append(point)
     compiled = [{**point, "torch_compile": True} for point in points if _is_plain(point)]
@@ -105,11 +108,11 @@ def training_points(params, device: torch.device) -> list[dict]:
     return points + compiled
 
 
-def planned_micro_batch(params, point: dict) -> dict:
+def planned_micro_batch(settings: BenchSettings, point: dict) -> dict:
     """``point`` ('auto' micro-batch) at the planner's largest micro-batch for its own settings: each memory
     setting measured at the batch it makes fit, the question it answers. The run's own 'auto' rule
     (``training.plan_run``): a preset's synthetic rows are made to match, a dataset caps it at one step."""
-    config = point_config(params, {**point, "micro_batch_size": 1}, Path(tempfile.gettempdir()))
+    config = point_config(settings, {**point, "micro_batch_size": 1}, Path(tempfile.gettempdir()))
     # A preset trains on rows of exactly seq_len tokens; a dataset's length comes from its data.
     prepared = None if isinstance(config.max_seq_length, int) else training.prepare_data(config, log=lambda line: None)
     seq_len = prepared.max_seq_length if prepared else config.max_seq_length
@@ -125,37 +128,45 @@ def planned_micro_batch(params, point: dict) -> dict:
     return {**point, "micro_batch_size": micro, "micro_batch_rule": rule, "micro_batch_capped": micro < fits}
 
 
-def point_config(params, point: dict, output_dir: Path) -> training.TrainConfig:
+def point_config(settings: BenchSettings, point: dict, output_dir: Path) -> training.TrainConfig:
     """The training run of one point: the sweep's model and data, the point's settings, no warm-up
     of the learning rate, no validation split. The HF Trainer baseline trains from the same config."""
     device = runtime.default_device()
-    model = params["bench_train_model"]
+    model = settings.bench_train_model
     preset = models.is_preset(model)
-    steps = params["bench_train_steps"]
+    steps = settings.bench_train_steps
+    hardware = settings.hardware
     return training.TrainConfig(
         model=model, data_path="", data_description="the shipped arithmetic sample" if not preset else "synthetic",
         output_dir=str(output_dir), use_chat_template=not preset,
-        max_seq_length=params["seq_len"] if preset else "auto", padding=point["padding"], validation_fraction=0.0,
+        max_seq_length=settings.seq_len if preset else "auto", padding=point["padding"], validation_fraction=0.0,
         micro_batch_size=point["micro_batch_size"], max_steps=steps, warmup_steps=0, save_every_steps=0,
-        learning_rate=params["learning_rate"],
-        dtype=run_dtype(params, device), tf32=device.type == "cuda",
+        learning_rate=settings.learning_rate,
+        dtype=run_dtype(settings.dtype, device), tf32=device.type == "cuda",
         grad_checkpointing=point["grad_checkpointing"], torch_compile=point["torch_compile"],
-        lora_rank=params["lora_rank"], lora_targets=params["lora_targets"], optimizer=params["optimizer"],
+        lora_rank=settings.lora_rank, lora_targets=settings.lora_targets, optimizer=settings.optimizer,
         # The profile's data loading, so a point's tokens/s is what the profile's training job would see.
-        dataloader_workers=params["dataloader_workers"], pin_memory=params["pin_memory"],
-        prefetch_factor=params["prefetch_factor"], profile=params["profile"], peak_bf16_tflops=params["peak_bf16_tflops"],
-        peak_fp16_tflops=params["peak_fp16_tflops"], usd_per_gpu_hour=params["usd_per_gpu_hour"],
-        budget=Budget.from_params(params),
+        dataloader_workers=settings.dataloader_workers, pin_memory=settings.pin_memory,
+        prefetch_factor=settings.prefetch_factor, profile=hardware.profile, peak_bf16_tflops=hardware.peak_bf16_tflops,
+        peak_fp16_tflops=hardware.peak_fp16_tflops, usd_per_gpu_hour=hardware.usd_per_gpu_hour,
+        budget=memory_budget(hardware),
         # The profile's attention (e.g. eager, if flex attention fails on a GPU), unless the point sets its own.
-        **{"attn_implementation": params["attn_implementation"], **{key: point[key] for key in SETTING_KEYS if key in point}},
+        **{"attn_implementation": settings.attn_implementation,
+           **{key: point[key] for key in SETTING_KEYS if key in point}},
         synthetic_examples=max(64, point["micro_batch_size"] * steps + 8))
 
 
-def training_point(params, point: dict, work_dir: Path, log: Callable[[str], None] = print) -> dict:
+def memory_budget(hardware: Hardware) -> Budget:
+    """The memory the planner plans a point against: one GPU of the profile (this machine's RAM on the cpu profile)."""
+    return Budget(gpu_count=hardware.gpu_count, gpu_memory_gib=hardware.gpu_memory_gib,
+                  cuda_overhead_gib=hardware.cuda_overhead_gib, safety_margin=hardware.safety_margin)
+
+
+def training_point(settings: BenchSettings, point: dict, work_dir: Path, log: Callable[[str], None] = print) -> dict:
     result = dict(point)
     if point.get("skipped"):
         return result
-    measured = _measure(params, point, work_dir, lambda config, output_dir: training.train(config), log)
+    measured = _measure(settings, point, work_dir, lambda config, output_dir: training.train(config), log)
     if "out_of_memory" in measured or "skipped" in measured:
         return {**result, **measured}
     throughput, memory_figures = measured["throughput"], measured["memory"]
@@ -171,7 +182,7 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
         peak_memory_note=memory_figures["measured"].get("note"),
         predicted_peak_bytes=memory_figures["predicted_peak_bytes"],
         padding_fraction=measured["plan"]["padding_fraction"],
-        cost=_cost_per_million_tokens(params, tokens_per_second),
+        cost=_cost_per_million_tokens(settings, tokens_per_second),
         nvml=measured["nvml"], model=measured["model_description"], final_loss=measured["loss"]["last_step"],
         step_tokens=[record["tokens"] for record in measured["history"]],
         step_loss_tokens=[record["loss_tokens"] for record in measured["history"]],
@@ -183,13 +194,13 @@ def training_point(params, point: dict, work_dir: Path, log: Callable[[str], Non
     return result
 
 
-def _measure(params, point: dict, work_dir: Path, train: Callable[[training.TrainConfig, Path], dict],
+def _measure(settings: BenchSettings, point: dict, work_dir: Path, train: Callable[[training.TrainConfig, Path], dict],
              log: Callable[[str], None]) -> dict:
     """``train(config, output_dir)`` on ``point`` in a scratch folder, NVML sampled: what it measured
     with ``nvml``, or for a point the device could not hold, ``out_of_memory``'s record (the sweep goes
     on: one that probes memory settings near the limit must not lose its other points to one)."""
     output_dir = Path(tempfile.mkdtemp(dir=work_dir, prefix="train-"))
-    config = point_config(params, point, output_dir)
+    config = point_config(settings, point, output_dir)
     failed = None
     try:
         with NvmlSampler() as sampler:
@@ -222,7 +233,7 @@ def out_of_memory(config: training.TrainConfig, error: str, log: Callable[[str],
     return record
 
 
-def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[str], None] = print,
+def baseline_point(settings: BenchSettings, workbook_point: dict, work_dir: Path, log: Callable[[str], None] = print,
                    tool: str = "hf-trainer") -> dict:
     """``tool`` (a ``bench_train_baselines`` name: the HF Trainer or TRL's SFTTrainer) on ``workbook_point``'s
     settings (a measured plain point), with the workbook's tokens/s and peak memory over the tool's
@@ -234,11 +245,11 @@ def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[
         if reason := trl_baseline.missing():
             log(f"train micro-batch {point['micro_batch_size']}, {trl_baseline.label()}: {reason}")
             return {**point, "loop": trl_baseline.label(), "skipped": reason}
-        name, run, settings = trl_baseline.label(), trl_baseline.sft_run, trl_baseline.SETTINGS
+        name, run, mirrored = trl_baseline.label(), trl_baseline.sft_run, trl_baseline.SETTINGS
     else:
-        name, run, settings = trainer_baseline.LABEL, trainer_baseline.trainer_run, trainer_baseline.SETTINGS
+        name, run, mirrored = trainer_baseline.LABEL, trainer_baseline.trainer_run, trainer_baseline.SETTINGS
     try:
-        measured = _measure(params, point, work_dir, lambda config, output_dir: run(config, str(output_dir)), log)
+        measured = _measure(settings, point, work_dir, lambda config, output_dir: run(config, str(output_dir)), log)
     except Exception as error:  # another library's failure is a finding of the sweep, not the end of it
         traceback.print_exc()  # into the run's log, for whoever fixes it
         reason = f"not measured: it failed with {error_summary(error)}"
@@ -246,8 +257,8 @@ def baseline_point(params, workbook_point: dict, work_dir: Path, log: Callable[[
         return {**point, "loop": name, "skipped": reason}
     if "out_of_memory" in measured:
         return {**point, "loop": name, **measured}
-    result = {**point, **measured, "cost": _cost_per_million_tokens(params, measured["tokens_per_second"])}
-    result["versus"] = trainer_baseline.versus(result, workbook_point, settings)
+    result = {**point, **measured, "cost": _cost_per_million_tokens(settings, measured["tokens_per_second"])}
+    result["versus"] = trainer_baseline.versus(result, workbook_point, mirrored)
     ratio = result["versus"]["tokens_per_second_ratio"]
     log(f"train micro-batch {point['micro_batch_size']}, {measured['loop']}: {measured['tokens_per_second'] or 0:,.0f} "
         f"tokens/s" + (f" (the workbook's loop: {ratio:.2f}x)" if ratio else ""))
@@ -262,14 +273,15 @@ def _is_plain(point: dict) -> bool:
     return all(point[key] == value for key, value in PLAIN.items()) and not any(key in point for key in SETTING_KEYS)
 
 
-def _cost_per_million_tokens(params, tokens_per_second: float | None) -> dict:
+def _cost_per_million_tokens(settings: BenchSettings, tokens_per_second: float | None) -> dict:
     """US dollars per million training tokens at the profile's price, one GPU (None on the cpu profile)."""
-    cost = cost_figures(1e6 / tokens_per_second if tokens_per_second else 0, 0, 1_000_000, params["usd_per_gpu_hour"])
+    cost = cost_figures(1e6 / tokens_per_second if tokens_per_second else 0, 0, 1_000_000,
+                        settings.hardware.usd_per_gpu_hour)
     cost.pop("usd_per_1000_examples", None)
     return cost
 
 
-def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
+def training_sweep(settings: BenchSettings, work_dir: Path, log: Callable[[str], None] = print,
                    on_point: Callable[[dict], None] = lambda point: None, budget: TimeBudget = NO_BUDGET) -> dict:
     """Every point but the compiled ones, each plain point followed by its baselines
     (``bench_train_baselines``: the comparison with the tools users know comes before the memory
@@ -277,14 +289,14 @@ def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
     stopped by ``budget`` loses them first (``on_point`` gets each point as it is measured)."""
     device = runtime.default_device()
     points, baselines = [], []
-    planned = training_points(params, device)
+    planned = training_points(settings, device)
     # One process trains every point, where a job trains one: flex attention (packing on CUDA) compiles
     # again for each new batch shape and precision, and past dynamo's limit (8) it would run unfused,
     # holding the whole score matrix, without a word. The limit is raised for the sweep's many points.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, SWEEP_RECOMPILE_LIMIT)
-    tools = [tool for tool in params_module.choice_list(params, "bench_train_baselines") if tool != "none"]
+    tools = [tool.strip() for tool in settings.bench_train_baselines.split(",") if tool.strip() not in ("", "none")]
     for point in [p for p in planned if not p["torch_compile"]]:
-        measured = budget.measure(point, lambda: training_point(params, point, work_dir, log))
+        measured = budget.measure(point, lambda: training_point(settings, point, work_dir, log))
         points.append(measured)
         on_point(measured)
         if not (_is_plain(measured) and "tokens_per_second" in measured):
@@ -292,15 +304,15 @@ def training_sweep(params, work_dir: Path, log: Callable[[str], None] = print,
         skeleton = {key: measured[key] for key in ("micro_batch_size", *PLAIN)}
         for tool in tools:
             baselines.append(budget.measure({**skeleton, "loop": tool},
-                                            lambda: baseline_point(params, measured, work_dir, log, tool)))
+                                            lambda: baseline_point(settings, measured, work_dir, log, tool)))
             on_point(baselines[-1])
     for point in [p for p in planned if p["torch_compile"]]:
         # Compiled as a fresh job compiles it: after an earlier point's other micro-batch, dynamo would make
         # the batch dimension dynamic and measure other (slower) kernels than a job gets.
         torch._dynamo.reset()
-        points.append(budget.measure(point, lambda: training_point(params, point, work_dir, log)))
+        points.append(budget.measure(point, lambda: training_point(settings, point, work_dir, log)))
         on_point(points[-1])
-    return {"model": params["bench_train_model"], "lora_rank": params["lora_rank"], "device": str(device),
-            "steps_per_point": params["bench_train_steps"],
+    return {"model": settings.bench_train_model, "lora_rank": settings.lora_rank, "device": str(device),
+            "steps_per_point": settings.bench_train_steps,
             "repeats": 1, "what": f"tokens/s over the steps after the first {TIMING_WARMUP_STEPS} (warm-up) "
             "of each point, one run per point", "points": points, "baselines": baselines}
