@@ -102,7 +102,7 @@ def test_the_tuner_shows_the_layout_it_plans_a_teacher_bigger_than_one_gpu_with(
                                  {**profiles["h100x8"], "model": "llama-3.1-70b", "batch_size": 8})
     assert tuner.tensor_parallel.value == "auto" and tuner.plan.tensor_parallel_size >= 2
     layout = f"T={tuner.plan.tensor_parallel_size} x D={8 // tuner.plan.tensor_parallel_size}"
-    assert layout in tuner.max_batch.value and f"layout {layout}" in tuner.advice.value  # and why
+    assert layout in tuner.max_batch.value and f"layout {layout}" in tuner.notes.value  # and why
     tuner.tensor_parallel.value = 1  # the whole 70B on each GPU: not even batch 1
     assert tuner.plan.max_batch_size == 0 and "T=1 x D=8" in tuner.max_batch.value
 

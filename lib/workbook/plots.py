@@ -76,12 +76,13 @@ TERM_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860",
 
 
 def _stacked_terms(axis, plan, unit_bytes: int, labelled: bool) -> float:
-    """The plan's terms as one stacked bar in `unit_bytes`; returns its length."""
+    """The plan's terms as one stacked bar in `unit_bytes`; returns its length. A term not alive at the
+    peak (0 bytes: the plan's notes say when it is) has no bar and no legend entry."""
     left = 0.0
     for index, term in enumerate(plan.terms):
         width = term.bytes / unit_bytes
         axis.barh([0], [width], left=left, color=TERM_COLORS[index % len(TERM_COLORS)],
-                  label=f"{term.name}: {format_bytes(term.bytes)}" if labelled else None)
+                  label=f"{term.name}: {format_bytes(term.bytes)}" if labelled and term.bytes else None)
         left += width
     return left
 

@@ -50,7 +50,7 @@ FIGURE_MIN_HEIGHT = "300px"  # the figure's height: the page does not jump while
 AUTO_LAYOUT = "auto"  # the tensor-parallel size the planner chooses (planner.layout)
 TENSOR_PARALLEL_SIZES = [1, 2, 4, 8]  # divisors of an 8-GPU machine
 CSS_CLASSES = {"widget": "workbook-tuner", "verdict": "workbook-tuner-verdict",
-               "max_batch": "workbook-tuner-max-batch", "advice": "workbook-tuner-advice",
+               "max_batch": "workbook-tuner-max-batch", "advice": "workbook-tuner-advice", "notes": "workbook-tuner-notes",
                "error": "workbook-tuner-error", "output": "workbook-tuner-figure",
                "trace_button": "workbook-tuner-trace-button", "trace_output": "workbook-tuner-trace"}
 # Seconds a trace takes per decoder layer, until the tuner has timed one itself: the medians of the committed
@@ -173,6 +173,7 @@ class PlannerTuner:
         self.verdict = widgets.HTML()
         self.max_batch = widgets.HTML()
         self.advice = widgets.HTML()
+        self.notes = widgets.HTML()  # the plan's notes, under the plot: their number changes with the setting
         self.error = widgets.HTML(layout=widgets.Layout(display="none"))  # shown only when there is one
         self.output = widgets.Output(layout=widgets.Layout(min_height=FIGURE_MIN_HEIGHT))
         self.trace_button = widgets.Button(layout=widgets.Layout(width="auto"), icon="search",
@@ -210,7 +211,7 @@ class PlannerTuner:
         controls = widgets.HBox(groups, layout=widgets.Layout(flex_flow="row wrap"))
         result = widgets.HBox([self.verdict, self.max_batch],
                               layout=widgets.Layout(flex_flow="row wrap", align_items="baseline"))
-        return widgets.VBox([controls, result, self.advice, self.error, self.output, self.trace_button,
+        return widgets.VBox([controls, result, self.advice, self.error, self.output, self.notes, self.trace_button,
                              self.trace_output])
 
     def settings(self) -> dict:
@@ -252,7 +253,7 @@ class PlannerTuner:
             # The verdict above would otherwise still describe the previous settings.
             self.verdict.value = ("<span style='font-size:1.2em;color:#b00'><b>NOT UPDATED</b></span> "
                                   "the planner failed for these settings (below); the plot shows the last good plan")
-            self.max_batch.value = self.advice.value = ""
+            self.max_batch.value = self.advice.value = self.notes.value = ""
             self.error.value = (f"<pre style='color:#b00;white-space:pre-wrap;margin:0'>"
                                 f"{html.escape(type(error).__name__)}: {html.escape(str(error))}\n"
                                 f"{html.escape(traceback.format_exc(limit=2))}</pre>")
@@ -276,10 +277,13 @@ class PlannerTuner:
         # Always one line (the spare memory when it fits), so the plot below does not jump when the
         # verdict flips.
         spare = f"{format_bytes(plan.budget_bytes - plan.total_bytes)} of the budget left{per}."
-        notes = [plan.advice() or spare, *plan.notes]
+        advice = [plan.advice() or spare]
         if plan.mode == "train" and not plan.fits:
-            notes += fit.ways_to_fit_lines(fit.ways_to_fit(self.settings(), batch_size=plan.batch_size))
-        self.advice.value = "<br>".join(f"<span style='color:#555'>{html.escape(n)}</span>" for n in notes)
+            advice += fit.ways_to_fit_lines(fit.ways_to_fit(self.settings(), batch_size=plan.batch_size))
+        self.advice.value = _grey_lines(advice)
+        # The plan's notes (its layout, the moment of its peak, what it cannot run) go under the plot,
+        # so a setting with more of them does not push the plot off a laptop's screen.
+        self.notes.value = _grey_lines(plan.notes)
         # The slider spans twice the largest batch that fits (as the curve does), so the interesting
         # part is not squeezed into a few pixels; never below the batch it shows.
         self.batch_size.max = min(max(2 * plan.max_batch_size, 64, self.batch_size.value), 1 << 20)
@@ -364,3 +368,7 @@ class PlannerTuner:
         color = "#888" if stale else "#222"
         return (f"<pre style='color:{color};white-space:pre-wrap;margin:0;font-size:0.9em'>"
                 f"{html.escape(chr(10).join(lines))}</pre>")
+
+
+def _grey_lines(lines: list[str]) -> str:
+    return "<br>".join(f"<span style='color:#555'>{html.escape(line)}</span>" for line in lines)
