@@ -444,13 +444,18 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
+SCRATCH = "<scratch>"  # what the results say for the check's temporary folder
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="forecast-check-") as work:
         result = run(args, Path(work))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "forecast.json").write_text(json.dumps(result, indent=2) + "\n")
+    # The scratch folder is gone once the check ends: its path would only name this machine.
+    text = json.dumps(result, indent=2).replace(json.dumps(work)[1:-1], SCRATCH)
+    (out / "forecast.json").write_text(text + "\n")
     (out / "forecast.md").write_text(markdown(result))
     print(markdown(result))
     return 3 if any("not_finished" in row for row in result["cases"]) else 0
