@@ -361,8 +361,8 @@ def test_a_case_out_of_memory_is_recorded_with_its_plan_and_any_other_failure_wi
 
 
 def test_a_case_is_kept_only_within_the_grid_fraction_of_a_budget_in_gib():
-    # The 8B model's largest generate case plans 31.2 GiB. A 42 GiB GPU's budget (0.95 of it: 39.9 GiB)
+    # The 8B model's largest generate case plans 32.4 GiB. A 45 GiB GPU's budget (0.95 of it: 42.8 GiB)
     # holds it within 0.8; a 36 GiB one's (34.2 GiB) would hold it, but too close to measure it safely.
     name = "llama-3.1-8b/generate/b64-p1024-n512"
-    assert name in {case.name for case in calibration_grid({"gpu_memory_gib": 42.0})}
+    assert name in {case.name for case in calibration_grid({"gpu_memory_gib": 45.0})}
     assert name not in {case.name for case in calibration_grid({"gpu_memory_gib": 36.0})}
