@@ -59,7 +59,7 @@ import time
 from pathlib import Path
 
 from workbook.paths import MODELS_DIR, OUTPUTS_DIR, REPO_ROOT
-from workbook import gpu, launcher_watch, params
+from workbook import gpu, launcher_watch, params, runtime
 
 RESERVE_SECONDS = 20  # kept back from the last step: the summary and copying the results
 BUDGET_MARGIN_SECONDS = 20  # a step's own budget is this much less than it is given: its imports and writing
@@ -69,6 +69,10 @@ PART_BYTES = 15 * 2 ** 20
 LARGEST_MEMBER_BYTES = 16 * 2 ** 20
 MOST_PARTS = 7  # and <call>.json: 8 files
 DEFAULT_BUDGET_SECONDS = 540  # 9 minutes: inside the device's 10-minute limit per command
+# A session lent a GPU has 15 minutes of device time in all (the machine's start, idle waits and transfers
+# included): one command of 8 minutes is what it can count on, this process's own start and packing included.
+FIRST_LIGHT_BUDGET_SECONDS = 480
+CALL_BUDGET_SECONDS = {"first-light": FIRST_LIGHT_BUDGET_SECONDS}
 # The forecast call's 8B generation job, sized from bandwidth for about 2 minutes. The planner's batch is
 # 505 on an H100 and 995 on an H200 (prompt_len 512, 256 new tokens), so 5,000 and 10,000 prompts make 10
 # static batches (the pilot's one batch is 10% of the job) of 256 decode steps each: 2,560 steps. On an
@@ -89,6 +93,10 @@ class Step:
     needs_seconds: int  # skipped when less than this is left: a step that cannot finish measures nothing
     budget_flag: str | None = None  # the step's own time-budget option, given the time it may take
     reserve_seconds: int = 0  # kept back for the steps after it: a step that would take all it is given leaves them theirs
+    # Its own budget: the most it may take when time is short (a slow step cannot eat the next one's), and
+    # whatever the steps before it saved when not; the budgeted steps after it keep theirs either way.
+    budget_seconds: int | None = None
+    ceilings_options: bool = False  # given --bandwidth-gbs and --peak-tflops from the call's ceilings.json, if written
 
 
 def calls(profile: str, out: Path) -> dict[str, list[Step]]:
@@ -97,6 +105,7 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
     bench = [*workbook, "bench", "--params", profile, "--set"]
     on_gpu = ["--device", "cuda", "--dtype", "bf16"]
     return {
+        "first-light": first_light(profile, out),
         "smoke": [
             Step("ceilings", ["-m", "workbook.ceilings", "--profile", profile, "--out", str(out)], 30),
             Step("CUDA context probe", ["-m", "workbook.planner.overhead_probe", "--profile", profile,
@@ -168,9 +177,92 @@ def calls(profile: str, out: Path) -> dict[str, list[Step]]:
     }
 
 
+def first_light(profile: str, out: Path) -> list[Step]:
+    """The first call of any session with a GPU: the headline numbers in one command of at most 8 minutes
+    (``FIRST_LIGHT_BUDGET_SECONDS``), its steps in order of value, each under its own budget.
+
+    The budgets, from the timings the other calls' steps were sized by (no GPU run has been recorded
+    yet, so these are estimates with room): each step is a fresh process, and importing torch and
+    transformers costs 10-20 s of it on a cold disk; an 8B-shaped model of random bf16 weights builds on
+    the GPU in about 10 s (16 GB), a 1B in 2-3 s; HF's eager decode step of the 8B is ~25-35 ms at batch
+    32-128 (the weights' 16 GB at 3.35 TB/s are 5 ms of it; Python's launches over 32 layers the rest).
+    """
+    workbook = ["-m", "workbook"]
+    bench = [*workbook, "bench", "--params", profile, "--set"]
+    return [
+        # 1. The ceilings every roofline below is judged at: a 2 GiB copy and an 8192^3 bf16 matmul, best of
+        # 5 (seconds), after torch's import. Then the CUDA context probe: a two-layer model's generation and
+        # training steps, flex attention compiled by Triton on first use (~20 s of the 50).
+        Step("ceilings", ["-m", "workbook.ceilings", "--profile", profile, "--out", str(out)], 15,
+             budget_seconds=30),
+        Step("CUDA context probe", ["-m", "workbook.planner.overhead_probe", "--profile", profile, "--out", str(out)],
+             25, budget_seconds=50),
+        # 2. Six cases (calibration.first_light_cases): two 8B builds (~10 s each) and their generations (256
+        # steps: ~8 s at batch 32, ~10 s at 128), four 1B builds and training steps (~5 s each, peft's import
+        # for LoRA). Each case is written as it is measured, so a cut keeps those before it.
+        Step("planner against the measured peak, 6 cases", [
+            "-m", "workbook.planner.calibration", "--out", str(out), "--profile", profile, "--cases", "first-light",
+            "--overhead-from", str(out / "cuda_overhead.json")], 40, budget_seconds=100),
+        # 3. The 8B generation goals on the same 480 prompts (128-512 tokens, 128 new): static-sorted at the
+        # planner's batch first (470 on an H100: every prompt in one batch; an H200's 927 is capped at the
+        # 480, which the sweep records), then the seeds' static batches of 32 (15 batches x 127 steps, ~60 s).
+        # The sweep measures the ceilings again in-process for its roofline (seconds).
+        Step("8B generation: static-sorted at the planner's batch, the seeds' batch 32", [
+            *bench, "bench_generate_model=Llama-3.1-8B", "bench_strategies=static-sorted,seed-after",
+            "bench_batch_sizes=auto", "bench_examples=480", "bench_max_new_tokens=128", "prompt_len=512",
+            "bench_repeats=1", "bench_train_steps=0"], 60, "--time-budget-seconds", budget_seconds=100),
+        # Continuous against static on uneven outputs (lognormal, median 32, capped at 256) at the same 24 GiB:
+        # static-sorted runs 3 batches of 108 to their longest (~750 steps, ~25 s), continuous and the direct
+        # call keep 81 slots full (~256 steps each, ~12 s); the roofline at the measured ceilings.
+        Step("8B continuous vs static on uneven outputs", [
+            "-m", "workbook.bench.continuous_batching", "--model", "Llama-3.1-8B", "--device", "cuda",
+            "--dtype", "bf16", "--max-new-tokens", "256", "--memory-gib", "24", "--workloads", "uneven",
+            "--repeats", "1", "--examples", "256", "--out", str(out / "continuous_batching")], 50,
+             "--time-budget-seconds", budget_seconds=90, ceilings_options=True),
+        # 4. The 1B full fine-tune at the planner's micro-batch: 8 steps (2 warm-up) of ~0.3 s; the sweep's
+        # generation point is the 1B's, 16 tokens (seconds), since a benchmark needs one strategy.
+        Step("1B full fine-tune at the planner's micro-batch", [
+            *bench, "bench_strategies=seed-after", "bench_examples=32", "bench_max_new_tokens=16", QUICK_GENERATION,
+            "bench_train_model=Llama-3.2-1B", "bench_train_micro_batches=auto", "bench_train_steps=8",
+            "bench_train_baselines=none"], 35, "--time-budget-seconds", budget_seconds=60),
+        # 5. With the time the steps above saved (none has a budget of its own here): the forecast of a short
+        # 8B generation job (1,000 prompts, 128 new tokens: 2-3 of the planner's batches) against the job run.
+        # Writing the random-weights directory (16 GB) and loading it twice take most of 2.5 minutes.
+        Step("forecast against the run: a short 8B generation job", [
+            "-m", "workbook.bench.forecast_check", "--profile", profile, "--generate-model", "Llama-3.1-8B",
+            "--train-model", "Llama-3.2-1B", "--only-first", "--mixed-prompts", "1000", "--max-new-tokens", "128",
+            "--train-steps", "60", "--train-micro-batch", "8", "--repeats", "1", "--out", str(out / "forecast")],
+             150, "--time-budget-seconds"),
+    ]
+
+
+def allowance(steps: list[Step], index: int, left: float) -> float:
+    """The seconds step ``index`` may run with ``left`` seconds left of the call. A step with a budget of
+    its own gets it and what the steps before it saved, less the budgets of the budgeted steps after it;
+    when time is short it still gets its own (in order of value: the last steps are skipped). A step
+    without one gets what is left less its ``reserve_seconds``."""
+    step = steps[index]
+    if step.budget_seconds is None:
+        return left - step.reserve_seconds
+    later = sum(other.budget_seconds or 0 for other in steps[index + 1:])
+    return min(left, max(step.budget_seconds, left - later))
+
+
+def ceilings_options(out: Path) -> list[str]:
+    """``--bandwidth-gbs`` and ``--peak-tflops`` from the call's measured ceilings (``workbook.ceilings``'s
+    ceilings.json in ``out``), so a roofline is judged at what this GPU does; none before it is written."""
+    path = out / "ceilings.json"
+    if not path.is_file():
+        return []
+    measured = json.loads(path.read_text())["measured"]
+    return ["--bandwidth-gbs", f"{measured['copy_gb_per_second']:.0f}", "--peak-tflops", f"{measured['matmul_tflops']:.0f}"]
+
+
 def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float, *, python: str = sys.executable,
-             outputs: Path = OUTPUTS_DIR, clock=time.monotonic, say=print) -> list[dict]:
-    """Run ``steps`` in order within ``budget_seconds``; returns one record per step."""
+             outputs: Path = OUTPUTS_DIR, clock=time.monotonic, say=print, run=None) -> list[dict]:
+    """Run ``steps`` in order within ``budget_seconds``; returns one record per step. ``run(argv, env, log,
+    log_path, timeout)`` runs one step and returns (status, last line): a process, unless a test gives another."""
+    run = run or _run
     deadline = clock() + budget_seconds - RESERVE_SECONDS
     # Offline: the device reaches no network, so a lookup on the Hub fails at once instead of timing out.
     # Each step ends with this process if it is killed (launcher_watch), as it does at the budget's end.
@@ -179,9 +271,9 @@ def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT / "lib"), os.environ.get("PYTHONPATH")]))})
     records = []
     with log_path.open("a") as log:
-        for step in steps:
-            left = deadline - clock() - step.reserve_seconds
-            argv = [python, *step.argv]
+        for index, step in enumerate(steps):
+            left = allowance(steps, index, deadline - clock())
+            argv = [python, *step.argv, *(ceilings_options(out) if step.ceilings_options else [])]
             if step.budget_flag:  # less the step's imports (seconds on a cold disk), which its own clock misses
                 argv += [step.budget_flag, str(int(max(left - BUDGET_MARGIN_SECONDS, 1)))]
             record = {"step": step.name, "command": " ".join(["python3", *argv[1:]])}
@@ -194,7 +286,7 @@ def run_call(steps: list[Step], out: Path, log_path: Path, budget_seconds: float
             log.flush()
             before = _run_folders(outputs)
             began = clock()
-            status, last_line = _run(argv, env, log, log_path, timeout=left)
+            status, last_line = run(argv, env, log, log_path, timeout=left)
             records.append({**record, "status": status, "seconds": round(clock() - began, 1), "last_line": last_line,
                             "run_folders": [str(folder) for folder in _copy_new_folders(outputs, before, out)]})
             say(f"[{step.name}] {status} in {records[-1]['seconds']:.0f} s: {last_line}")
@@ -321,6 +413,24 @@ def unpack(returned: Path, into: Path) -> list[str]:
     return names
 
 
+def after_unpack(into: Path) -> None:
+    """What follows a call back here: the measured CUDA context written into its profile, then SUMMARY.md
+    (every goal beside its figure, the planner's cases beside their trace) in ``into``."""
+    probe = into / "cuda_overhead.json"
+    if probe.is_file():
+        from workbook.planner import overhead_probe
+        print(f"wrote cuda_overhead_gib into {overhead_probe.apply(probe)}")
+    from workbook.bench import gpu_summary
+    gpu_summary.main([str(into)])
+
+
+def _budget_text(step: Step) -> str:
+    if step.budget_seconds is not None:
+        return f"budget {step.budget_seconds} s, skipped under {step.needs_seconds} s"
+    return f"what is left, at least {step.needs_seconds} s" + (
+        f", {step.reserve_seconds} s kept for the steps after it" if step.reserve_seconds else "")
+
+
 def table(call: str, records: list[dict]) -> str:
     lines = [f"| {call}: step | status | seconds | last line |", "|---|---|---|---|"]
     lines += [f"| {r['step']} | {r['status']} | {r['seconds']:.0f} | {r['last_line'].replace('|', '/')} |"
@@ -347,7 +457,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="auto", help="the lent GPU's profile: h100, h200, or auto (default: the "
                         "profile of the GPU at hand; a named one that another GPU's profile matches gives way to it)")
     parser.add_argument("--out", help="results folder ($OUT on the device)")
-    parser.add_argument("--budget-seconds", type=float, default=DEFAULT_BUDGET_SECONDS)
+    parser.add_argument("--budget-seconds", type=float, help="the call's seconds from this process's start to its "
+                        f"packing (default: {FIRST_LIGHT_BUDGET_SECONDS} for first-light, {DEFAULT_BUDGET_SECONDS} "
+                        "for the others)")
     parser.add_argument("--list", action="store_true", help="print the call's commands and stop")
     parser.add_argument("--no-pack", action="store_true", help="leave the results as a folder under --out")
     parser.add_argument("--unpack", metavar="FOLDER", help="here: extract the packs the device returned into --into")
@@ -361,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error("--unpack needs --into (e.g. outputs/reference/h100)")
         names = unpack(Path(args.unpack), Path(args.into))
         print(f"unpacked {', '.join(names) or 'nothing (no <call>.tar.gz found)'} into {args.into}")
+        if names:
+            after_unpack(Path(args.into))
         return 0 if names else 1
     if not (args.call and args.profile and args.out):
         parser.error("--call, --profile and --out are required (or --unpack FOLDER --into FOLDER)")
@@ -370,13 +484,18 @@ def main(argv: list[str] | None = None) -> int:
     print(why)
     steps = [dataclasses.replace(step, argv=[*step.argv, *args.set]) if step.argv[:3] == ["-m", "workbook", "bench"]
              else step for step in calls(profile, folder)[args.call]]
+    budget = args.budget_seconds or CALL_BUDGET_SECONDS.get(args.call, DEFAULT_BUDGET_SECONDS)
     if args.list:
-        print("\n".join(f"{step.name}: python3 {' '.join(step.argv)}" for step in steps))
+        print(f"{args.call}: {budget:.0f} s in all, {RESERVE_SECONDS} s of them kept for the summary and packing")
+        print("\n".join(f"{step.name} ({_budget_text(step)}): python3 {' '.join(step.argv)}"
+                         + (" [--bandwidth-gbs --peak-tflops from ceilings.json]" if step.ceilings_options else "")
+                         for step in steps))
         return 0
     folder.mkdir(parents=True, exist_ok=True)
-    records = run_call(steps, folder, folder / f"{args.call}.log", args.budget_seconds)
+    # From this process's start: its imports and the GPU's detection are seconds of the same budget.
+    records = run_call(steps, folder, folder / f"{args.call}.log", budget - (runtime.process_age_seconds() or 0))
     summary = {"call": args.call, "profile": profile, "profile_named": args.profile, "profile_why": why,
-               "budget_seconds": args.budget_seconds, "steps": records}
+               "budget_seconds": budget, "steps": records}
     (folder / f"{args.call}.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(table(args.call, records))
     if not args.no_pack:

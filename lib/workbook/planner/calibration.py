@@ -135,6 +135,50 @@ def calibration_grid(profile: str | dict) -> list[CalibrationCase]:
     ]
 
 
+# Named case lists: a GPU session's chosen cases, measured as they are (not filtered to the grid's 0.8 of the
+# budget: one case sits near the planner's largest batch on purpose, where an underestimate would run out of
+# memory). ``workbook.planner.calibration --cases first-light``.
+NEAR_LARGEST_SHARE = 0.9  # the near-largest case runs at this share of the planner's largest micro-batch
+
+
+def first_light_cases(profile: str | dict) -> list[CalibrationCase]:
+    """The planner against the measured peak in the fewest cases that span its modes (a lent GPU's first
+    call): 8B-shaped generation at the seeds' batch 32 and at 128, the 1B-shaped full fine-tune plain and
+    checkpointed, a 1B LoRA, and the checkpointed 1B at ``NEAR_LARGEST_SHARE`` of the planner's largest
+    micro-batch on ``profile``'s GPU. The 1B stands in for training (an 8B full fine-tune does not fit one
+    GPU; its cases build in seconds where an 8B takes most of a minute)."""
+    gpu_memory_bytes = _profile_gpu_memory_bytes(profile)
+    cases = [
+        CalibrationCase(name=f"llama-3.1-8b/generate/b{batch}-p512-n256", model="llama-3.1-8b", mode="generate",
+                        batch_size=batch, prompt_len=512, new_tokens=256)
+        for batch in (32, 128)
+    ] + [
+        CalibrationCase(name="llama-3.2-1b/train/b4-s2048", model="llama-3.2-1b", mode="train", batch_size=4,
+                        seq_len=2048),
+        CalibrationCase(name="llama-3.2-1b/train-checkpointed/b8-s2048", model="llama-3.2-1b", mode="train",
+                        batch_size=8, seq_len=2048, grad_checkpointing=True),
+        CalibrationCase(name=f"llama-3.2-1b/lora{LORA_RANK}/b4-s2048", model="llama-3.2-1b", mode="train",
+                        batch_size=4, seq_len=2048, lora_rank=LORA_RANK),
+    ]
+    checkpointed = cases[3]
+    largest = plan_for_case(checkpointed, gpu_memory_bytes=gpu_memory_bytes).max_batch_size
+    near = max(1, int(NEAR_LARGEST_SHARE * largest))
+    cases.append(CalibrationCase(
+        name=f"llama-3.2-1b/train-checkpointed/b{near}-s2048-near-largest-{largest}", model="llama-3.2-1b",
+        mode="train", batch_size=near, seq_len=2048, grad_checkpointing=True))
+    return cases
+
+
+NAMED_CASES = {"first-light": first_light_cases}
+
+
+def named_cases(name: str, profile: str | dict) -> list[CalibrationCase]:
+    """The cases of the list ``name`` (``NAMED_CASES``) on ``profile``'s GPU."""
+    if name not in NAMED_CASES:
+        raise SystemExit(f"--cases {name!r}: no such case list; the lists: {', '.join(NAMED_CASES)}")
+    return NAMED_CASES[name](profile)
+
+
 def plan_for_case(case: CalibrationCase, *, gpu_memory_bytes: int, overhead_bytes: int = DEFAULT_OVERHEAD_BYTES) -> Plan:
     """The planner's prediction for ``case``, with the settings measure_case runs it under.
 
@@ -381,37 +425,50 @@ def main(argv: list[str] | None = None) -> int:
                         "each matches (a smoke pass), e.g. llama-3.2-1b/generate,llama-3.2-1b/train-checkpointed")
     parser.add_argument("--overhead-from", help="an overhead probe's cuda_overhead.json: plan every case's CUDA "
                         "context with its constant (default: each case's own measured context)")
+    parser.add_argument("--cases", choices=list(NAMED_CASES), help="measure a named case list instead of the grid "
+                        "(first-light: the fewest cases that span generation and training, one near the planner's "
+                        "largest batch); the CPU exact checks are left to the cpu profile's run")
     args = parser.parse_args(argv)
+    if args.cases and args.only:
+        parser.error("give --cases or --only, not both")
     try:  # an unknown profile or --only case is named before any work, on a CPU too
-        cases = [] if args.profile == "cpu" else calibration_grid(args.profile)
-    except params.ParamsError as error:
+        cases = ([] if args.profile == "cpu" else
+                 named_cases(args.cases, args.profile) if args.cases else calibration_grid(args.profile))
+    except (params.ParamsError, ValueError) as error:
         parser.error(str(error))
     cases = chosen_cases(cases, args.only.split(",")) if args.only else cases
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     command = command_line(args.out, args.profile)
 
-    cpu_checks = exact_checks.cpu_exact_checks()
     has_gpu = torch.cuda.is_available() and bool(cases)  # the cpu profile has no grid, GPU or not
-    cpu_checks["command"] = command
-    if args.profile == "cpu":  # the exact checks are all a CPU can give; the grid needs a GPU profile
-        command = "workbook calibrate --profile h200   (or the profile of the GPU at hand)"
-    cpu_checks["gpu_calibration"] = (
-        {"status": "run", "file": RESULT_FILE} if has_gpu else
-        {"status": "pending",
-         "reason": ("the GPU calibration needs a CUDA GPU; none was found on this machine"
-                    if not torch.cuda.is_available() else
-                    f"profile {args.profile} has no calibration grid; give the profile of the GPU at hand"),
-         "to_run": f"{command}  (on the GPU the profile describes)"}
-    )
-    (out_dir / exact_checks.CPU_CHECKS_FILE).write_text(json.dumps(cpu_checks, indent=2) + "\n")
-    exact = sum(check["exact"] for check in cpu_checks["checks"])
-    print(f"CPU exact checks: {exact}/{len(cpu_checks['checks'])} exact -> "
-          f"{out_dir / exact_checks.CPU_CHECKS_FILE}")
-    if not has_gpu:
-        print(f"GPU calibration pending: it needs a CUDA GPU and none was found. Run `{command}` "
-              f"on that GPU to write outputs/reference/<profile>/{RESULT_FILE}.")
-        return 0 if cpu_checks["all_exact"] else 1
+    all_exact = True
+    if args.cases:  # a named list is a GPU session's few cases: its seconds go to them alone
+        if not has_gpu:
+            print(f"--cases {args.cases}: the cases need a CUDA GPU and none was found; nothing measured")
+            return 0
+    else:
+        cpu_checks = exact_checks.cpu_exact_checks()
+        cpu_checks["command"] = command
+        if args.profile == "cpu":  # the exact checks are all a CPU can give; the grid needs a GPU profile
+            command = "workbook calibrate --profile h200   (or the profile of the GPU at hand)"
+        cpu_checks["gpu_calibration"] = (
+            {"status": "run", "file": RESULT_FILE} if has_gpu else
+            {"status": "pending",
+             "reason": ("the GPU calibration needs a CUDA GPU; none was found on this machine"
+                        if not torch.cuda.is_available() else
+                        f"profile {args.profile} has no calibration grid; give the profile of the GPU at hand"),
+             "to_run": f"{command}  (on the GPU the profile describes)"}
+        )
+        (out_dir / exact_checks.CPU_CHECKS_FILE).write_text(json.dumps(cpu_checks, indent=2) + "\n")
+        exact = sum(check["exact"] for check in cpu_checks["checks"])
+        print(f"CPU exact checks: {exact}/{len(cpu_checks['checks'])} exact -> "
+              f"{out_dir / exact_checks.CPU_CHECKS_FILE}")
+        if not has_gpu:
+            print(f"GPU calibration pending: it needs a CUDA GPU and none was found. Run `{command}` "
+                  f"on that GPU to write outputs/reference/<profile>/{RESULT_FILE}.")
+            return 0 if cpu_checks["all_exact"] else 1
+        all_exact = cpu_checks["all_exact"]
 
     result = run_calibration(out_dir, args.profile, cases, overhead_bytes=_probed_overhead(args.overhead_from))
     from workbook import plots  # the figure is for people; the JSON above is the record
@@ -426,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"accelerate estimate-memory on the same cases: median |error| "
           f"{_percent(beside['median_abs_relative_error'])}, max {_percent(beside['max_abs_relative_error'])}, "
           f"{beside['cases_below_measured']} of {beside['cases']} below the measured peak")
-    return 0 if cpu_checks["all_exact"] else 1
+    return 0 if all_exact else 1
 
 
 def chosen_cases(cases: list[CalibrationCase], beginnings: list[str]) -> list[CalibrationCase]:
