@@ -149,3 +149,18 @@ def test_when_time_is_short_the_steps_of_more_value_keep_their_budget(tmp_path):
     assert gpu_session.allowance(steps, 0, left=150) == 100
     assert gpu_session.allowance(steps, 1, left=50) == 50
     assert gpu_session.allowance(steps, 0, left=80) == 80
+
+
+def test_unpacking_a_call_writes_the_measured_context_into_its_profile_and_the_summary(tmp_path, monkeypatch):
+    from workbook.planner import overhead_probe
+    applied = []
+    monkeypatch.setattr(overhead_probe, "apply", lambda path: applied.append(path) or "params/h100.yaml")
+    folder = tmp_path / "returned" / "first-light"
+    folder.mkdir(parents=True)
+    (folder / "cuda_overhead.json").write_text(json.dumps({"profile": "h100", "overhead_bytes": 2 ** 29,
+                                                           "hardware_name": "NVIDIA H100 80GB HBM3"}))
+    gpu_session.pack(folder, tmp_path / "returned", "first-light")
+    into = tmp_path / "reference" / "h100"
+    assert gpu_session.main(["--unpack", str(tmp_path / "returned"), "--into", str(into)]) == 0
+    assert applied == [into / "cuda_overhead.json"]
+    assert "| CUDA context constant measured by its own probe | 0.50 GiB" in (into / "SUMMARY.md").read_text()

@@ -73,3 +73,36 @@ def test_a_goal_two_benchmarks_measured_has_a_row_from_each(tmp_path):
 def test_a_folder_without_results_is_an_error(tmp_path, capsys):
     assert gpu_summary.main([str(tmp_path)]) == 2
     assert "holds none of" in capsys.readouterr().out
+
+
+def test_each_planner_case_sits_beside_its_trace_made_here_once(tmp_path, monkeypatch):
+    """The GPU measures the cases; the trace of each (hardware-independent) is made on this CPU after the
+    files came back, shown beside plan and measurement, and kept so that a rewrite traces nothing again."""
+    from workbook.planner import calibration
+    cases = [calibration.CalibrationCase("tiny/generate/b4-p16-n8", "tiny", "generate", 4, prompt_len=16, new_tokens=8),
+             calibration.CalibrationCase("tiny/train/b2-s64", "tiny", "train", 2, seq_len=64)]
+    records = [{"case": case.to_dict(), "status": "measured", "predicted_bytes": int(1.10 * GiB),
+                "measured_bytes": int(1.00 * GiB), "relative_error": 0.10, "predicted_tensor_bytes": 2_000_000,
+                "measured_allocated_bytes": 2_500_000, "tensor_relative_error": -0.2,
+                "measurement": {"peak_reserved_bytes": 4_194_304}} for case in cases]
+    (tmp_path / "memory_accuracy.json").write_text(json.dumps({
+        "summary": {"median_abs_relative_error": 0.10, "max_abs_relative_error": 0.10, "counted_toward_goal": 0,
+                    "out_of_memory": [], "meets_goal": False}, "cases": records, "cases_planned": 2}))
+    assert gpu_summary.main([str(tmp_path)]) == 0
+    kept = json.loads((tmp_path / gpu_summary.TRACE_FILE).read_text())
+    generate = kept["tiny/generate/b4-p16-n8"]["trace"]
+    assert generate["mode"] == "generate" and generate["settings"]["batch_size"] == 4
+    assert kept["tiny/train/b2-s64"]["trace"]["settings"]["padding"] == "length_grouped"  # unpacked rows, as measured
+    text = (tmp_path / gpu_summary.SUMMARY_FILE).read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| tiny/generate/b4-p16-n8 |"))
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert cells[1:4] == ["measured", "1.10", "0.00"]  # plan, its tensors (GiB)
+    assert cells[4] == f"{generate['peak_bytes'] / GiB:.2f} in {generate['phase']}"
+    assert cells[5:8] == ["0.00", "0.00", "1.00"]  # allocated, reserved, device peak
+    assert cells[8:] == ["+10.0%", "-20.0%", f"{(generate['peak_bytes'] - 2_500_000) / 2_500_000:+.1%}"]
+
+    def no_second_trace(case):
+        raise AssertionError(f"traced {case['name']} again")
+    monkeypatch.setattr(gpu_summary, "case_trace", no_second_trace)
+    assert gpu_summary.main([str(tmp_path)]) == 0
+    assert (tmp_path / gpu_summary.SUMMARY_FILE).read_text() == text
