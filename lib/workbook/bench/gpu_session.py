@@ -1,6 +1,33 @@
 """A lent GPU's calls, planned: each call is one command that runs a whole sweep of steps, writes
-everything under one folder and stops itself inside its time budget (the device allows 10 minutes a
-command and 30 a session), so none of the session's minutes go to typing or to a step that hangs.
+everything under one folder and stops itself inside its time budget, so none of the session's minutes go
+to typing or to a step that hangs.
+
+A session lent a GPU has 15 minutes of device time in all, the machine's start (a minute or more), idle
+waits and transfers included: what it can count on is one command of about 8 minutes. That command is
+``first-light``, the first of any session with a GPU:
+
+    PYTHONPATH=lib python3 -m workbook gpu-session --call first-light --profile auto --out $OUT
+
+given ``timeout_s`` 540 (its 480 s budget counts from its own start, imports and packing included; the
+60 s more let it pack what it measured even if a step overruns its stop), with ``carry
+["outputs/models"]`` (the tiny model built here once: the forecast step's random-weights directory takes
+its tokenizer, which a bare machine spends ~45 s building). ``--list`` prints its steps and budgets. Back
+here: ``workbook gpu-session --unpack <files_at> --into outputs/reference/<h100|h200>`` (the profile its
+``first-light.json`` names) extracts the files, writes the measured CUDA context into that profile
+(``overhead_probe.apply``) and ``SUMMARY.md`` (``gpu_summary``: every goal beside its figure, each planner
+case beside its fake-tensor trace, traced on this CPU). A second call only if ``status`` leaves at least 5
+minutes, its steps in the same order of value.
+
+``first-light``'s steps, in order of value, each under a budget of its own (``first_light`` says how each
+was sized): the measured ceilings and the CUDA context probe; the planner against the measured peak on
+six cases (``calibrate --cases first-light``: 8B generation at batch 32 and 128, the 1B full fine-tune
+plain and checkpointed, a 1B LoRA, the checkpointed 1B near the planner's largest micro-batch); the 8B
+generation sweep (static-sorted at the planner's batch, the seeds' batch 32) and continuous against static
+on uneven outputs, both judged at the measured ceilings; the 1B full fine-tune at the planner's
+micro-batch (tokens/s, MFU, peak beside the plan); and, with the time the others saved, the forecast of a
+short 8B generation job against the job run.
+
+The calls below were sized for a 30-minute session; each still runs as one command of at most 9 minutes:
 
     PYTHONPATH=lib python3 -m workbook gpu-session --call smoke --profile auto --out $OUT
 
@@ -8,7 +35,7 @@ A GPU image without TRL (it has no pip to fetch it) takes it as carried wheels, 
 same command (``.whl``: trl, datasets, dill, multiprocess; outputs/reference/README.md); without them the
 TRL rows say so and the rest runs.
 
-Calls, in the order a session spends them (``--list`` prints the commands):
+The 30-minute calls, in the order such a session spends them (``--list`` prints the commands):
 
 - ``smoke`` (~3 min): the measured ceilings of this GPU (a large device-to-device copy, a large
   bf16 matmul), the CUDA context probe, two calibration cases (a generation and a checkpointed training step of a 1B-shaped
@@ -35,9 +62,9 @@ beside ``<call>.json``; ``--no-pack`` keeps the plain folder (a rented machine o
 here, ``--unpack <folder the files came back to> --into outputs/reference/h100`` puts the files where
 the call wrote them, as if it had run here.
 
-Every step runs as its own process (its output in ``<out>/<call>.log``, unbuffered), is given the
-time left (less a reserve for the summary) and is stopped when it runs out; a failed step does not
-stop the next. A step that writes a run folder under ``outputs/`` has it copied into ``<out>``, stopped or
+Every step runs as its own process (its output in ``<out>/<call>.log``, unbuffered), is given its
+allowance (``allowance``: its own budget and what the steps before it saved, or the time left less a
+reserve for the summary) and is stopped when it runs out; a failed step does not stop the next. A step that writes a run folder under ``outputs/`` has it copied into ``<out>``, stopped or
 not: a benchmark stopped by the budget leaves there ``points.jsonl``, every point it finished.
 ``<out>/<call>.json`` records each step's command, exit status, seconds and last line, and the same
 table is printed last. Models are real architectures built from their configs with random bf16
