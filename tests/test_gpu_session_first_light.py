@@ -7,6 +7,7 @@ import importlib
 import json
 
 import pytest
+import torch
 
 from workbook import params
 from workbook.bench import gpu_session
@@ -164,3 +165,12 @@ def test_unpacking_a_call_writes_the_measured_context_into_its_profile_and_the_s
     assert gpu_session.main(["--unpack", str(tmp_path / "returned"), "--into", str(into)]) == 0
     assert applied == [into / "cuda_overhead.json"]
     assert "| CUDA context constant measured by its own probe | 0.50 GiB" in (into / "SUMMARY.md").read_text()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the cases are measured")
+def test_a_named_case_list_without_a_gpu_measures_nothing_and_spends_no_time_on_the_cpu_checks(tmp_path, capsys):
+    assert calibration.main(["--out", str(tmp_path), "--profile", "h100", "--cases", "first-light"]) == 0
+    assert "nothing measured" in capsys.readouterr().out and not any(tmp_path.iterdir())
+    with pytest.raises(SystemExit):
+        calibration.main(["--out", str(tmp_path), "--profile", "h100", "--cases", "first-light", "--only", "llama"])
+    assert calibration.command_line("out", "h100", "first-light").endswith("--profile h100 --cases first-light")

@@ -321,7 +321,7 @@ def run_case_probe(case: CalibrationCase, device: torch.device) -> ProbeMeasurem
 
 
 def run_calibration(out_dir: str | Path, profile_name: str, cases: list[CalibrationCase] | None = None, *,
-                    log=print, overhead_bytes: int | None = None) -> dict:
+                    log=print, overhead_bytes: int | None = None, case_list: str | None = None) -> dict:
     """Measure every case (default: ``calibration_grid(profile_name)``) on this CUDA GPU and
     write ``<out_dir>/memory_accuracy.json`` after each; returns the same record.
 
@@ -347,7 +347,8 @@ def run_calibration(out_dir: str | Path, profile_name: str, cases: list[Calibrat
                  "max_abs_relative_error": GOAL_MAX_ABS_RELATIVE_ERROR},
         "cuda_context_term": (f"{overhead_bytes / GiB:.3f} GiB, the overhead probe's constant" if overhead_bytes is not None
                               else "each case's own memory outside PyTorch's allocator, measured in its run"),
-        "hardware": gpu.detect(), "versions": gpu.software_versions(), "command": command_line(out_dir, profile_name),
+        "hardware": gpu.detect(), "versions": gpu.software_versions(),
+        "command": command_line(out_dir, profile_name, case_list),
     }
     for number, case in enumerate(cases, 1):
         records.append(measure_case(case, overhead_bytes=overhead_bytes))
@@ -395,8 +396,10 @@ def _probed_overhead(path: str | None) -> int | None:
     return json.loads(Path(path).read_text())["overhead_bytes"] if path else None
 
 
-def command_line(out_dir: str | Path, profile_name: str) -> str:
-    """The command that reproduces a calibration."""
+def command_line(out_dir: str | Path, profile_name: str, case_list: str | None = None) -> str:
+    """The command that reproduces a calibration (``case_list``: a named list's, ``NAMED_CASES``)."""
+    if case_list:
+        return f"python3 -m workbook.planner.calibration --out {out_dir} --profile {profile_name} --cases {case_list}"
     return f"workbook calibrate --out {out_dir} --profile {profile_name}"
 
 
@@ -470,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if cpu_checks["all_exact"] else 1
         all_exact = cpu_checks["all_exact"]
 
-    result = run_calibration(out_dir, args.profile, cases, overhead_bytes=_probed_overhead(args.overhead_from))
+    result = run_calibration(out_dir, args.profile, cases, overhead_bytes=_probed_overhead(args.overhead_from),
+                             case_list=args.cases)
     from workbook import plots  # the figure is for people; the JSON above is the record
     plots.memory_accuracy(result).savefig(out_dir / "memory_accuracy.png", dpi=120, bbox_inches="tight")
     summary = result["summary"]
