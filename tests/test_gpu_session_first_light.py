@@ -11,6 +11,8 @@ import torch
 
 from workbook import params
 from workbook.bench import gpu_session
+from workbook.bench.counting import parse_strategies
+from workbook.bench.settings import BenchSettings
 from workbook.planner import calibration
 
 STARTUP_SECONDS = 10  # the session's own interpreter, imports and GPU detection before its first step
@@ -53,7 +55,9 @@ def test_every_first_light_command_parses_with_its_own_tool(profile, tmp_path, m
         if step.ceilings_options:  # the roofline at this GPU's measured ceilings
             assert (namespace.bandwidth_gbs, namespace.peak_tflops) == (2900, 701), step.name
         if "--set" in step.argv:  # every override a key of this profile, with a value it takes
-            params.apply_overrides(profile_params, params.parse_overrides(namespace.set))
+            settings = BenchSettings.from_params(params.apply_overrides(profile_params,
+                                                                        params.parse_overrides(namespace.set)))
+            parse_strategies(settings.bench_strategies)  # a misspelt strategy fails here, not at the sweep's start
         if getattr(namespace, "cases", None):
             assert namespace.cases in calibration.NAMED_CASES
             assert namespace.overhead_from == str(tmp_path / "cuda_overhead.json")  # the probe step's file
