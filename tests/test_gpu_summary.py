@@ -106,3 +106,18 @@ def test_each_planner_case_sits_beside_its_trace_made_here_once(tmp_path, monkey
     monkeypatch.setattr(gpu_summary, "case_trace", no_second_trace)
     assert gpu_summary.main([str(tmp_path)]) == 0
     assert (tmp_path / gpu_summary.SUMMARY_FILE).read_text() == text
+
+
+def test_the_summary_lists_each_call_step_that_was_cut_or_skipped(tmp_path):
+    (tmp_path / "ceilings.json").write_text(json.dumps({
+        "measured": {"copy_gb_per_second": 2900.0, "matmul_tflops": 700.0},
+        "datasheet": {"copy_share_of_datasheet": 0.87, "matmul_share_of_datasheet": 0.71}}))
+    (tmp_path / "first-light.json").write_text(json.dumps({"call": "first-light", "steps": [
+        {"step": "ceilings", "status": "ok", "seconds": 14.2},
+        {"step": "planner against the measured peak, 6 cases", "status": "stopped: the budget ran out after 100 s",
+         "seconds": 100.0},
+        {"step": "forecast against the run", "status": "skipped: 40 s left of the budget, it needs 150 s", "seconds": 0}]}))
+    assert gpu_summary.main([str(tmp_path), "--no-trace"]) == 0
+    text = (tmp_path / gpu_summary.SUMMARY_FILE).read_text()
+    assert "| first-light | planner against the measured peak, 6 cases | stopped: the budget ran out after 100 s | 100 |" in text
+    assert "| first-light | forecast against the run | skipped: 40 s left of the budget, it needs 150 s | 0 |" in text

@@ -99,7 +99,8 @@ def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
             basis = "this GPU's measured ceilings" if "(--bandwidth-gbs)" in str(record.get("roofline")) else "the datasheet"
             add("continuous batching", f"continuous >= {CONTINUOUS_GOAL}x static-sorted at the same memory ({result['workload']} outputs)",
                 f"{'not measured (the time budget ran out first)' if ratio is None else f'{ratio}x'}; batches "
-                f"{result['batch_size']}; best fraction of the roofline {_share(best)} (at {basis}); continuous ran "
+                f"{result['batch_size']}; best fraction of the roofline {_share(best)} (at {basis}); peak beside "
+                f"the plan: {_arm_peaks(result) or 'not recorded'}; continuous ran "
                 f"attention {result.get('continuous_attention') or 'not recorded'}",
                 "n/a (the goal is on uneven outputs)" if result["workload"] != "uneven" else
                 "n/a" if ratio is None else "yes" if ratio >= CONTINUOUS_GOAL else "no", source)
@@ -110,6 +111,24 @@ def rows(files: dict[str, list[tuple[str, dict]]]) -> list[dict]:
             add("forecast", f"forecast from a pilot within {FORECAST_GOAL:.0%} of the measured wall time: {case['case']}",
                 "not finished" if error is None else f"{error:+.1%} (median of {len(wall['errors'])})",
                 "n/a" if error is None else ("yes" if abs(error) <= FORECAST_GOAL else "no"), source)
+    return table
+
+
+def _arm_peaks(result: dict) -> str:
+    peaks, plans = result.get("peak_memory_bytes") or {}, result.get("planned_bytes") or {}
+    return ", ".join(f"{arm} {peaks[arm] / GiB:.1f} GiB (plan {plans[arm] / GiB:.1f})"
+                     for arm in peaks if peaks[arm] and plans.get(arm))
+
+
+def call_steps(folder: Path) -> list[dict]:
+    """Every step of the calls whose record (``<call>.json``: a call, its steps) lies in ``folder``: what ran,
+    what a budget cut and what was skipped, beside the figures it left."""
+    table = []
+    for path in sorted(folder.glob("*.json")):
+        record = json.loads(path.read_text())
+        if isinstance(record, dict) and "call" in record and isinstance(record.get("steps"), list):
+            table += [{"call": record["call"], "step": step["step"], "status": step["status"],
+                       "seconds": f"{step['seconds']:.0f}"} for step in record["steps"]]
     return table
 
 
@@ -202,7 +221,9 @@ def markdown(folder: Path, table: list[dict], files: dict, traces: dict[str, dic
         f"# {folder.name}: the GPU session's figures against the workbook's goals", "",
         f"Hardware: {_hardware_text(hardware)}", "",
         "Each row comes from the file in its source column (`workbook gpu-summary "
-        f"{folder}` rewrites this page).", "", notebook.markdown_table(table), "", *cases, published.vllm_line(), ""])
+        f"{folder}` rewrites this page).", "", notebook.markdown_table(table), "", *cases,
+        *(["## The calls' steps", "", notebook.markdown_table(steps), ""] if (steps := call_steps(folder)) else []),
+        published.vllm_line(), ""])
 
 
 def _gib(value: float | None) -> str:
