@@ -254,10 +254,11 @@ def first_light(profile: str, out: Path) -> list[Step]:
             "bench_train_baselines=none"], 35, "--time-budget-seconds", budget_seconds=60),
         # 5. With the time the steps above saved (none has a budget of its own here): the forecast of a short
         # 8B generation job (1,000 prompts, 128 new tokens: 2-3 of the planner's batches) against the job run.
-        # Writing the random-weights directory (16 GB) and loading it twice take most of 2.5 minutes.
+        # Writing the random-weights directory (16 GB) and loading it twice take most of 2.5 minutes; the 1B
+        # training case after it (60 steps) runs only if its forecast fits the time left.
         Step("forecast against the run: a short 8B generation job", [
             "-m", "workbook.bench.forecast_check", "--profile", profile, "--generate-model", "Llama-3.1-8B",
-            "--train-model", "Llama-3.2-1B", "--only-first", "--mixed-prompts", "1000", "--max-new-tokens", "128",
+            "--train-model", "Llama-3.2-1B", "--mixed-prompts", "1000", "--max-new-tokens", "128",
             "--train-steps", "60", "--train-micro-batch", "8", "--repeats", "1", "--out", str(out / "forecast")],
              150, "--time-budget-seconds"),
     ]
