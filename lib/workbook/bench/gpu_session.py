@@ -20,8 +20,9 @@ minutes, its steps in the same order of value.
 
 ``first-light``'s steps, in order of value, each under a budget of its own (``first_light`` says how each
 was sized): the measured ceilings and the CUDA context probe; the planner against the measured peak on
-six cases (``python3 -m workbook.planner.calibration --cases first-light``: 8B generation at batch 32 and 128, the 1B full fine-tune
-plain and checkpointed, a 1B LoRA, the checkpointed 1B near the planner's largest micro-batch); the 8B
+six cases (``python3 -m workbook.planner.calibration --cases first-light``: 8B generation at batch 32
+and 128, the 1B full fine-tune plain and checkpointed, a 1B LoRA, the checkpointed 1B near the planner's
+largest micro-batch); the 8B
 generation sweep (static-sorted at the planner's batch, the seeds' batch 32) and continuous against static
 on uneven outputs, both judged at the measured ceilings; the 1B full fine-tune at the planner's
 micro-batch (tokens/s, MFU, peak beside the plan); and, with the time the others saved, the forecast of a
