@@ -6,7 +6,10 @@ the fast plan is from the peak the workbook's own code reaches (``planner.trace`
 writes ``trace_vs_plan.json`` (one row per preset x setting, appended as each trace finishes, so a cut
 run keeps its rows) and ``trace_vs_plan.md`` (the table, with the command that made it and the seconds
 each trace took on this machine). A preset whose step cannot run on fake tensors gets a row naming the
-op and module instead of a peak.
+op and module instead of a peak. ``--keep --models A`` traces A again and keeps the other presets' rows (a
+run in parts); ``--replan`` traces nothing and plans every kept row again beside its trace (a change to the
+planner alone). Rows more than 2% from their trace are listed under the table with the substitution the
+trace names for them, where it names one.
 """
 
 from __future__ import annotations
