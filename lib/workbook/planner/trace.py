@@ -21,9 +21,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import ContinuousBatchingConfig
 
 from workbook import models, presets
 from workbook.planner.live_tensors import KINDS, LiveTensors
+from workbook.planner.paged import paged_layout
 from workbook.units import format_bytes
 
 TRAINING_STEPS = 2  # the second step is the steady one: AdamW's states exist from the first step's end
@@ -116,6 +118,17 @@ def materialize(module: torch.nn.Module, fake_mode) -> torch.nn.Module:
                         made[id(buffer)] = torch.empty(buffer.shape, dtype=buffer.dtype, device="cpu")
                     child._buffers[name] = made[id(buffer)]
     return module
+
+
+def _built(model: str, dtype: str, attn_implementation: str, fake: bool):
+    """The generation trace's model (on fake tensors, or random real ones to check the fake), the fake mode it
+    runs under (None on real tensors) and a fresh tracker."""
+    mode = fake_mode() if fake else None
+    tracker = LiveTensors(real_when_no_fake_input=fake)
+    built = (_on_meta if fake else models.build_random)(model, dtype, "cpu", attn_implementation=attn_implementation).model
+    if fake:
+        materialize(built, mode)
+    return built, mode, tracker
 
 
 def fake_mode():
@@ -345,12 +358,7 @@ def trace_generation(model: str, *, batch_size: int, prompt_len: int, new_tokens
     if backend not in ("static", "static-compiled"):
         raise TraceError(f"backend {backend!r}: the trace runs the backends static, static-compiled and continuous")
     started = time.perf_counter()
-    mode = fake_mode() if fake else None
-    tracker = LiveTensors(real_when_no_fake_input=fake)
-    loaded = (_on_meta if fake else models.build_random)(model, dtype, "cpu", attn_implementation=attn_implementation)
-    built = loaded.model
-    if fake:
-        materialize(built, mode)
+    built, mode, tracker = _built(model, dtype, attn_implementation, fake)
     text_config = built.config.get_text_config(decoder=True)
     total = prompt_len + new_tokens
     with (mode or contextlib.nullcontext()), tracker, _named_failures(built), torch.no_grad():
@@ -423,17 +431,8 @@ def trace_continuous(model: str, *, batch_size: int, prompt_len: int, new_tokens
     the same cache holding every request at its next-to-last token, one decode step: the last, which reads the
     most. The sampled tokens have no values on fake tensors: each request is handed token 1 instead (no end id:
     every request runs to its length)."""
-    from transformers import ContinuousBatchingConfig
-
-    from workbook.planner.paged import paged_layout
-
     started = time.perf_counter()
-    mode = fake_mode() if fake else None
-    tracker = LiveTensors(real_when_no_fake_input=fake)
-    loaded = (_on_meta if fake else models.build_random)(model, dtype, "cpu", attn_implementation=attn_implementation)
-    built = loaded.model
-    if fake:
-        materialize(built, mode)
+    built, mode, tracker = _built(model, dtype, attn_implementation, fake)
     # The backend's own layout (generation/continuous.py manager_arguments): every request in flight at its full
     # length, no blocks held back.
     layout = paged_layout(batch_size, prompt_len, new_tokens, ContinuousBatchingConfig.page_size)
