@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import ContinuousBatchingConfig
 
 from workbook import models, presets
 from workbook.planner.live_tensors import KINDS, LiveTensors
@@ -431,6 +430,8 @@ def trace_continuous(model: str, *, batch_size: int, prompt_len: int, new_tokens
     the same cache holding every request at its next-to-last token, one decode step: the last, which reads the
     most. The sampled tokens have no values on fake tensors: each request is handed token 1 instead (no end id:
     every request runs to its length)."""
+    from transformers import ContinuousBatchingConfig  # not in every transformers: the backend checks it too
+
     started = time.perf_counter()
     built, mode, tracker = _built(model, dtype, attn_implementation, fake)
     # The backend's own layout (generation/continuous.py manager_arguments): every request in flight at its full
