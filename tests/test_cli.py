@@ -326,3 +326,12 @@ def test_a_job_refuses_params_lacking_any_key_it_reads_and_names_it():
         for key in job_keys.READ_BY[job]:
             problem = job_keys.missing({k: v for k, v in cpu.items() if k != key}, job)
             assert problem and f"needs the parameter(s) {key};" in problem, (job, key)
+
+
+def test_workbook_calibrate_offers_every_named_case_list_and_passes_it_on(monkeypatch):
+    from workbook.planner import calibration
+    seen = {}
+    monkeypatch.setattr(calibration, "main", lambda argv: seen.setdefault("argv", argv) and 0)
+    for name in calibration.NAMED_CASES:
+        assert cli.main(["calibrate", "--profile", "h100", "--cases", name]) == 0
+        assert seen.pop("argv")[-2:] == ["--cases", name]

@@ -117,6 +117,7 @@ def _cmd_calibrate(args) -> int:
     default = f"outputs/reference/{args.profile if torch.cuda.is_available() else 'cpu'}"
     return calibration.main(["--out", args.out or default, "--profile", args.profile,
                              *(["--only", args.only] if args.only else []),
+                             *(["--cases", args.cases] if args.cases else []),
                              *(["--overhead-from", args.overhead_from] if args.overhead_from else [])])
 
 
@@ -280,6 +281,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate_parser.add_argument("--out", help="output folder (default outputs/reference/<profile>)")
     calibrate_parser.add_argument("--only", help="comma-separated beginnings of case names: only the first case "
                                   "each matches (a smoke pass)")
+    calibrate_parser.add_argument("--cases", choices=("first-light",), help="a named case list instead of the grid "
+                                  "(first-light: six cases spanning generation and training, one near the largest batch)")
     calibrate_parser.add_argument("--overhead-from", help="an overhead probe's cuda_overhead.json "
                                   "(workbook overhead-probe): plan each case's CUDA context with it")
     calibrate_parser.set_defaults(handler=_cmd_calibrate)
