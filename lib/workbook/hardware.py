@@ -4,7 +4,8 @@ once from validated params at a job's entry; the planner, the forecast, the benc
 check read its fields, never the params::
 
     hardware = Hardware.from_params(params)
-    hardware.gpu_count, hardware.peak_tflops("bf16"), hardware.usd_per_gpu_hour
+    hardware.gpu_count, hardware.memory_bandwidth_gbs, hardware.usd_per_gpu_hour
+    gpu.dense_peak_tflops(hardware, "bf16")     # the peak for a dtype: the GPU table's one rule
 """
 
 from __future__ import annotations
@@ -40,11 +41,3 @@ class Hardware:
     @property
     def has_gpu(self) -> bool:
         return self.gpu_count > 0
-
-    @property
-    def total_gpus(self) -> int:
-        return self.gpu_count * self.num_nodes
-
-    def peak_tflops(self, dtype: str) -> float:
-        """The dense tensor-core peak per GPU for ``dtype`` (fp16's for fp16, else bf16's; 0: none stated)."""
-        return self.peak_fp16_tflops if dtype == "fp16" else self.peak_bf16_tflops

@@ -19,7 +19,7 @@ from workbook.params import default as _default
 
 # What a profile brings to a job run on its machine: its hardware, price, process layout and dtype; the
 # job's own settings (model, prompts, lengths, batch size) stay the job's.
-HARDWARE_KEYS = ("profile", "gpu", "gpu_spec", "gpu_name_pattern", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops",
+HARDWARE_KEYS = ("profile", "gpu_spec", "gpu_name_pattern", "gpu_count", "gpu_memory_gib", "peak_bf16_tflops",
                  "peak_fp16_tflops", "memory_bandwidth_gbs", "supports_bf16", "supports_tf32", "usd_per_gpu_hour",
                  "cuda_overhead_gib", "data_parallel_processes", "train_processes", "tensor_parallel_size", "dtype")
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from workbook import presets
-from workbook.forecast.model import batch_plan, decode_contexts
+from workbook.forecast.model import decode_contexts
 from workbook.forecast.stream import StepWork, batch_tokens, schedule
 from workbook.planner.formulas import kv_cache_bytes_per_token
 from workbook.planner.shape import compute_bytes

@@ -408,17 +408,10 @@ def trace_generation(model: str, *, batch_size: int, prompt_len: int, new_tokens
             mask = torch.cat([mask, mask.new_ones((batch_size, 1))], dim=-1)
             tracker.set_phase("last decode step")
             forward(next_ids, mask, total - 2)
-    peak = tracker.peak
-    return Trace(
-        mode="generate", model=model, peak_bytes=peak.bytes, phase=peak.phase,
-        by_kind={kind: peak.by_kind[kind] for kind in KINDS if peak.by_kind.get(kind)},
-        phase_peaks={phase: value for phase, value in tracker.phase_peaks.items() if phase in GENERATION_PHASES},
-        seconds=round(time.perf_counter() - started, 2),
-        settings={"batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
-                  "backend": backend, "cache": type(cache).__name__,
-                  "attention": built.config._attn_implementation, "fake": fake},
-        not_seen=_not_seen(),
-    )
+    return _generation_trace(model, tracker, started, {
+        "batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
+        "backend": backend, "cache": type(cache).__name__, "attention": built.config._attn_implementation,
+        "fake": fake})
 
 
 def trace_continuous(model: str, *, batch_size: int, prompt_len: int, new_tokens: int, dtype: str = "bf16",
@@ -479,18 +472,23 @@ def trace_continuous(model: str, *, batch_size: int, prompt_len: int, new_tokens
         if new_tokens > 2:  # every request at prompt + new - 2 tokens decodes its last one
             run(prompt_len + new_tokens - 2, "last decode step", record_prefill=False)
     tracker.recording = True
+    return _generation_trace(model, tracker, started, {
+        "batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
+        "backend": "continuous", "cache": "PagedAttentionCache", "attention": attention,
+        "num_blocks": layout.num_blocks, "max_batch_tokens": layout.max_batch_tokens, "fake": fake},
+        substitutions=["the manager's steps run in this thread, not in its own; each sampled token is token 1"])
+
+
+def _generation_trace(model: str, tracker: LiveTensors, started: float, settings: dict,
+                      substitutions: list[str] | None = None) -> Trace:
+    """A generation trace's record from its tracker: the peak, when it came, and its bytes by kind."""
     peak = tracker.peak
     return Trace(
         mode="generate", model=model, peak_bytes=peak.bytes, phase=peak.phase,
         by_kind={kind: peak.by_kind[kind] for kind in KINDS if peak.by_kind.get(kind)},
         phase_peaks={phase: value for phase, value in tracker.phase_peaks.items() if phase in GENERATION_PHASES},
-        seconds=round(time.perf_counter() - started, 2),
-        settings={"batch_size": batch_size, "prompt_len": prompt_len, "new_tokens": new_tokens, "dtype": dtype,
-                  "backend": "continuous", "cache": "PagedAttentionCache", "attention": attention,
-                  "num_blocks": layout.num_blocks, "max_batch_tokens": layout.max_batch_tokens, "fake": fake},
-        not_seen=_not_seen(),
-        substitutions=["the manager's steps run in this thread, not in its own; each sampled token is token 1"],
-    )
+        seconds=round(time.perf_counter() - started, 2), settings=settings, not_seen=_not_seen(),
+        substitutions=substitutions or [])
 
 
 def _cache_tensors(cache) -> list[torch.Tensor]:
