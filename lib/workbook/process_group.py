@@ -80,9 +80,11 @@ def start_heartbeat() -> None:
 
     def stop_beating() -> None:
         # Stopped before the interpreter finalizes: a daemon thread coming back from torch's C++ (the
-        # store call) after that is ended by pthread_exit through C++ frames, which can abort the exit.
+        # store call) after that is ended by pthread_exit through C++ frames, which can abort the exit
+        # ("terminate called without an active exception"). So the wait outlasts the longest beat, a store
+        # call that times out, not only the pause between beats: on a loaded machine a call can take seconds.
         stop.set()
-        thread.join(timeout=2 * HEARTBEAT_SECONDS)
+        thread.join(timeout=STORE_SECONDS + HEARTBEAT_SECONDS)
 
     atexit.register(stop_beating)
 
