@@ -28,6 +28,7 @@ from workbook.bench.claims import GOALS
 from workbook.bench.report import failed_points
 from workbook.bench.training_sweep import training_label
 from workbook.planner import calibration, trace
+from workbook.planner.profile import PlanSettings
 from workbook.units import GiB
 
 SUMMARY_FILE = "SUMMARY.md"
@@ -157,11 +158,10 @@ def case_trace(case: dict) -> dict:
                                             new_tokens=case["new_tokens"], dtype=calibration.DTYPE, backend="static",
                                             attn_implementation=calibration.ATTN_IMPLEMENTATION)
         else:
-            config = trace.train_config({
-                "model": case["model"], "seq_len": case["seq_len"], "padding": "length_grouped",
-                "dtype": calibration.DTYPE, "precision": "bf16", "lora_rank": case["lora_rank"],
-                "grad_checkpointing": case["grad_checkpointing"],
-                "attn_implementation": calibration.ATTN_IMPLEMENTATION}, case["batch_size"])
+            config = trace.train_config(PlanSettings(
+                model=case["model"], seq_len=case["seq_len"], padding="length_grouped", dtype=calibration.DTYPE,
+                precision="bf16", lora_rank=case["lora_rank"], grad_checkpointing=case["grad_checkpointing"],
+                attn_implementation=calibration.ATTN_IMPLEMENTATION), case["batch_size"])
             traced = trace.trace_training(config, on_gpu=True)
     except trace.TraceError as error:
         return {"error": str(error)}

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from workbook import models, presets
 from workbook.planner.live_tensors import KINDS, LiveTensors
 from workbook.planner.paged import paged_layout
+from workbook.planner.profile import Budget, PlanSettings
 from workbook.units import format_bytes
 
 TRAINING_STEPS = 2  # the second step is the steady one: AdamW's states exist from the first step's end
@@ -520,41 +521,39 @@ GROUPS = {
 }
 
 
-def train_config(settings: dict, micro_batch_size: int):
-    """The TrainConfig ``workbook train`` would build from a profile's ``settings`` (with a plan's overrides)
+def train_config(settings: PlanSettings, micro_batch_size: int):
+    """The TrainConfig ``workbook train`` would build from ``settings`` (a profile's, with a plan's overrides)
     at ``micro_batch_size``: the run the trace runs. Synthetic rows of seq_len tokens stand in for the data."""
     from workbook.training.config import TrainConfig
     return TrainConfig(
-        model=settings["model"], data_path="", data_description="synthetic rows (trace)", output_dir="",
-        max_seq_length=int(settings["seq_len"]), micro_batch_size=micro_batch_size,
-        gradient_accumulation_steps=int(settings.get("gradient_accumulation_steps", 1)),
-        padding=settings.get("padding", "packing"), dtype=settings["dtype"],
-        precision=settings.get("precision", "mixed"), lora_rank=int(settings.get("lora_rank", 0)),
-        lora_targets=settings.get("lora_targets", ""), grad_checkpointing=bool(settings.get("grad_checkpointing")),
-        attn_implementation=settings.get("attn_implementation", "sdpa"),
-        loss_chunk_tokens=int(settings.get("loss_chunk_tokens", 0)), optimizer=settings.get("optimizer", "adamw"),
-        offload_activations=bool(settings.get("offload_activations", False)))
+        model=settings.model, data_path="", data_description="synthetic rows (trace)", output_dir="",
+        max_seq_length=settings.seq_len, micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps, padding=settings.padding,
+        dtype=settings.dtype, precision=settings.precision, lora_rank=settings.lora_rank,
+        lora_targets=settings.lora_targets, grad_checkpointing=settings.grad_checkpointing,
+        attn_implementation=settings.attn_implementation, loss_chunk_tokens=settings.loss_chunk_tokens,
+        optimizer=settings.optimizer, offload_activations=settings.offload_activations)
 
 
-def trace_plan(settings: dict, plan) -> Trace:
-    """The trace of what ``plan`` (planned from ``settings``: a profile and its overrides) plans: one process's
-    training step or generation. A TraceError says what cannot be traced (and the plan still stands)."""
-    on_gpu = settings.get("gpu_count", 0) > 0
+def trace_plan(profile, plan) -> Trace:
+    """The trace of what ``plan`` (planned from ``profile``: a profile's params and its overrides, as
+    ``planner.profile.plan`` reads them) plans: one process's training step or generation. A TraceError
+    says what cannot be traced (and the plan still stands)."""
+    settings, on_gpu = PlanSettings.from_params(profile), Budget.from_params(profile).gpu_count > 0
     if plan.mode == "train":
-        if settings.get("sharding", "none") != "none":
+        if settings.sharding != "none":
             raise TraceError("sharding fsdp: the trace runs one process, unsharded; read the plan's FSDP terms")
-        if settings.get("offload_activations"):
+        if settings.offload_activations:
             raise TraceError("offload_activations copies to pinned host memory on CUDA only; the trace runs without "
                              "it: trace with offload_activations false and read the plan's activations term")
         return trace_training(train_config(settings, plan.batch_size), on_gpu=on_gpu)
     if plan.tensor_parallel_size > 1:
         raise TraceError(f"tensor_parallel_size {plan.tensor_parallel_size}: the trace runs one unsharded process")
-    backend = settings.get("backend", "static")
-    traced = trace_generation(settings["model"], batch_size=plan.batch_size, prompt_len=plan.lengths["prompt_len"],
+    traced = trace_generation(settings.model, batch_size=plan.batch_size, prompt_len=plan.lengths["prompt_len"],
                               new_tokens=plan.lengths["new_tokens"], dtype=plan.dtype,
-                              backend="static" if backend == "auto" else backend,
-                              attn_implementation=settings.get("attn_implementation", "sdpa"))
-    if backend == "auto":
+                              backend="static" if settings.backend == "auto" else settings.backend,
+                              attn_implementation=settings.attn_implementation)
+    if settings.backend == "auto":
         traced.substitutions.append("backend auto traced as static, as it is planned (where the job picks "
                                     "continuous, trace backend continuous)")
     return traced
@@ -627,17 +626,17 @@ def largest_batch_by_trace(trace_at, budget_bytes: int, overhead_bytes: int = 0,
             "confirmed_peak_bytes": confirmed.peak_bytes, "confirmed_phase": confirmed.phase}
 
 
-def traced_plan(settings: dict, plan, auto_batch: bool = False) -> dict:
+def traced_plan(profile, plan, auto_batch: bool = False) -> dict:
     """``workbook plan --trace``'s ``trace`` block: the trace of ``plan`` and the two beside each other, or
     ``error`` naming what could not be traced (the plan itself still stands). ``auto_batch``: also the
     largest batch by traces (``largest_batch_by_trace``) against the plan's budget."""
     import dataclasses
     try:
-        traced = trace_plan(settings, plan)
+        traced = trace_plan(profile, plan)
         block = {**traced.to_dict(), "beside_plan": beside_plan(plan, traced)}
         if auto_batch:
             block["largest_batch_by_trace"] = largest_batch_by_trace(
-                lambda batch: trace_plan(settings, dataclasses.replace(plan, batch_size=batch)), plan.budget_bytes,
+                lambda batch: trace_plan(profile, dataclasses.replace(plan, batch_size=batch)), plan.budget_bytes,
                 plan.settings.get("overhead_bytes", 0), plan.settings.get("fragmentation_fraction", 0.0))
     except TraceError as error:
         return {"error": str(error)}
