@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from workbook import presets
 from workbook.planner.plans import DoesNotFitError, Plan
-from workbook.planner.profile import plan
+from workbook.planner.profile import Budget, PlanSettings, plan
 from workbook.planner.shape import model_shape
 from workbook.units import format_bytes
 
@@ -27,19 +27,20 @@ def ways_to_fit(params, *, batch_size: int | None = None, **overrides) -> list[d
     them; each with its plan at ``batch_size`` (the profile's micro-batch by default): whether it
     fits, its predicted peak and the largest micro-batch it allows. Changes already in effect are
     left out."""
-    settings = {**params, **overrides}
-    wanted = batch_size or settings["micro_batch_size"]
+    profile = {**params, **overrides}
+    settings, gpu_count = PlanSettings.from_params(profile), Budget.from_params(profile).gpu_count
+    wanted = batch_size or settings.micro_batch_size
     batch = 1 if wanted == "auto" else int(wanted)  # 'auto' that fits nothing: what would fit batch 1
     current = plan(params, mode="train", batch_size=batch, **overrides)
-    flops_share = _output_projection_share(settings["model"])
-    candidates, on_gpu = [], settings["gpu_count"] > 0  # 8-bit Adam, offloading and FSDP need GPUs
-    if settings["dtype"] == "bf16" and settings.get("precision", "mixed") == "mixed" and not settings["lora_rank"]:
+    flops_share = _output_projection_share(settings.model)
+    candidates, on_gpu = [], gpu_count > 0  # 8-bit Adam, offloading and FSDP need GPUs
+    if settings.dtype == "bf16" and settings.precision == "mixed" and not settings.lora_rank:
         candidates.append(("precision bf16", {"precision": "bf16"},
                            "none in FLOPs; pure bf16 AdamW can round small updates away"))
-    if settings.get("optimizer", "adamw") == "adamw" and on_gpu:
+    if settings.optimizer == "adamw" and on_gpu:
         candidates.append(("optimizer adamw-8bit", {"optimizer": "adamw-8bit"},
                            "optimizer step only; needs bitsandbytes (CUDA)"))
-    if not settings.get("loss_chunk_tokens", 0):
+    if not settings.loss_chunk_tokens:
         candidates.append((f"loss_chunk_tokens {LOSS_CHUNK_TOKENS}", {"loss_chunk_tokens": LOSS_CHUNK_TOKENS},
                            f"+{flops_share:.0%} FLOPs where every token carries loss (the output projection "
                            "runs again in backward); fewer where prompts carry none (their logits are skipped)"))
@@ -47,18 +48,18 @@ def ways_to_fit(params, *, batch_size: int | None = None, **overrides) -> list[d
         candidates.append((f"micro_batch_size {current.max_batch_size}", {"batch_size": current.max_batch_size},
                            "same FLOPs per token, smaller matmuls; raise gradient_accumulation_steps to keep "
                            "the effective batch"))
-    if not settings["grad_checkpointing"]:
+    if not settings.grad_checkpointing:
         candidates.append(("grad_checkpointing true", {"grad_checkpointing": True},
                            "+~33% FLOPs (each layer's forward runs again in backward)"))
-    if not settings.get("offload_activations", False) and on_gpu:
+    if not settings.offload_activations and on_gpu:
         candidates.append(("offload_activations true", {"offload_activations": True},
                            "every step waits on PCIe copies of the activations (not overlapped here)"))
-    if not settings["lora_rank"]:
+    if not settings.lora_rank:
         candidates.append((f"lora_rank {LORA_RANK}", {"lora_rank": LORA_RANK},
                            "fewer FLOPs, but trains adapters instead of every weight"))
-    if settings.get("sharding", "none") == "none" and on_gpu:
+    if settings.sharding == "none" and on_gpu:
         for gpus in FSDP_GPUS:
-            if gpus > max(settings["gpu_count"], 1):
+            if gpus > max(gpu_count, 1):
                 candidates.append((f"FSDP over {gpus} GPUs", {"sharding": "fsdp", "gpu_count": gpus},
                                    f"needs {gpus} GPUs of this kind; all-gathers every layer each step"))
                 break
