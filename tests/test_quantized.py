@@ -92,3 +92,20 @@ def test_the_int4_plan_says_the_workbook_cannot_make_the_run_in_its_lines_and_js
     out = capsys.readouterr().out
     assert "note: dtype int4 with LoRA (QLoRA): planning a run the workbook cannot make" in out
     assert "quant_state" in out
+
+
+def test_plan_double_quant_flag_plans_the_smaller_quant_state_and_is_refused_without_int4(capsys):
+    args = ["plan", "--profile", "cpu", "--model", "tiny", "--mode", "train", "--seq-len", "64", "--batch-size", "2",
+            "--lora-rank", "4", "--json"]
+
+    def planned(*extra) -> dict:
+        cli.main(args + list(extra))
+        return json.loads(capsys.readouterr().out)
+
+    plain, double = planned("--dtype", "int4"), planned("--dtype", "int4", "--double-quant")
+    state = {name: {term["name"]: term["bytes"] for term in plan["breakdown"]}["quant_state"]
+             for name, plan in (("plain", plain), ("double", double))}
+    assert double["settings"]["double_quant"] is True and plain["settings"]["double_quant"] is False
+    assert state["double"] < state["plain"]
+    assert cli.main(args + ["--dtype", "bf16", "--double-quant"]) == 2
+    assert "double_quant quantizes 4-bit weights' absmax and needs dtype int4 (not bf16)" in capsys.readouterr().err

@@ -101,6 +101,7 @@ class PlanSettings:
     gradient_accumulation_steps: int = _default("gradient_accumulation_steps")  # earlier micro-batches' gradients
     num_nodes: int = _default("num_nodes")
     sharding: str = "none"  # no params key: FSDP's, given as an override (the training sweep)
+    double_quant: bool = False  # no params key (no profile trains int4): QLoRA's, given as an override
 
     @classmethod
     def from_params(cls, params) -> PlanSettings:
@@ -157,7 +158,7 @@ def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dt
                lora_rank: int, optimizer: str = "adamw", sharding: str = "none", num_nodes: int = 1,
                lora_targets: str = "", attn_implementation: str = "sdpa", loss_chunk_tokens: int = 0,
                precision: str = "mixed", offload_activations: bool = False,
-               gradient_accumulation_steps: int = 1) -> Plan:
+               gradient_accumulation_steps: int = 1, double_quant: bool = False) -> Plan:
     """Training plans data-parallel replicas (or FSDP shards) over the profile's GPUs on each of
     ``num_nodes`` nodes, with mixed precision (fp32 master weights under autocast) whenever the dtype
     is 16-bit and ``precision`` is 'mixed', pure bf16 weights and states when it is 'bf16': what the
@@ -167,13 +168,16 @@ def train_plan(model, budget: Budget, *, micro_batch_size: int, seq_len: int, dt
     if precision == "bf16" and dtype != "bf16":
         raise ValueError(f"precision bf16 trains bf16 weights and needs dtype bf16 (not {dtype}): "
                          "set dtype bf16 (workbook plan: --dtype bf16), or precision mixed")
+    if double_quant and dtype != "int4":
+        raise ValueError(f"double_quant quantizes 4-bit weights' absmax and needs dtype int4 (not {dtype}): "
+                         "set dtype int4 (workbook plan: --dtype int4), or leave double_quant off")
     return budget.place(plan_train(
         model, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
         mixed_precision=dtype != "fp32" and precision == "mixed", grad_checkpointing=grad_checkpointing,
         lora_rank=lora_rank, lora_target_modules=lora_targets, attn_implementation=attn_implementation,
         optimizer=optimizer, sharding=sharding, loss_chunk_tokens=loss_chunk_tokens,
         offload_activations=offload_activations, gradient_accumulation_steps=gradient_accumulation_steps,
-        gpu_count=max(budget.gpu_count, 1) * num_nodes,
+        double_quant=double_quant, gpu_count=max(budget.gpu_count, 1) * num_nodes,
         gpu_memory_bytes=budget.capacity_bytes, overhead_bytes=budget.overhead_bytes,
         safety_margin=budget.safety_margin))
 
@@ -219,7 +223,8 @@ def plan(params, *, mode: str | None = None, model: str | None = None, batch_siz
                               lora_targets=settings.lora_targets, attn_implementation=attention,
                               loss_chunk_tokens=settings.loss_chunk_tokens, precision=settings.precision,
                               offload_activations=settings.offload_activations,
-                              gradient_accumulation_steps=settings.gradient_accumulation_steps)
+                              gradient_accumulation_steps=settings.gradient_accumulation_steps,
+                              double_quant=settings.double_quant)
     else:
         raise ValueError(f"mode {mode!r}: expected one of {', '.join(PLAN_MODES)}")
     wanted = settings.batch(mode) if batch_size is None else batch_size
