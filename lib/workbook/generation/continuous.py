@@ -34,7 +34,7 @@ from workbook.generation.engine import (
     Prompt, _error_text, finish, sort_longest_first,
 )
 from workbook.generation.progress import remaining_seconds
-from workbook.planner.paged import PAGE_SIZE, PagedLayout, paged_layout
+from workbook.planner.paged import PagedLayout, continuous_batching_config, default_page_size, paged_layout
 
 FSYNC_EVERY_LINES = 64  # the job's appenders fsync this often (lines) ...
 FSYNC_EVERY_SECONDS = 2.0  # ... or this often (seconds), whichever comes first
@@ -187,7 +187,7 @@ class ContinuousBackend:
         """Keyword arguments of ``init_continuous_batching`` (``generate_batch`` too, ``hints=False``)
         for ``limit`` requests in flight of up to ``prompt_tokens`` + ``new_tokens``."""
         from transformers import GenerationConfig
-        page_size = _default_page_size()
+        page_size = default_page_size()
         self.layout = paged_layout(limit, prompt_tokens, new_tokens, page_size)
         options = {"max_requests_per_batch": limit, "num_blocks": self.layout.num_blocks,
                    "max_batch_tokens": self.layout.max_batch_tokens, "seed": self.settings.seed,
@@ -197,17 +197,10 @@ class ContinuousBackend:
         generation_config: GenerationConfig = self.settings.generation_config(new_tokens)
         accepted = inspect.signature(self.model.init_continuous_batching).parameters
         kwargs: dict[str, Any] = {}
-        try:
-            from transformers import ContinuousBatchingConfig
-        except ImportError:  # releases before it read these from the generation config
-            ContinuousBatchingConfig = None
-        if ContinuousBatchingConfig is not None and "continuous_batching_config" in accepted:
-            names = {field.name for field in dataclasses.fields(ContinuousBatchingConfig)}
-            if "page_size" not in names:  # its name before transformers 5.17
-                options["block_size"] = options.pop("page_size")
-            kwargs["continuous_batching_config"] = ContinuousBatchingConfig(
-                **{key: value for key, value in options.items() if key in names})
-        else:
+        config = continuous_batching_config(options) if "continuous_batching_config" in accepted else None
+        if config is not None:
+            kwargs["continuous_batching_config"] = config
+        else:  # releases before ContinuousBatchingConfig read these from the generation config
             for key, value in options.items():
                 setattr(generation_config, key, value)
         if hints and "workload_hints" in accepted:  # sizes the decode fast path's block table (flash attention)
@@ -246,15 +239,6 @@ def stop_manager(manager, drain: dict[str, Prompt] | None = None, *, hard: bool 
 
 def _key(prompt: Prompt) -> tuple[int, int]:
     return prompt.index, prompt.sample
-
-
-def _default_page_size() -> int:
-    try:
-        from transformers import ContinuousBatchingConfig
-    except ImportError:
-        return PAGE_SIZE
-    return getattr(ContinuousBatchingConfig, "page_size", None) or getattr(ContinuousBatchingConfig, "block_size",
-                                                                            PAGE_SIZE)
 
 
 def _stopped_text(manager) -> str:

@@ -61,6 +61,32 @@ def paged_layout(requests: int, prompt_tokens: int, new_tokens: int, page_size: 
                        requests * blocks_per_request, max_batch_tokens)
 
 
+def default_page_size() -> int:
+    """transformers' default page: ``ContinuousBatchingConfig.page_size`` (``block_size`` in 5.17 and before)."""
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        return PAGE_SIZE
+    return getattr(ContinuousBatchingConfig, "page_size", None) or getattr(ContinuousBatchingConfig, "block_size",
+                                                                            PAGE_SIZE)
+
+
+def continuous_batching_config(options: dict):
+    """transformers' ``ContinuousBatchingConfig`` from ``options`` (keyed as the current release names its fields:
+    ``page_size`` is passed as ``block_size`` where the release still calls it that), keeping the fields this
+    release has; None where transformers has no such class (releases that read the options from the generation
+    config)."""
+    import dataclasses
+    try:
+        from transformers import ContinuousBatchingConfig
+    except ImportError:
+        return None
+    names = {field.name for field in dataclasses.fields(ContinuousBatchingConfig)}
+    if "page_size" not in names and "page_size" in options:  # 5.17 and before call the page a block
+        options = {("block_size" if key == "page_size" else key): value for key, value in options.items()}
+    return ContinuousBatchingConfig(**{key: value for key, value in options.items() if key in names})
+
+
 def continuous_attention(requested: str) -> str:
     """The attention transformers' continuous batching will run for ``requested`` (planned as
     ``ATTENTION_IMPLEMENTATIONS`` name it): it switches sdpa and eager to flash attention where

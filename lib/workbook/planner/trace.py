@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbook import models, presets
 from workbook.planner.live_tensors import KINDS, LiveTensors
-from workbook.planner.paged import paged_layout
+from workbook.planner.paged import continuous_batching_config, default_page_size, paged_layout
 from workbook.planner.profile import Budget, PlanSettings
 from workbook.units import format_bytes
 
@@ -424,21 +424,19 @@ def trace_continuous(model: str, *, batch_size: int, prompt_len: int, new_tokens
     the same cache holding every request at its next-to-last token, one decode step: the last, which reads the
     most. The sampled tokens have no values on fake tensors: each request is handed token 1 instead (no end id:
     every request runs to its length)."""
-    from transformers import ContinuousBatchingConfig  # not in every transformers: the backend checks it too
-
     started = time.perf_counter()
     built, mode, tracker = _built(model, dtype, attn_implementation, fake)
     # The backend's own layout (generation/continuous.py manager_arguments): every request in flight at its full
     # length, no blocks held back.
-    layout = paged_layout(batch_size, prompt_len, new_tokens, ContinuousBatchingConfig.page_size)
+    layout = paged_layout(batch_size, prompt_len, new_tokens, default_page_size())
     generation_config = built.generation_config
     generation_config.eos_token_id, generation_config.do_sample = -1, False
     manager = built.init_continuous_batching(
         generation_config=generation_config,
-        continuous_batching_config=ContinuousBatchingConfig(
+        continuous_batching_config=continuous_batching_config(dict(
             max_requests_per_batch=batch_size, num_blocks=layout.num_blocks, max_batch_tokens=layout.max_batch_tokens,
             safety_margin=0.0, page_size=layout.page_size, seed=0,
-            allow_block_sharing=False))  # the trace's prompts are alike; a job's share no pages (an upper bound)
+            allow_block_sharing=False)))  # the trace's prompts are alike; a job's share no pages (an upper bound)
     attention = built.config._attn_implementation
     phases = []
     # torch.random.fork_rng: the processor seeds torch's generator (its tensor-parallel seed), this process's stays
