@@ -20,6 +20,8 @@ import torch
 from workbook import arithmetic, runtime
 from workbook.paths import REPO_ROOT
 
+from process_tree import descendants, kill_all, kill_tree
+
 pytestmark = pytest.mark.multiprocess
 
 GONE_WITHIN_SECONDS = 10.0  # the watch polls every 0.2 s; the rest is a loaded shared machine's slack
@@ -59,20 +61,6 @@ def start(command, folder):
         log.close()
 
 
-def descendants(pid):
-    children = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-        return []
-    for task in tasks:
-        try:
-            children += [int(child) for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
-        except FileNotFoundError:
-            pass
-    return [grandchild for child in children for grandchild in [child, *descendants(child)]]
-
-
 def running(pid):
     """Whether any thread of the process still runs. Its main thread alone can read as a zombie while
     another one, in an fsync say, has not ended yet: the process's files (the output's lock) stay open
@@ -108,11 +96,7 @@ def kill_launcher(launcher, workers):
     launcher.wait()
     while any(running(pid) for pid in workers):
         if time.monotonic() - killed > 60:
-            for pid in workers:  # leave nothing behind, then fail
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_all(workers)  # leave nothing behind, then fail
             pytest.fail(f"workers {[pid for pid in workers if running(pid)]} still ran 60 s after their launcher's kill")
         time.sleep(0.02)
     return time.monotonic() - killed
@@ -123,11 +107,7 @@ def finish(command, folder, timeout=420):
     try:
         launcher.wait(timeout=timeout)
     finally:
-        for pid in [*descendants(launcher.pid), launcher.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(launcher.pid)
     assert launcher.returncode == 0, (folder / "launch.log").read_text()[-4000:]
 
 
@@ -259,11 +239,7 @@ def test_a_silent_tensor_parallel_peer_stops_the_other_within_the_timeout_naming
         assert timeout - 1 < waited < timeout + 45
         assert f"peer_timeout_seconds ({timeout} s" in log.read_text()
     finally:
-        for pid in [*descendants(launcher.pid), launcher.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(launcher.pid)
         launcher.wait()
 
 

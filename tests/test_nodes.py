@@ -3,7 +3,6 @@ rendezvous (gloo), each node in its own working directory, so that no file is sh
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -14,6 +13,8 @@ import pytest
 
 from workbook import arithmetic, generation, runtime
 from workbook.paths import REPO_ROOT
+
+from process_tree import kill_tree
 
 def start_nodes(tmp_path, module_and_args, port=None, launcher="torchrun"):
     """Node 0 and node 1, each a torchrun (or an ``accelerate launch``, with the README's flags) of one
@@ -47,26 +48,8 @@ def finish(nodes, timeout=300):
 def kill(node):
     """kill -9 a node's launcher and its workers, as a machine that dies (torchrun starts each worker
     in a session of its own, so killing the launcher's group would leave them running)."""
-    for pid in [*descendants(node.pid), node.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    kill_tree(node.pid)
     node.communicate()
-
-
-def descendants(pid):
-    children = []
-    try:
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:  # it exited (and was reaped) while we walked the tree
-        return []
-    for task in tasks:
-        try:
-            children += [int(child) for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
-        except FileNotFoundError:
-            pass
-    return [grandchild for child in children for grandchild in [child, *descendants(child)]]
 
 
 def lines_in(path):
