@@ -69,14 +69,13 @@ class Rank:
         return gather_object([value])
 
     def leave(self) -> None:
-        """Tear this process's process group down once it has nothing more to exchange. Left to the
-        interpreter's exit, gloo's threads were sometimes destroyed still running ("terminate called
-        without an active exception", SIGABRT) in a tensor-parallel rank that finished first; torn
-        down while a peer still finished the last exchange, the same abort hit 5 of 43 two-process
-        CPU runs here, and none of 40 after a barrier that lets every process reach the teardown."""
+        """Tear this process's process group down once it has nothing more to exchange
+        (``process_group.leave_group``). Left to the interpreter's exit, gloo's threads were sometimes
+        destroyed still running ("terminate called without an active exception", SIGABRT) in a
+        tensor-parallel rank that finished first; torn down while a peer still finished the last
+        exchange, the same abort hit 5 of 43 two-process CPU runs here, and none of 40 after a barrier."""
         if self.state is not None and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+            process_group.leave_group()
 
 
 def current_rank(tensor_parallel_size: int = 1,
