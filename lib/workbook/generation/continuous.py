@@ -34,7 +34,9 @@ from workbook.generation.engine import (
     Prompt, _error_text, finish, sort_longest_first,
 )
 from workbook.generation.progress import remaining_seconds
-from workbook.planner.paged import PagedLayout, continuous_batching_config, default_page_size, paged_layout
+from workbook.planner.paged import (
+    PagedLayout, continuous_batching_config, default_page_size, paged_kernel, paged_layout,
+)
 
 FSYNC_EVERY_LINES = 64  # the job's appenders fsync this often (lines) ...
 FSYNC_EVERY_SECONDS = 2.0  # ... or this often (seconds), whichever comes first
@@ -173,10 +175,7 @@ class ContinuousBackend:
         """A started manager with ``limit`` requests in flight and the planner's paged cache."""
         began = time.perf_counter()
         manager = self.model.init_continuous_batching(**self.manager_arguments(limit, prompt_tokens, new_tokens))
-        attention = getattr(self.model.config, "_attn_implementation", None)
-        # transformers 5.17 names the paged kernels "paged|sdpa", "paged|flash_attention_2"; later releases
-        # plain: the kernel is what the reports and the planner compare.
-        self.attention = attention.removeprefix("paged|") if isinstance(attention, str) else attention
+        self.attention = paged_kernel(getattr(self.model.config, "_attn_implementation", None))
         if callable(getattr(manager, "warmup", None)) and not getattr(manager, "warmed_up", True):
             manager.warmup()  # as generate_batch does: CUDA graphs captured before the first request
         manager.start()

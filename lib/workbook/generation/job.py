@@ -70,10 +70,7 @@ class Rank:
 
     def leave(self) -> None:
         """Tear this process's process group down once it has nothing more to exchange
-        (``process_group.leave_group``). Left to the interpreter's exit, gloo's threads were sometimes
-        destroyed still running ("terminate called without an active exception", SIGABRT) in a
-        tensor-parallel rank that finished first; torn down while a peer still finished the last
-        exchange, the same abort hit 5 of 43 two-process CPU runs here, and none of 40 after a barrier."""
+        (``process_group.leave_group``): left to the interpreter's exit, a gloo rank could abort there."""
         if self.state is not None and torch.distributed.is_initialized():
             process_group.leave_group()
 

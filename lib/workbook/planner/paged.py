@@ -11,7 +11,7 @@ from free memory), and ``plan_generate_paged`` counts what transformers allocate
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from transformers import PretrainedConfig
 
@@ -76,15 +76,20 @@ def continuous_batching_config(options: dict):
     ``page_size`` is passed as ``block_size`` where the release still calls it that), keeping the fields this
     release has; None where transformers has no such class (releases that read the options from the generation
     config)."""
-    import dataclasses
     try:
         from transformers import ContinuousBatchingConfig
     except ImportError:
         return None
-    names = {field.name for field in dataclasses.fields(ContinuousBatchingConfig)}
+    names = {field.name for field in fields(ContinuousBatchingConfig)}
     if "page_size" not in names and "page_size" in options:  # 5.17 and before call the page a block
         options = {("block_size" if key == "page_size" else key): value for key, value in options.items()}
     return ContinuousBatchingConfig(**{key: value for key, value in options.items() if key in names})
+
+
+def paged_kernel(attention):
+    """The kernel continuous batching ran, as the reports and the planner name it: transformers 5.17 calls
+    the paged kernels "paged|sdpa", "paged|flash_attention_2"; later releases name them plain."""
+    return attention.removeprefix("paged|") if isinstance(attention, str) else attention
 
 
 def continuous_attention(requested: str) -> str:

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from workbook import models, presets
 from workbook.planner.live_tensors import KINDS, LiveTensors
-from workbook.planner.paged import continuous_batching_config, default_page_size, paged_layout
+from workbook.planner.paged import continuous_batching_config, default_page_size, paged_kernel, paged_layout
 from workbook.planner.profile import Budget, PlanSettings
 from workbook.units import format_bytes
 
@@ -437,7 +437,7 @@ def trace_continuous(model: str, *, batch_size: int, prompt_len: int, new_tokens
             max_requests_per_batch=batch_size, num_blocks=layout.num_blocks, max_batch_tokens=layout.max_batch_tokens,
             safety_margin=0.0, page_size=layout.page_size, seed=0,
             allow_block_sharing=False)))  # the trace's prompts are alike; a job's share no pages (an upper bound)
-    attention = built.config._attn_implementation.removeprefix("paged|")  # 5.17's name for the paged kernels
+    attention = paged_kernel(built.config._attn_implementation)
     phases = []
     # torch.random.fork_rng: the processor seeds torch's generator (its tensor-parallel seed), this process's stays
     with (mode or contextlib.nullcontext()), tracker, _named_failures(built), torch.no_grad(), torch.random.fork_rng():
@@ -445,7 +445,7 @@ def trace_continuous(model: str, *, batch_size: int, prompt_len: int, new_tokens
         tracker.set_phase("setup", "inputs")
         processor = manager._create_batch_processor()
         manager.batch_processor = processor
-        for tensor in _paged_cache_tensors(processor.cache):
+        for tensor in _cache_tensors(processor.cache):
             tracker.track(tensor, "kv_cache")
         io = processor.inputs_and_outputs
         io.prepare_batch_update = lambda: (io.requests_in_batch, [1] * io.num_request_in_batch, None)
@@ -491,15 +491,13 @@ def _generation_trace(model: str, tracker: LiveTensors, started: float, settings
         substitutions=substitutions or [])
 
 
-def _paged_cache_tensors(cache) -> list[torch.Tensor]:
-    """transformers' paged cache: one tensor for every layer's keys and values, or (5.17) a key and a value
-    tensor per layer."""
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """A KV cache's tensors: the paged cache's one tensor for every layer (or, on transformers 5.17, a key
+    and a value tensor per layer); a dynamic or static cache's keys and values, layer by layer."""
     if hasattr(cache, "cache_tensor"):
         return [cache.cache_tensor]
-    return [*cache.key_cache, *cache.value_cache]
-
-
-def _cache_tensors(cache) -> list[torch.Tensor]:
+    if hasattr(cache, "key_cache"):
+        return [*cache.key_cache, *cache.value_cache]
     tensors = []
     for layer in getattr(cache, "layers", []):
         for name in ("keys", "values"):
